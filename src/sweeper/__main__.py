@@ -1,0 +1,59 @@
+"""`python -m sweeper [+sweep=NAME] [key=value ...]`: one training run, or a sweep.
+
+The overrides are composed and validated first (a mistake is one line, exit 2, nothing
+written); then Hydra runs the job in its run dir as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from sweeper.cli import compose, fail
+from sweeper.config import ConfigError, load_run_config
+from sweeper.paths import config_dir
+
+HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--shell-completion")
+
+
+def run_job(cfg) -> float | None:
+    """Hydra's task function: the run (or sweep) in the Hydra run dir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    out_dir = HydraConfig.get().runtime.output_dir
+    if "sweep" in cfg:
+        from sweeper.sweep.engine import run_sweep
+
+        return run_sweep(cfg, out_dir)
+    from sweeper.train import train
+
+    result = train(cfg)
+    with open(f"{out_dir}/result.json", "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"{result['status']}: val_bpb {result['val_bpb']:.4f} -> {out_dir}/result.json")
+    return result["val_bpb"]
+
+
+def validate(overrides: list[str]) -> None:
+    cfg = compose(overrides)
+    load_run_config(cfg)
+    if "sweep" in cfg:
+        from sweeper.sweep.engine import validate_sweep
+
+        validate_sweep(cfg)
+
+
+def main() -> None:
+    overrides = sys.argv[1:]
+    if not any(a.split("=")[0] in HYDRA_FLAGS for a in overrides) and "-m" not in overrides:
+        try:
+            validate(overrides)
+        except ConfigError as error:
+            fail(str(error))
+    import hydra
+
+    hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(run_job)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Command-line plumbing shared by the entry points: config composition with one-line
+errors. Hydra's own error output is several lines plus a hint about HYDRA_FULL_ERROR;
+users get one line naming the problem and exit code 2 instead."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from sweeper.config import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+def compose(overrides: Sequence[str]):
+    """Compose conf/ with Hydra's compose API (no run dir, no files written)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from sweeper.paths import config_dir
+
+    try:
+        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+            return hydra_compose("config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        raise ConfigError(one_line(error)) from None
+
+
+def one_line(error: BaseException) -> str:
+    """The first meaningful line of an error message (Hydra's are multi-line)."""
+    text = str(error).strip()
+    if isinstance(error.__cause__, Exception) and "Error" in text.splitlines()[0] and error.__cause__.args:
+        text = f"{text.splitlines()[0]} {str(error.__cause__).strip()}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return " ".join(lines[:2]) if len(lines) > 1 and len(lines[0]) < 40 else (lines[0] if lines else type(error).__name__)
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)

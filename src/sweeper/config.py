@@ -1,0 +1,290 @@
+"""Typed schema of a training run, validated before anything is built.
+
+Hydra composes YAML from conf/; `load_run_config` checks it against these dataclasses
+(types through OmegaConf's structured merge, ranges and cross-field rules in
+`__post_init__`) and turns every problem into one `ConfigError` line naming the key.
+Sweeps send trials the same tree as a plain dict; `load_run_config` accepts that too.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "bfloat16", "float32")
+OPTIMIZERS = ("muon_adamw", "adamw")
+SCHEDULES = ("wsd", "cosine", "constant")
+DATASETS = ("stdlib", "shards")
+BUDGET_KEYS = ("max_steps", "budget_tokens", "budget_flops", "tokens_per_param")
+
+
+class ConfigError(ValueError):
+    """A user's config mistake: reported as one line, exit code 2, nothing written."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(key: str, value: float | None) -> None:
+    _require(value is None or value > 0, f"{key} must be > 0, got {value}")
+
+
+def _fraction(key: str, value: float) -> None:
+    _require(0.0 <= value <= 1.0, f"{key} must be in [0, 1], got {value}")
+
+
+@dataclass
+class ModelConfig:
+    depth: int = 4
+    aspect_ratio: int = 64
+    d_model: int | None = None
+    head_dim: int = 64
+    seq_len: int = 256
+    vocab_size: int | None = None
+    softcap: float = 15.0
+
+    def __post_init__(self) -> None:
+        _require(self.depth >= 1, f"model.depth must be >= 1, got {self.depth}")
+        _positive("model.aspect_ratio", self.aspect_ratio)
+        _positive("model.d_model", self.d_model)
+        _positive("model.head_dim", self.head_dim)
+        _require(self.seq_len >= 2, f"model.seq_len must be >= 2, got {self.seq_len}")
+        _positive("model.vocab_size", self.vocab_size)
+        _require(self.softcap >= 0, f"model.softcap must be >= 0, got {self.softcap}")
+        width = self.width
+        _require(
+            width % self.head_dim == 0,
+            f"model.d_model ({width}) must be a multiple of model.head_dim ({self.head_dim})",
+        )
+        _require(self.head_dim % 2 == 0, f"model.head_dim must be even (RoPE), got {self.head_dim}")
+
+    @property
+    def width(self) -> int:
+        """d_model: fixed by `d_model`, else derived from depth (width follows depth)."""
+        return self.d_model if self.d_model else self.depth * self.aspect_ratio
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "muon_adamw"
+    matrix_lr: float = 0.02
+    embedding_lr: float = 0.2
+    unembedding_lr: float = 0.004
+    scalar_lr: float = 0.02
+    lr: float = 0.001
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-10
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85
+    muon_momentum_warmup: int = 300
+
+    def __post_init__(self) -> None:
+        _require(
+            self.name in OPTIMIZERS,
+            f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}",
+        )
+        for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "lr"):
+            value = getattr(self, key)
+            _require(
+                value > 0 and math.isfinite(value), f"optimizer.{key} must be > 0, got {value}"
+            )
+        _require(
+            self.weight_decay >= 0,
+            f"optimizer.weight_decay must be >= 0, got {self.weight_decay}",
+        )
+        for key in ("adam_beta1", "adam_beta2", "muon_momentum", "muon_momentum_start"):
+            value = getattr(self, key)
+            _require(0 <= value < 1, f"optimizer.{key} must be in [0, 1), got {value}")
+        _positive("optimizer.adam_eps", self.adam_eps)
+        _require(
+            self.muon_momentum_warmup >= 0,
+            f"optimizer.muon_momentum_warmup must be >= 0, got {self.muon_momentum_warmup}",
+        )
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "wsd"
+    warmup_ratio: float = 0.0
+    warmdown_ratio: float = 0.4
+    final_lr_frac: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.name in SCHEDULES,
+            f"scheduler.name must be one of {', '.join(SCHEDULES)}, got {self.name!r}",
+        )
+        _fraction("scheduler.warmup_ratio", self.warmup_ratio)
+        _fraction("scheduler.warmdown_ratio", self.warmdown_ratio)
+        _fraction("scheduler.final_lr_frac", self.final_lr_frac)
+        if self.name == "wsd":
+            _require(
+                self.warmup_ratio + self.warmdown_ratio <= 1.0,
+                "scheduler.warmup_ratio + scheduler.warmdown_ratio must be <= 1, got "
+                f"{self.warmup_ratio} + {self.warmdown_ratio}",
+            )
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"
+    path: str | None = None
+    val_path: str | None = None
+    vocab_size: int = 256
+    bytes_per_token: float | None = 1.0
+    val_every_n_files: int = 50
+
+    def __post_init__(self) -> None:
+        _require(
+            self.name in DATASETS,
+            f"data.name must be one of {', '.join(DATASETS)}, got {self.name!r}",
+        )
+        _require(self.vocab_size >= 2, f"data.vocab_size must be >= 2, got {self.vocab_size}")
+        _positive("data.bytes_per_token", self.bytes_per_token)
+        _require(
+            self.val_every_n_files >= 2,
+            f"data.val_every_n_files must be >= 2, got {self.val_every_n_files}",
+        )
+        if self.name == "shards":
+            _require(bool(self.path), "data.path must be set for data=shards")
+            _require(bool(glob.glob(self.path)), f"data.path matches no file: {self.path}")
+            if self.val_path:
+                _require(
+                    bool(glob.glob(self.val_path)),
+                    f"data.val_path matches no file: {self.val_path}",
+                )
+        if self.name == "stdlib":
+            _require(
+                self.vocab_size == 256,
+                f"data.vocab_size must be 256 for the byte-level stdlib corpus, got {self.vocab_size}",
+            )
+
+
+@dataclass
+class TrainerConfig:
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: str = "auto"
+    device_batch_size: int = 16
+    total_batch_size: int = 8192
+    max_steps: int | None = None
+    budget_tokens: float | None = 600_000
+    budget_flops: float | None = None
+    tokens_per_param: float | None = None
+    eval_every: int = 25
+    eval_tokens: int = 32768
+    log_every: int = 5
+    grad_clip: float = 1.0
+    max_loss: float | None = None
+    seed: int = 0
+    workers: int = 1
+    threads: int | None = None
+    checkpoint_every_eval: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.device in DEVICES,
+            f"trainer.device must be one of {', '.join(DEVICES)}, got {self.device!r}",
+        )
+        _require(
+            self.dtype in DTYPES,
+            f"trainer.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}",
+        )
+        self.compile = str(self.compile).lower()
+        _require(
+            self.compile in ("auto", "true", "false"),
+            f"trainer.compile must be auto, true or false, got {self.compile!r}",
+        )
+        for key in ("device_batch_size", "total_batch_size", "eval_every", "eval_tokens"):
+            value = getattr(self, key)
+            _require(value >= 1, f"trainer.{key} must be >= 1, got {value}")
+        _require(self.log_every >= 1, f"trainer.log_every must be >= 1, got {self.log_every}")
+        _require(self.workers >= 1, f"trainer.workers must be >= 1, got {self.workers}")
+        _require(self.grad_clip >= 0, f"trainer.grad_clip must be >= 0, got {self.grad_clip}")
+        _positive("trainer.max_loss", self.max_loss)
+        _positive("trainer.threads", self.threads)
+        budgets = [k for k in BUDGET_KEYS if getattr(self, k) is not None]
+        _require(
+            len(budgets) == 1,
+            f"set exactly one of trainer.{', trainer.'.join(BUDGET_KEYS)}; got "
+            f"{', '.join(budgets) if budgets else 'none'}",
+        )
+        for key in BUDGET_KEYS:
+            _positive(f"trainer.{key}", getattr(self, key))
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs; the trial config of a sweep has this shape."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        t, m = self.trainer, self.model
+        micro = t.device_batch_size * m.seq_len * t.workers
+        _require(
+            t.total_batch_size % micro == 0,
+            "trainer.total_batch_size must be a multiple of trainer.device_batch_size * "
+            f"model.seq_len * trainer.workers = {micro}, got {t.total_batch_size}",
+        )
+        if m.vocab_size is None:
+            m.vocab_size = self.data.vocab_size
+        _require(
+            m.vocab_size >= self.data.vocab_size,
+            f"model.vocab_size ({m.vocab_size}) must be >= data.vocab_size ({self.data.vocab_size})",
+        )
+
+    @property
+    def grad_accum_steps(self) -> int:
+        t = self.trainer
+        return t.total_batch_size // (t.device_batch_size * self.model.seq_len * t.workers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+RUN_SECTIONS = ("model", "optimizer", "scheduler", "data", "trainer")
+
+
+def load_run_config(tree: Any) -> RunConfig:
+    """Validate a composed config (DictConfig or plain dict) into a RunConfig.
+
+    Keys outside the five run sections (ray, mlflow, sweep, ...) are ignored here;
+    unknown keys inside a section, wrong types and out-of-range values raise ConfigError.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(tree, RunConfig):
+        return tree
+    container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
+    sections = {k: container[k] for k in RUN_SECTIONS if k in container}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), sections)
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as error:
+        raise ConfigError(_omegaconf_message(error)) from None
+
+
+def _omegaconf_message(error: Exception) -> str:
+    """One line from OmegaConf's multi-line validation errors, naming the key."""
+    key = getattr(error, "full_key", None)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "not in struct" in first or "Key '" in first and "not" in first:
+        return f"unknown config key: {key}" if key else first
+    if isinstance(error.__cause__, ConfigError):
+        return str(error.__cause__)
+    return f"{key}: {first}" if key else first

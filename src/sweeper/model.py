@@ -1,0 +1,182 @@
+"""A modern GPT in the nanochat style.
+
+RoPE positions, parameter-free RMSNorm (also on queries and keys), ReLU^2 MLP, untied
+embedding and unembedding, a tanh soft-cap on the logits, zero-initialised output
+projections (every block starts as the identity), per-layer residual scalars, and a width
+that follows the depth. The parameter and FLOP accounting used by MFU and the scaling fits
+lives here too, next to the shapes it counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    depth: int
+    d_model: int
+    head_dim: int
+    seq_len: int
+    vocab_size: int
+    softcap: float = 15.0
+
+    @property
+    def n_heads(self) -> int:
+        return self.d_model // self.head_dim
+
+    @classmethod
+    def from_config(cls, model) -> GPTShape:
+        """From a validated `ModelConfig` (vocab_size already resolved)."""
+        return cls(
+            model.depth, model.width, model.head_dim, model.seq_len, model.vocab_size, model.softcap
+        )
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    # parameter-free: no gain to tune, nothing for weight decay to touch
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """cos/sin of RoPE angles, stacked: (2, 1, T, 1, head_dim/2)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    return torch.stack([angles.cos(), angles.sin()])[:, None, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, T, nh, hs); rotate pairs (first half, second half) of each head
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # keep bf16 activations bf16 under autocast
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, shape: GPTShape):
+        super().__init__()
+        self.n_heads, self.head_dim = shape.n_heads, shape.head_dim
+        self.c_q = nn.Linear(shape.d_model, shape.d_model, bias=False)
+        self.c_k = nn.Linear(shape.d_model, shape.d_model, bias=False)
+        self.c_v = nn.Linear(shape.d_model, shape.d_model, bias=False)
+        self.c_proj = nn.Linear(shape.d_model, shape.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hs)
+        k = self.c_k(x).view(B, T, self.n_heads, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rms_norm(q), rms_norm(k)  # QK-norm: bounded attention logits at any LR
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: GPTShape):
+        super().__init__()
+        self.c_fc = nn.Linear(shape.d_model, 4 * shape.d_model, bias=False)
+        self.c_proj = nn.Linear(4 * shape.d_model, shape.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2
+
+
+class Block(nn.Module):
+    def __init__(self, shape: GPTShape):
+        super().__init__()
+        self.attn = CausalSelfAttention(shape)
+        self.mlp = MLP(shape)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x), cos, sin)
+        return x + self.mlp(rms_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, shape: GPTShape):
+        super().__init__()
+        self.shape = shape
+        self.wte = nn.Embedding(shape.vocab_size, shape.d_model)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.depth))
+        self.lm_head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+        # per-layer scalars: x <- resid * x + x0_mix * x0 before each block (modded-nanogpt);
+        # they let a layer re-read the token embedding and rescale the residual stream
+        self.resid_lambdas = nn.Parameter(torch.ones(shape.depth))
+        self.x0_lambdas = nn.Parameter(torch.zeros(shape.depth))
+        self.register_buffer("rotary", rotary_tables(shape.seq_len, shape.head_dim), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        d = self.shape.d_model
+        nn.init.normal_(self.wte.weight, std=1.0)
+        # a near-zero head makes the initial prediction uniform: loss starts at ln(vocab)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        bound = math.sqrt(3.0 / d)  # uniform with std 1/sqrt(fan_in)
+        for block in self.blocks:
+            for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(linear.weight, -bound, bound)
+            # zero output projections: each block starts as the identity
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+        self.resid_lambdas.fill_(1.0)
+        self.x0_lambdas.fill_(0.0)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """idx: (B, T) token ids. Returns the cross-entropy loss (nats) if targets are
+        given, else the soft-capped logits (B, T, vocab)."""
+        T = idx.size(1)
+        cos, sin = self.rotary[0, :, :T], self.rotary[1, :, :T]
+        x = x0 = rms_norm(self.wte(idx))  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            x = block(x, cos, sin)
+        logits = self.lm_head(rms_norm(x)).float()  # the loss is computed in fp32
+        if self.shape.softcap:
+            c = self.shape.softcap
+            logits = c * torch.tanh(logits / c)
+        if targets is None:
+            return logits
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction
+        )
+
+    # --- accounting -------------------------------------------------------------------
+    def param_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Every parameter in exactly one group, by role (the optimizers' split)."""
+        matrices = [p for block in self.blocks for p in block.parameters()]
+        return {
+            "matrix": matrices,  # 2-D hidden matrices: Muon
+            "embedding": [self.wte.weight],
+            "unembedding": [self.lm_head.weight],
+            "scalar": [self.resid_lambdas, self.x0_lambdas],
+        }
+
+    def param_counts(self) -> dict[str, int]:
+        """total; embedding (wte); non_embedding = total - embedding; matmul = every weight
+        that is multiplied against activations (hidden matrices + lm_head), the N of 6N."""
+        count = lambda ps: sum(p.numel() for p in ps)
+        groups = self.param_groups()
+        total = count(self.parameters())
+        return {
+            "total": total,
+            "embedding": count(groups["embedding"]),
+            "non_embedding": total - count(groups["embedding"]),
+            "matmul": count(groups["matrix"]) + count(groups["unembedding"]),
+        }
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 * matmul params (forward 2, backward 4) plus attention's
+        QK^T and AV, 12 * layers * d_model * seq_len (PaLM's convention: the causal half is
+        not subtracted). The embedding lookup and the scalars do no matmul."""
+        s = self.shape
+        return 6 * self.param_counts()["matmul"] + 12 * s.depth * s.d_model * s.seq_len

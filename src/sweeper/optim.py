@@ -1,0 +1,78 @@
+"""Optimizers: Muon for hidden matrices + AdamW for the rest, or plain AdamW.
+
+Each parameter group keeps its peak LR in `initial_lr`; the training loop multiplies it by
+the schedule at every step. `ChainedOptimizer` lets the loop treat two optimizers as one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sweeper.config import OptimizerConfig
+from sweeper.model import GPT
+
+
+class ChainedOptimizer:
+    """Steps several torch optimizers as one (Muon and AdamW take different parameters)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> list[dict]:
+        return [opt.state_dict() for opt in self.optimizers]
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        for opt, state in zip(self.optimizers, states, strict=True):
+            opt.load_state_dict(state)
+
+
+def build_optimizer(model: GPT, cfg: OptimizerConfig) -> ChainedOptimizer:
+    groups = model.param_groups()
+    # AdamW LRs were tuned at d_model 768; wider models need smaller steps (~1/sqrt(width))
+    width_scale = (model.shape.d_model / 768) ** -0.5
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    if cfg.name == "adamw":
+        # decay only the matrices: embeddings are sparse lookups and scalars are gains
+        adam_groups = [
+            dict(name="matrix", params=groups["matrix"] + groups["unembedding"], lr=cfg.lr,
+                 weight_decay=cfg.weight_decay),
+            dict(name="embedding", params=groups["embedding"], lr=cfg.lr, weight_decay=0.0),
+            dict(name="scalar", params=groups["scalar"], lr=cfg.lr, weight_decay=0.0),
+        ]
+        optimizers = [torch.optim.AdamW(adam_groups, betas=betas, eps=cfg.adam_eps)]
+    else:
+        adam_groups = [
+            dict(name=name, params=groups[name], lr=lr * width_scale, weight_decay=0.0)
+            for name, lr in (
+                ("embedding", cfg.embedding_lr),
+                ("unembedding", cfg.unembedding_lr),
+                ("scalar", cfg.scalar_lr),
+            )
+        ]
+        muon = torch.optim.Muon(
+            [dict(name="matrix", params=groups["matrix"])],
+            lr=cfg.matrix_lr,
+            weight_decay=cfg.weight_decay,
+            momentum=cfg.muon_momentum,
+            nesterov=True,
+            # Keller Jordan's original shape scaling sqrt(max(1, rows/cols)): the LR values
+            # of nanochat / modded-nanogpt carry over unchanged
+            adjust_lr_fn="original",
+        )
+        optimizers = [muon, torch.optim.AdamW(adam_groups, betas=betas, eps=cfg.adam_eps)]
+    chained = ChainedOptimizer(optimizers)
+    for group in chained.param_groups:
+        group["initial_lr"] = group["lr"]
+    return chained

@@ -1,0 +1,239 @@
+"""Every fit the data allow, in one JSON-serialisable dict: `fit_all(records, ...)`.
+
+Bad data never raise: a fit that cannot be made (too few points, a degenerate grid, a numerical
+failure) leaves its section as None and adds a one-line entry to `warnings`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .bootstrap import bootstrap_chinchilla, bootstrap_frontier
+from .isoflop import fit_hparam_vs_compute, fit_isoflop, group_by_budget
+from .laws import compute_optimal, fit_chinchilla, fit_frontier, lower_envelope
+from .records import Points, to_points
+
+DEFAULT_CONVENTIONS = {
+    "params": "total",  # "total" | "non_embedding" | "matmul": what N counts
+    "flops": "6ND",  # "6ND" | "per_token_with_attention" | "given": how C was computed
+    "loss_unit": "nats",  # "nats" | "bpb" | ...: the unit of the loss column
+}
+MIN_FRONTIER_POINTS = 4  # envelope points; the law has 3 parameters
+MIN_PARAMETRIC_POINTS = 6  # the law has 5 parameters
+MIN_ISOFLOP_SIZES = 3  # a parabola needs 3 distinct model sizes
+HPARAMS = ("lr", "batch_size")
+
+
+def fit_all(
+    records: list[dict],
+    *,
+    target_flops: float | None = None,
+    bootstrap: int = 0,
+    seed: int = 0,
+    conventions: dict | None = None,
+    grid: str = "full",
+    n_refine: int | None = 64,
+) -> dict:
+    """Fit the frontier, the parametric law, IsoFLOP profiles and hyperparameter-vs-compute
+    laws to `records` (dicts with optional keys N, D, C, loss, budget, lr, batch_size, final).
+
+    target_flops: also predict loss / N_opt / D_opt / optimal hyperparameters there.
+    bootstrap: number of bootstrap replicates for CIs (0 = none); seed seeds them.
+    conventions: overrides of DEFAULT_CONVENTIONS, recorded verbatim in the result.
+    grid / n_refine: start grid of the parametric fit (see laws.fit_chinchilla).
+    """
+    result: dict = {
+        "conventions": {**DEFAULT_CONVENTIONS, **(conventions or {})},
+        "target_flops": target_flops,
+        "n_records": len(records) if isinstance(records, list) else 0,
+        "n_used": 0,
+        "frontier": None,
+        "parametric": None,
+        "isoflop": None,
+        "hparams": {},
+        "predictions": {},
+        "warnings": [],
+    }
+    warnings = result["warnings"]
+    if target_flops is not None:
+        target_flops = _positive_or_none(target_flops)
+        if target_flops is None:
+            warnings.append(f"target_flops={result['target_flops']!r} is not a positive number")
+        result["target_flops"] = target_flops
+    try:
+        pts = to_points(list(records))
+    except Exception as exc:  # records of the wrong shape altogether
+        warnings.append(f"could not read records: {type(exc).__name__}: {exc}")
+        return _jsonable(result)
+    result["n_used"] = len(pts.loss)
+    if pts.n_dropped:
+        warnings.append(
+            f"dropped {pts.n_dropped} of {pts.n_records} record(s) with a missing, NaN/inf or "
+            "non-positive loss"
+        )
+    opts = {"target": target_flops, "boot": int(bootstrap or 0), "seed": seed}
+    steps = (
+        ("frontier", _frontier),
+        ("parametric", lambda p, o, w: _parametric(p, o, w, grid, n_refine)),
+        ("isoflop", _isoflop),
+        ("hparams", _hparams),
+    )
+    for name, step in steps:
+        try:
+            section, preds = step(pts, opts, warnings)
+        except Exception as exc:  # keep the fits that worked; report the one that did not
+            warnings.append(f"{name}: fit failed ({type(exc).__name__}: {exc})")
+            continue
+        if section is not None:
+            result[name] = section
+        result["predictions"].update(preds)
+    return _jsonable(result)
+
+
+def _frontier(pts: Points, opts: dict, warnings: list) -> tuple:
+    ok = np.flatnonzero(pts.has("C"))
+    if len(ok) == 0:
+        warnings.append("frontier: no points with compute (C, or N and D) known; skipped")
+        return None, {}
+    c, y = pts.C[ok], pts.loss[ok]
+    env = lower_envelope(c, y)
+    if len(env) < MIN_FRONTIER_POINTS:
+        warnings.append(
+            f"frontier: only {len(env)} point(s) on the compute frontier "
+            f"(need >= {MIN_FRONTIER_POINTS}); skipped"
+        )
+        return None, {}
+    fit = fit_frontier(c[env], y[env])
+    warnings.extend(fit.warnings)
+    section = fit.to_dict()
+    section["n_candidates"] = len(ok)
+    section["envelope"] = {"flops": c[env].tolist(), "loss": y[env].tolist()}
+    preds = {}
+    target = opts["target"]
+    if target is not None:
+        preds["frontier_loss"] = float(fit.predict(target))
+    if opts["boot"] > 0:
+        hi = max(c.max(), target or 0.0)
+        band = np.logspace(np.log10(c.min()), np.log10(hi), 60)
+        boot = bootstrap_frontier(
+            c[env], y[env], n_boot=opts["boot"], seed=opts["seed"], target_flops=target,
+            band_flops=band,
+        )
+        section["bootstrap"] = boot
+        if target is not None:
+            preds["frontier_loss_ci95"] = boot["ci95"].get("loss_at_target")
+    return section, preds
+
+
+def _parametric(pts: Points, opts: dict, warnings: list, grid, n_refine) -> tuple:
+    ok = np.flatnonzero(pts.final & pts.has("N") & pts.has("D"))
+    n, d, y = pts.N[ok], pts.D[ok], pts.loss[ok]
+    problem = None
+    if len(ok) < MIN_PARAMETRIC_POINTS:
+        problem = f"{len(ok)} final point(s) with N and D (need >= {MIN_PARAMETRIC_POINTS})"
+    elif len(np.unique(n)) < 2:
+        problem = "a single model size N (need >= 2)"
+    elif len(np.unique(d)) < 2:
+        problem = "a single token count D (need >= 2)"
+    elif len({(a, b) for a, b in zip(n, d)}) < 5:
+        problem = "fewer than 5 distinct (N, D) pairs"
+    elif abs(np.corrcoef(np.log(n), np.log(d))[0, 1]) > 0.9999:
+        problem = "log N and log D are collinear (e.g. fixed tokens per parameter)"
+    if problem:
+        warnings.append(f"parametric: {problem}; L(N, D) not fitted")
+        return None, {}
+    fit = fit_chinchilla(n, d, y, grid=grid, n_refine=n_refine)
+    warnings.extend(fit.warnings)
+    section = fit.to_dict()
+    section["n_excluded_intermediate"] = int(np.sum(~pts.final & pts.has("N") & pts.has("D")))
+    preds = {}
+    target = opts["target"]
+    if target is not None:
+        n_opt, d_opt, loss_opt = compute_optimal(fit.E, fit.A, fit.B, fit.alpha, fit.beta, target)
+        preds.update(
+            {
+                "parametric_N_opt": float(n_opt),
+                "parametric_D_opt": float(d_opt),
+                "parametric_loss_opt": float(loss_opt),
+                "parametric_tokens_per_param": float(d_opt / n_opt),
+            }
+        )
+    if opts["boot"] > 0:
+        boot = bootstrap_chinchilla(
+            n, d, y, fit, n_boot=opts["boot"], seed=opts["seed"], target_flops=target
+        )
+        section["bootstrap"] = boot
+        if target is not None:
+            for key in ("N_opt", "D_opt", "loss_opt", "tokens_per_param"):
+                preds[f"parametric_{key}_ci95"] = boot["ci95"].get(key)
+    return section, preds
+
+
+def _with_budget(pts: Points, mask: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(mask & np.array([b is not None for b in pts.budget], dtype=bool))
+
+
+def _isoflop(pts: Points, opts: dict, warnings: list) -> tuple:
+    ok = _with_budget(pts, pts.final & pts.has("N"))
+    if len(ok) == 0:
+        warnings.append("isoflop: no final points with a budget label and N; skipped")
+        return None, {}
+    d = pts.D[ok] if np.all(pts.has("D")[ok]) else None
+    budgets = [pts.budget[i] for i in ok]
+    fit = fit_isoflop(pts.N[ok], pts.loss[ok], pts.C[ok], budgets, d, MIN_ISOFLOP_SIZES)
+    warnings.extend(fit.warnings)
+    preds = {}
+    if opts["target"] is not None and fit.n_opt_law is not None:
+        preds["isoflop_N_opt"] = float(fit.n_opt_law.predict(opts["target"]))
+        preds["isoflop_D_opt"] = float(fit.d_opt_law.predict(opts["target"]))
+    return fit.to_dict(), preds
+
+
+def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
+    """Per budget, the value of the best (lowest-loss) final run; then value ~ k C^p."""
+    section, preds = {}, {}
+    for name in HPARAMS:
+        has = pts.final & pts.has(name)
+        if not has.any():
+            continue
+        ok = _with_budget(pts, has)
+        if len(ok) == 0:
+            warnings.append(f"{name}-vs-compute: no budget labels on the runs; skipped")
+            continue
+        budgets, best = [], []
+        for value, idx, _ in group_by_budget(pts.C[ok], [pts.budget[i] for i in ok]):
+            budgets.append(value)
+            best.append(float(getattr(pts, name)[ok][idx[np.argmin(pts.loss[ok][idx])]]))
+        if len(set(budgets)) < 2:
+            warnings.append(f"{name}-vs-compute: {len(set(budgets))} budget(s) (need >= 2)")
+            continue
+        law = fit_hparam_vs_compute(budgets, best)
+        section[name] = {**law.to_dict(), "budgets": budgets, "best": best}
+        if opts["target"] is not None:
+            preds[f"{name}_opt"] = float(law.predict(opts["target"]))
+    return section, preds
+
+
+def _positive_or_none(value) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) and x > 0 else None
+
+
+def _jsonable(obj):
+    """Plain Python containers and floats; NaN/inf become None so the JSON is standard."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, np.ndarray)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    return obj

@@ -1,0 +1,387 @@
+"""Scaling-law fits: the compute frontier L(C) and Chinchilla's parametric law L(N, D).
+
+Both are pure functions of numpy arrays; nothing here knows about sweeps, files or plots.
+
+Parametric law (Hoffmann et al. 2022, Approach 3, as re-done by Besiroglu et al. 2024):
+
+    L(N, D) = E + A / N**alpha + B / D**beta
+
+fitted in log space as  log L = LSE(a - alpha log N, b - beta log D, e)  with A = exp(a),
+B = exp(b), E = exp(e), minimising the SUM of Huber(delta) losses of the log residuals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import least_squares, minimize
+
+HUBER_DELTA = 1e-3
+# Order of the parameter vector theta used throughout this module.
+THETA_NAMES = ("a", "b", "e", "alpha", "beta")
+
+# SciPy's L-BFGS-B stops when the relative decrease (f_k - f_k+1) / max(|f_k|, |f_k+1|, 1)
+# drops below ftol. Our objective is ~1e-3, so the default ftol (~2e-9) is really an
+# absolute tolerance six orders looser than it looks, and the fit stops early. These are tight
+# enough that the projected-gradient test (gtol) or a failed line search ends the run instead.
+LBFGS_OPTIONS = {"ftol": 1e-15, "gtol": 1e-11, "maxiter": 20_000, "maxfun": 40_000, "maxls": 50}
+# A final gradient norm above this (in the units of the summed Huber objective) gets a warning.
+GRAD_WARN = 1e-5
+
+try:  # optional: installed with mlflow (via scikit-learn); not a declared dependency
+    from threadpoolctl import threadpool_limits
+except ImportError:  # pragma: no cover
+    threadpool_limits = None
+
+_single_thread_depth = 0
+
+
+@contextlib.contextmanager
+def single_blas_thread():
+    """Run the enclosed fits with one BLAS thread.
+
+    SciPy's L-BFGS-B calls BLAS on 5-element vectors every iteration; a multi-threaded
+    OpenBLAS spends ~1 ms per call waking its threads (10x slower fits on a busy 2-core
+    machine). Entering threadpoolctl costs a few ms, so nested uses are no-ops.
+    """
+    global _single_thread_depth
+    if threadpool_limits is None or _single_thread_depth:
+        _single_thread_depth += 1
+        try:
+            yield
+        finally:
+            _single_thread_depth -= 1
+        return
+    _single_thread_depth += 1
+    try:
+        with threadpool_limits(limits=1, user_api="blas"):
+            yield
+    finally:
+        _single_thread_depth -= 1
+
+
+def start_grid(kind: str = "full") -> np.ndarray:
+    """Starting points (rows of theta = a, b, e, alpha, beta) for the multi-start fit.
+
+    "full" is the grid of Hoffmann et al. / Besiroglu et al. (6*6*5*5*5 = 4500 starts);
+    "small" a coarser 3**5 = 243-point version of it.
+    """
+    if kind == "full":
+        ab = np.arange(0.0, 30.0, 5.0)
+        e = np.arange(-1.0, 1.5, 0.5)
+        exps = np.arange(0.0, 2.5, 0.5)
+    elif kind == "small":
+        ab = np.array([0.0, 10.0, 20.0])
+        e = np.array([-1.0, 0.0, 1.0])
+        exps = np.array([0.0, 1.0, 2.0])
+    else:
+        raise ValueError(f"unknown start grid {kind!r} (use 'full' or 'small')")
+    return np.array(list(itertools.product(ab, ab, e, exps, exps)), dtype=float)
+
+
+def huber_objective(theta, log_n, log_d, log_l, delta=HUBER_DELTA, weights=None):
+    """Summed Huber loss of log residuals and its analytic gradient.
+
+    theta has shape (5,) or (K, 5); the result is (f, grad) with shapes () / (5,) or
+    (K,) / (K, 5), so the whole start grid is evaluated in one call.
+    """
+    th = np.atleast_2d(np.asarray(theta, dtype=float))
+    a, b, e, alpha, beta = (th[:, i : i + 1] for i in range(5))
+    t1 = a - alpha * log_n
+    t2 = b - beta * log_d
+    t3 = np.broadcast_to(e, t1.shape)
+    m = np.maximum(np.maximum(t1, t2), t3)
+    x1, x2, x3 = np.exp(t1 - m), np.exp(t2 - m), np.exp(t3 - m)
+    s = x1 + x2 + x3
+    r = m + np.log(s) - log_l
+    abs_r = np.abs(r)
+    h = np.where(abs_r <= delta, 0.5 * r * r, delta * (abs_r - 0.5 * delta))
+    # d Huber / d r, divided by the LSE normaliser: the softmax weights x_i / s are the
+    # derivatives of the log prediction with respect to the three terms.
+    psi = np.clip(r, -delta, delta) / s
+    if weights is not None:
+        h = h * weights
+        psi = psi * weights
+    g1, g2, g3 = psi * x1, psi * x2, psi * x3
+    grad = np.stack(
+        [g1.sum(1), g2.sum(1), g3.sum(1), -(g1 * log_n).sum(1), -(g2 * log_d).sum(1)], axis=1
+    )
+    f = h.sum(1)
+    if np.ndim(theta) == 1:
+        return f[0], grad[0]
+    return f, grad
+
+
+@dataclass
+class ChinchillaFit:
+    """Result of fitting L(N, D) = E + A/N^alpha + B/D^beta."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    objective: float
+    grad_norm: float
+    n_points: int
+    n_starts: int
+    n_refined: int
+    message: str
+    theta: np.ndarray = field(repr=False)
+    warnings: list[str] = field(default_factory=list)
+
+    def predict(self, n, d):
+        n, d = np.asarray(n, dtype=float), np.asarray(d, dtype=float)
+        return self.E + self.A / n**self.alpha + self.B / d**self.beta
+
+    @property
+    def a(self) -> float:
+        """Exponent of N_opt ~ C^a implied by the law: beta / (alpha + beta)."""
+        return self.beta / (self.alpha + self.beta)
+
+    @property
+    def b(self) -> float:
+        """Exponent of D_opt ~ C^b implied by the law: alpha / (alpha + beta)."""
+        return self.alpha / (self.alpha + self.beta)
+
+    def to_dict(self) -> dict:
+        return {
+            "E": self.E,
+            "A": self.A,
+            "B": self.B,
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "a": self.a,
+            "b": self.b,
+            "objective": self.objective,
+            "grad_norm": self.grad_norm,
+            "n_points": self.n_points,
+            "n_starts": self.n_starts,
+            "n_refined": self.n_refined,
+            "optimizer_message": self.message,
+        }
+
+
+def compute_optimal(E, A, B, alpha, beta, flops):
+    """Chinchilla's closed form for the loss-minimising split of C = 6 N D.
+
+    Returns (N_opt, D_opt, loss_opt); broadcasts over numpy inputs.
+    """
+    flops = np.asarray(flops, dtype=float)
+    g = (alpha * A / (beta * B)) ** (1.0 / (alpha + beta))
+    n_opt = g * (flops / 6.0) ** (beta / (alpha + beta))
+    d_opt = (flops / 6.0) ** (alpha / (alpha + beta)) / g
+    return n_opt, d_opt, E + A / n_opt**alpha + B / d_opt**beta
+
+
+def _lbfgs(x0, args, delta, weights):
+    def fun(th):
+        return huber_objective(th, *args, delta=delta, weights=weights)
+
+    return minimize(fun, x0, jac=True, method="L-BFGS-B", options=LBFGS_OPTIONS)
+
+
+def _log_data(n, d, loss):
+    log_n, log_d, log_l = (np.log(np.asarray(v, dtype=float)) for v in (n, d, loss))
+    if not (log_n.shape == log_d.shape == log_l.shape) or log_n.ndim != 1:
+        raise ValueError("N, D and loss must be 1-D arrays of equal length")
+    if not np.all(np.isfinite(log_n + log_d + log_l)):
+        raise ValueError("N, D and loss must be finite and positive")
+    return log_n, log_d, log_l
+
+
+def fit_chinchilla(
+    n,
+    d,
+    loss,
+    *,
+    grid: str | np.ndarray = "full",
+    x0=None,
+    n_refine: int | None = 64,
+    delta: float = HUBER_DELTA,
+    weights=None,
+) -> ChinchillaFit:
+    """Fit L(N, D) = E + A/N^alpha + B/D^beta by Huber-in-log-space, L-BFGS-B, multi-start.
+
+    grid: "full" (4500 starts), "small" (243) or an explicit (K, 5) array of theta rows.
+    x0: a single start (theta = a, b, e, alpha, beta); overrides grid. Used by the bootstrap.
+    n_refine: the objective is first evaluated at every grid start in one vectorised call and
+        only the n_refine best starts are refined with L-BFGS-B (None = refine all of them,
+        which is what Hoffmann et al. did; on the Chinchilla reference data the best 64 reach
+        the same optimum as all 4500, see tests/test_scaling_reference.py).
+    weights: optional per-point multiplicity (the bootstrap passes resampling counts).
+    """
+    args = _log_data(n, d, loss)
+    w = None if weights is None else np.asarray(weights, dtype=float)
+    if x0 is not None:
+        starts = np.atleast_2d(np.asarray(x0, dtype=float))
+    else:
+        starts = start_grid(grid) if isinstance(grid, str) else np.atleast_2d(grid)
+    n_starts = len(starts)
+    if n_refine is not None and n_starts > n_refine:
+        f0 = np.concatenate(
+            [
+                huber_objective(chunk, *args, delta=delta, weights=w)[0]
+                for chunk in np.array_split(starts, max(1, n_starts // 500))
+            ]
+        )
+        f0 = np.where(np.isfinite(f0), f0, np.inf)
+        starts = starts[np.argsort(f0, kind="stable")[:n_refine]]
+    best = None
+    with single_blas_thread():
+        for start in starts:
+            res = _lbfgs(start, args, delta, w)
+            if np.isfinite(res.fun) and (best is None or res.fun < best.fun):
+                best = res
+    if best is None:
+        raise RuntimeError("no start produced a finite objective")
+    theta = best.x
+    f, g = huber_objective(theta, *args, delta=delta, weights=w)
+    grad_norm = float(np.linalg.norm(g))
+    a, b, e, alpha, beta = (float(v) for v in theta)
+    fit = ChinchillaFit(
+        E=float(np.exp(e)),
+        A=float(np.exp(a)),
+        B=float(np.exp(b)),
+        alpha=alpha,
+        beta=beta,
+        objective=float(f),
+        grad_norm=grad_norm,
+        n_points=len(args[0]),
+        n_starts=n_starts,
+        n_refined=len(starts),
+        message=str(best.message),
+        theta=np.array(theta),
+    )
+    if grad_norm > GRAD_WARN:
+        fit.warnings.append(
+            f"parametric fit: final gradient norm {grad_norm:.2e} > {GRAD_WARN:g}; "
+            "the optimiser may have stopped short of the minimum"
+        )
+    if alpha <= 0 or beta <= 0:
+        fit.warnings.append(
+            f"parametric fit: non-positive exponent (alpha={alpha:.3g}, beta={beta:.3g}); "
+            "the data do not constrain both terms"
+        )
+    return fit
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute frontier: L(C) = E + A * C^-alpha on the lower envelope of (compute, loss).
+
+
+def lower_envelope(flops, loss) -> np.ndarray:
+    """Indices of the points on the compute frontier, in order of increasing compute.
+
+    A point is kept when its loss is strictly lower than that of every point with less (or
+    equal) compute: the running minimum of loss over increasing C, recording only improvements.
+    Non-finite or non-positive entries are ignored.
+    """
+    c, y = np.asarray(flops, dtype=float), np.asarray(loss, dtype=float)
+    ok = np.flatnonzero(np.isfinite(c) & np.isfinite(y) & (c > 0) & (y > 0))
+    # Sort by compute, ties by loss, so the best of several equal-compute points comes first.
+    order = ok[np.lexsort((y[ok], c[ok]))]
+    keep, best = [], np.inf
+    for i in order:
+        if y[i] < best:
+            keep.append(i)
+            best = y[i]
+    return np.array(keep, dtype=int)
+
+
+@dataclass
+class FrontierFit:
+    """Result of fitting L(C) = E + A * C^-alpha (least squares on log L)."""
+
+    E: float
+    A: float
+    alpha: float
+    rmse_log: float
+    n_points: int
+    e_at_bound: bool
+    warnings: list[str] = field(default_factory=list)
+
+    def predict(self, flops):
+        return self.E + self.A * np.asarray(flops, dtype=float) ** -self.alpha
+
+    def to_dict(self) -> dict:
+        return {
+            "E": self.E,
+            "A": self.A,
+            "alpha": self.alpha,
+            "rmse_log": self.rmse_log,
+            "n_points": self.n_points,
+            "E_at_bound": self.e_at_bound,
+        }
+
+
+def _frontier_residuals(p, x, log_l):
+    e, log_a, alpha = p
+    return np.log(e + np.exp(log_a - alpha * x)) - log_l
+
+
+def _frontier_jac(p, x, log_l):
+    e, log_a, alpha = p
+    t = np.exp(log_a - alpha * x)
+    pred = e + t
+    return np.column_stack([1.0 / pred, t / pred, -x * t / pred])
+
+
+def fit_frontier(flops, loss) -> FrontierFit:
+    """Fit L(C) = E + A * C^-alpha to (C, L) points, minimising squared error of log L.
+
+    Pass the envelope points (see lower_envelope). E is bounded to [0, min L). log C is
+    centred before fitting so the amplitude is O(1); A is reported for C in raw FLOPs.
+    Starts: for a ladder of fixed E values, log(L - E) is linear in log C, so ordinary least
+    squares gives (log A, alpha); the best of those seeds a bounded least-squares refit.
+    """
+    c, y = np.asarray(flops, dtype=float), np.asarray(loss, dtype=float)
+    if c.ndim != 1 or c.shape != y.shape or len(c) < 3:
+        raise ValueError("need at least 3 (compute, loss) points")
+    if not np.all(np.isfinite(c) & np.isfinite(y) & (c > 0) & (y > 0)):
+        raise ValueError("compute and loss must be finite and positive")
+    x0 = np.mean(np.log(c))
+    x = np.log(c) - x0
+    log_l = np.log(y)
+    e_max = float(y.min()) * (1.0 - 1e-9)
+    best = None
+    for frac in np.linspace(0.0, 0.99, 34):
+        e = frac * y.min()
+        slope, icpt = np.polyfit(x, np.log(y - e), 1)
+        p = np.array([e, icpt, max(-slope, 0.0)])
+        sse = float(np.sum(_frontier_residuals(p, x, log_l) ** 2))
+        if best is None or sse < best[0]:
+            best = (sse, p)
+    p0 = best[1]
+    p0[0] = min(p0[0], e_max * (1 - 1e-6))
+    res = least_squares(
+        _frontier_residuals,
+        p0,
+        jac=_frontier_jac,
+        bounds=([0.0, -np.inf, 0.0], [e_max, np.inf, np.inf]),
+        args=(x, log_l),
+        method="trf",
+        x_scale="jac",
+        ftol=1e-15,
+        xtol=1e-15,
+        gtol=1e-15,
+        max_nfev=10_000,
+    )
+    e, log_a, alpha = (float(v) for v in res.x)
+    fit = FrontierFit(
+        E=e,
+        A=float(np.exp(log_a + alpha * x0)),
+        alpha=alpha,
+        rmse_log=float(np.sqrt(np.mean(res.fun**2))),
+        n_points=len(c),
+        e_at_bound=bool(e >= e_max * (1 - 1e-6) or e <= 0.0),
+    )
+    if fit.e_at_bound:
+        fit.warnings.append(
+            f"frontier fit: E={e:.4g} is at its bound [0, min loss); the irreducible loss is "
+            "not constrained by these points"
+        )
+    return fit

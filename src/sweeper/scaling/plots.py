@@ -1,0 +1,178 @@
+"""PNG plots of a `fit_all` result.
+
+Figures are built with matplotlib's object API (Figure + Agg canvas, no pyplot), so nothing
+here touches the global backend or needs a display, and figures are freed when they go out of
+scope.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .records import to_points
+
+DPI = 120
+
+
+def _new_figure(ncols: int = 1) -> tuple[Figure, list]:
+    fig = Figure(figsize=(6.4 * ncols, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
+    return fig, axes
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def _loss_label(result: dict) -> str:
+    return f"loss ({result.get('conventions', {}).get('loss_unit', '?')})"
+
+
+def plot_all(result: dict, records: list[dict], out_dir) -> list[Path]:
+    """Write the plots whose fits are present in `result`; returns the PNG paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pts = to_points(records)
+    paths = []
+    if result.get("frontier"):
+        paths.append(plot_frontier(result, pts, out / "frontier.png"))
+    iso = result.get("isoflop")
+    if iso and any(p.get("coeffs") for p in iso["profiles"]):
+        paths.append(plot_isoflop(result, pts, out / "isoflop.png"))
+    if iso and iso.get("n_opt_law"):
+        paths.append(plot_optima(result, out / "optima.png"))
+    if result.get("hparams"):
+        paths.append(plot_hparams(result, out / "hparams.png"))
+    return paths
+
+
+def plot_frontier(result: dict, pts, path: Path) -> Path:
+    """Loss vs compute: every point, the envelope, the fit and its extrapolation."""
+    fr = result["frontier"]
+    fig, (ax,) = _new_figure()
+    has_c = pts.has("C")
+    ax.scatter(pts.C[has_c], pts.loss[has_c], s=6, c="0.7", label="all reports")
+    env = fr["envelope"]
+    ax.scatter(env["flops"], env["loss"], s=16, c="C0", label="frontier (lower envelope)")
+    c_min, c_max = min(env["flops"]), max(env["flops"])
+    target = result.get("target_flops")
+    curve = lambda c: fr["E"] + fr["A"] * c ** -fr["alpha"]
+    c_fit = np.logspace(np.log10(c_min), np.log10(c_max), 200)
+    label = f"fit: {fr['E']:.3g} + {fr['A']:.3g}·C^-{fr['alpha']:.3g}"
+    ax.plot(c_fit, curve(c_fit), c="C1", label=label)
+    band = (fr.get("bootstrap") or {}).get("band")
+    if band:
+        ax.fill_between(band["flops"], band["lo"], band["hi"], color="C1", alpha=0.2,
+                        label="95% bootstrap band")
+    if target and target > c_max:
+        c_ext = np.logspace(np.log10(c_max), np.log10(target), 100)
+        ax.plot(c_ext, curve(c_ext), c="C1", ls="--", label="extrapolation")
+    if target:
+        ax.scatter([target], [curve(target)], marker="*", s=120, c="C3", zorder=5,
+                   label=f"target {target:.2g} FLOPs: {curve(target):.3f}")
+    ax.set_xscale("log")
+    ax.set_xlabel("compute C (FLOPs)")
+    ax.set_ylabel(_loss_label(result))
+    ax.set_title("Compute frontier L(C) = E + A·C^-α")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_isoflop(result: dict, pts, path: Path) -> Path:
+    """Loss vs N for each budget with its parabola (in ln N) and optimum."""
+    profiles = [p for p in result["isoflop"]["profiles"] if p.get("coeffs")]
+    fig, (ax,) = _new_figure()
+    logs = np.log10([p["flops"] for p in profiles])
+    span = max(float(np.ptp(logs)), 1e-9)
+    for prof, lg in zip(profiles, logs):
+        color = _viridis((lg - logs.min()) / span)
+        sel = _points_of_budget(pts, prof)
+        ax.scatter(pts.N[sel], pts.loss[sel], s=14, color=color)
+        c0, c1, c2 = prof["coeffs"]
+        lo, hi = np.log(prof["n_range"])
+        x = np.linspace(lo, hi, 100)
+        ax.plot(np.exp(x), c0 + c1 * x + c2 * x**2, color=color, label=f"{prof['flops']:.2g}")
+        if prof.get("n_opt"):
+            marker = "*" if prof["valid"] else "x"
+            ax.scatter([prof["n_opt"]], [prof["loss_opt"]], marker=marker, s=90, color=color,
+                       edgecolors="k", zorder=5)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters N")
+    ax.set_ylabel(_loss_label(result))
+    ax.set_title("IsoFLOP profiles (★ optimum, × excluded)")
+    ax.legend(title="budget (FLOPs)", fontsize=7, ncols=2)
+    return _save(fig, path)
+
+
+def _points_of_budget(pts, prof: dict) -> np.ndarray:
+    """Final points carrying the profile's budget label."""
+    return np.array(
+        [lab is not None and fin and str(lab) == prof["label"] for lab, fin in zip(pts.budget, pts.final)],
+        dtype=bool,
+    )
+
+
+def _viridis(frac: float):
+    from matplotlib import colormaps
+
+    return colormaps["viridis"](0.9 * float(frac))
+
+
+def plot_optima(result: dict, path: Path) -> Path:
+    """N_opt and D_opt vs compute with the power-law fits (and the parametric law's line)."""
+    iso = result["isoflop"]
+    good = [p for p in iso["profiles"] if p["valid"]]
+    c = np.array([p["flops"] for p in good])
+    target = result.get("target_flops")
+    c_line = np.logspace(np.log10(c.min()), np.log10(max(c.max(), target or 0)), 100)
+    fig, axes = _new_figure(2)
+    par = result.get("parametric")
+    for ax, key, law_key, exp_name, label in (
+        (axes[0], "n_opt", "n_opt_law", "a", "N_opt (parameters)"),
+        (axes[1], "d_opt", "d_opt_law", "b", "D_opt (tokens)"),
+    ):
+        law = iso[law_key]
+        ax.scatter(c, [p[key] for p in good], c="C0", label="IsoFLOP optima")
+        ax.plot(c_line, law["k"] * c_line ** law["p"], c="C1",
+                label=f"fit: {key} ∝ C^{law['p']:.3f}")
+        if par:
+            g = (par["alpha"] * par["A"] / (par["beta"] * par["B"])) ** (
+                1 / (par["alpha"] + par["beta"])
+            )
+            if key == "n_opt":
+                y = g * (c_line / 6) ** par["a"]
+            else:
+                y = (c_line / 6) ** par["b"] / g
+            ax.plot(c_line, y, c="C2", ls="--",
+                    label=f"parametric law: ∝ C^{par[exp_name]:.3f}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("compute C (FLOPs)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle("Compute-optimal model size and data vs compute")
+    return _save(fig, path)
+
+
+def plot_hparams(result: dict, path: Path) -> Path:
+    """Best learning rate / batch size per budget vs compute with the power-law fit."""
+    items = list(result["hparams"].items())
+    fig, axes = _new_figure(len(items))
+    for ax, (name, law) in zip(axes, items):
+        c = np.array(law["budgets"])
+        ax.scatter(c, law["best"], c="C0", label="best run per budget")
+        c_line = np.logspace(np.log10(c.min()), np.log10(c.max()), 50)
+        ax.plot(c_line, law["k"] * c_line ** law["p"], c="C1", label=f"fit ∝ C^{law['p']:.3f}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("compute budget C (FLOPs)")
+        ax.set_ylabel(f"optimal {name.replace('_', ' ')}")
+        ax.legend(fontsize=8)
+    fig.suptitle("Optimal hyperparameters vs compute")
+    return _save(fig, path)

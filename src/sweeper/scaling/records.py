@@ -1,0 +1,205 @@
+"""Turning rows (dicts from a CSV or a sweep) into the numeric arrays the fits use.
+
+A record is a dict with any of the keys N (parameters), D (tokens), C (FLOPs), loss, budget
+(IsoFLOP budget label), lr, batch_size, final. Missing quantities are completed from
+C = 6 N D where two of the three are known.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FIELDS = ("N", "D", "C", "loss", "budget", "lr", "batch_size", "final")
+
+# Auto-detection: header names are lower-cased and runs of space/_/-/. become one space, then
+# compared with these spellings in order (the first match wins).
+COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
+    "N": ("n", "params", "parameters", "model size", "model params", "num params", "n params",
+          "nparams", "param count", "num parameters", "non embedding params"),
+    "D": ("d", "tokens", "training tokens", "num tokens", "n tokens", "train tokens",
+          "dataset size"),
+    "C": ("c", "flops", "training flop", "training flops", "compute", "flop", "total flops",
+          "train flops"),
+    "loss": ("loss", "val loss", "val bpb", "validation loss", "eval loss", "valid loss",
+             "bpb", "final loss", "test loss", "train loss"),
+    "budget": ("budget", "flops budget", "flop budget", "compute budget", "budget flops",
+               "isoflop", "isoflop budget"),
+    "lr": ("lr", "learning rate", "learning_rate", "peak lr", "max lr"),
+    "batch_size": ("batch size", "total batch size", "bs", "global batch size"),
+    "final": ("final", "is final"),
+}
+
+# Columns of a finished sweep's reports.csv (written by the sweep engine).
+SWEEP_COLUMNS = {
+    "N": "params",
+    "D": "tokens",
+    "C": "flops",
+    "loss": "val_bpb",
+    "budget": "budget",
+    "lr": "lr",
+    "batch_size": "total_batch_size",
+    "final": "final",
+}
+
+_TRUE = {"1", "true", "yes", "y", "t"}
+_FALSE = {"0", "false", "no", "n", "f"}
+
+
+class InputError(ValueError):
+    """Bad input data; the CLI turns it into a one-line message and exit code 2."""
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[\s_\-.]+", " ", name.strip().lower()).strip()
+
+
+def detect_columns(
+    header: list[str],
+    explicit: dict[str, str | None] | None = None,
+    preferred: dict[str, str] | None = None,
+) -> dict:
+    """Map record fields to CSV column names.
+
+    explicit names (from --n-col etc.) must exist; preferred names are used when present;
+    otherwise the first alias found in the header is taken.
+    """
+    by_norm = {}
+    for col in header:
+        by_norm.setdefault(_norm(col), col)
+    mapping: dict[str, str] = {}
+    for fld in FIELDS:
+        want = (explicit or {}).get(fld)
+        if want:
+            if _norm(want) not in by_norm:
+                raise InputError(f"column {want!r} not found (columns: {', '.join(header)})")
+            mapping[fld] = by_norm[_norm(want)]
+            continue
+        pref = (preferred or {}).get(fld)
+        if pref and _norm(pref) in by_norm:
+            mapping[fld] = by_norm[_norm(pref)]
+            continue
+        for alias in COLUMN_ALIASES[fld]:
+            if alias in by_norm and by_norm[alias] not in mapping.values():
+                mapping[fld] = by_norm[alias]
+                break
+    return mapping
+
+
+def _to_float(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _to_bool(value):
+    if isinstance(value, bool) or value is None:
+        return value
+    s = str(value).strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    return None
+
+
+def read_csv_records(
+    path: Path,
+    explicit: dict[str, str | None] | None = None,
+    preferred: dict[str, str] | None = None,
+) -> list[dict]:
+    """Read a CSV into records, detecting columns. Raises InputError for unusable files."""
+    try:
+        with open(path, newline="") as fh:
+            rows = list(csv.reader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise InputError(f"cannot read {path}: {exc}") from None
+    if not rows or not any(cell.strip() for cell in rows[0]):
+        raise InputError(f"{path} is empty or has no header row")
+    header, body = rows[0], [r for r in rows[1:] if any(cell.strip() for cell in r)]
+    mapping = detect_columns(header, explicit, preferred)
+    if "loss" not in mapping:
+        raise InputError(f"no loss column in {path} (columns: {', '.join(header)}); use --loss-col")
+    if not {"C", "N"} & mapping.keys():
+        raise InputError(f"{path} has neither a compute nor a parameter-count column")
+    pos = {fld: header.index(col) for fld, col in mapping.items()}
+    records = []
+    for row in body:
+        rec = {}
+        for fld, i in pos.items():
+            cell = row[i].strip() if i < len(row) else ""
+            if fld == "final":
+                rec[fld] = _to_bool(cell)
+            elif fld == "budget":
+                rec[fld] = cell or None
+            else:
+                rec[fld] = _to_float(cell)
+        records.append(rec)
+    return records
+
+
+@dataclass
+class Points:
+    """Columns of the usable records (loss finite and > 0), NaN where a value is unknown."""
+
+    N: np.ndarray
+    D: np.ndarray
+    C: np.ndarray
+    loss: np.ndarray
+    lr: np.ndarray
+    batch_size: np.ndarray
+    budget: list
+    final: np.ndarray
+    n_records: int
+    n_dropped: int
+
+    def has(self, name: str) -> np.ndarray:
+        """Mask of points where the numeric column is finite and positive."""
+        v = getattr(self, name)
+        with np.errstate(invalid="ignore"):
+            return np.isfinite(v) & (v > 0)
+
+
+def _budget_label(value):
+    if value is None or (isinstance(value, float) and not np.isfinite(value)):
+        return None
+    if isinstance(value, str):
+        value = value.strip()
+        if not value or value.lower() in {"nan", "none", "null"}:
+            return None
+        num = _to_float(value)
+        return num if np.isfinite(num) else value
+    return value
+
+
+def to_points(records: list[dict]) -> Points:
+    """Columns from records; completes C = 6ND / D = C/(6N) and drops unusable losses."""
+    col = {k: np.array([_to_float(r.get(k)) for r in records]) for k in ("N", "D", "C", "loss")}
+    for k in ("lr", "batch_size"):
+        col[k] = np.array([_to_float(r.get(k)) for r in records])
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        n, d, c = col["N"], col["D"], col["C"]
+        c = np.where(np.isfinite(c), c, 6.0 * n * d)
+        d = np.where(np.isfinite(d), d, c / (6.0 * n))
+        n = np.where(np.isfinite(n), n, c / (6.0 * d))
+        ok = np.isfinite(col["loss"]) & (col["loss"] > 0)
+    final = np.array([_to_bool(r.get("final")) is not False for r in records], dtype=bool)
+    budget = [_budget_label(r.get("budget")) for r in records]
+    keep = np.flatnonzero(ok)
+    return Points(
+        N=n[keep],
+        D=d[keep],
+        C=c[keep],
+        loss=col["loss"][keep],
+        lr=col["lr"][keep],
+        batch_size=col["batch_size"][keep],
+        budget=[budget[i] for i in keep],
+        final=final[keep],
+        n_records=len(records),
+        n_dropped=len(records) - len(keep),
+    )

@@ -1,0 +1,116 @@
+"""Human-readable text summary of a `fit_all` result (what `python -m sweeper.fit` prints)."""
+
+from __future__ import annotations
+
+
+def _num(x) -> str:
+    if x is None:
+        return "n/a"
+    ax = abs(x)
+    if ax != 0 and (ax >= 1e5 or ax < 1e-3):
+        return f"{x:.3e}"
+    return f"{x:.4g}"
+
+
+def _val(name: str, value, ci=None) -> str:
+    text = f"{name} = {_num(value)}"
+    if ci:
+        text += f" [{_num(ci[0])}, {_num(ci[1])}]"
+    return text
+
+
+def _cis(section: dict) -> dict:
+    return ((section or {}).get("bootstrap") or {}).get("ci95") or {}
+
+
+def _frontier_lines(fr: dict) -> list[str]:
+    ci = _cis(fr)
+    head = (
+        f"Compute frontier  L(C) = E + A*C^-alpha  ({fr['n_points']} envelope points of "
+        f"{fr['n_candidates']}; rmse(log L) = {_num(fr['rmse_log'])})"
+    )
+    vals = "  ".join(_val(k, fr[k], ci.get(k)) for k in ("E", "A", "alpha"))
+    return [head, "  " + vals]
+
+
+def _parametric_lines(par: dict) -> list[str]:
+    ci = _cis(par)
+    head = (
+        f"Parametric law  L(N, D) = E + A/N^alpha + B/D^beta  ({par['n_points']} final points; "
+        f"{par['n_starts']} starts, {par['n_refined']} refined; |grad| = {par['grad_norm']:.1e})"
+    )
+    vals = "  ".join(_val(k, par[k], ci.get(k)) for k in ("E", "A", "B", "alpha", "beta"))
+    exps = f"{_val('a', par['a'], ci.get('a'))}  {_val('b', par['b'], ci.get('b'))}"
+    return [head, "  " + vals, f"  N_opt ~ C^a, D_opt ~ C^b:  {exps}"]
+
+
+def _isoflop_lines(iso: dict) -> list[str]:
+    profs = iso["profiles"]
+    valid = sum(p["valid"] for p in profs)
+    line = f"IsoFLOP profiles (parabola in ln N): {len(profs)} budget(s), {valid} usable"
+    if iso.get("n_opt_law"):
+        r2 = iso["n_opt_law"]["r2"]
+        line += f";  a = {iso['a']:.4f}, b = {iso['b']:.4f}"
+        if r2 is not None:
+            line += f" (R^2 of N_opt fit {r2:.3f})"
+    return [line]
+
+
+def _hparam_lines(hp: dict) -> list[str]:
+    return [
+        f"Optimal {name} vs compute: {name} = {_num(law['k'])} * C^{law['p']:.4f} "
+        f"({law['n_points']} budgets)"
+        for name, law in hp.items()
+    ]
+
+
+def _prediction_lines(result: dict) -> list[str]:
+    pr = result["predictions"]
+    if result.get("target_flops") is None or not pr:
+        return []
+    lines = [f"Predictions at C = {result['target_flops']:.3e} FLOPs:"]
+    if "frontier_loss" in pr:
+        lines.append("  frontier: " + _val("loss", pr["frontier_loss"], pr.get("frontier_loss_ci95")))
+    if "parametric_N_opt" in pr:
+        parts = [
+            _val(label, pr[f"parametric_{key}"], pr.get(f"parametric_{key}_ci95"))
+            for key, label in (
+                ("N_opt", "N_opt"),
+                ("D_opt", "D_opt"),
+                ("tokens_per_param", "tokens/param"),
+                ("loss_opt", "loss"),
+            )
+        ]
+        lines.append("  parametric: " + "  ".join(parts))
+    if "isoflop_N_opt" in pr:
+        lines.append(
+            f"  isoflop: {_val('N_opt', pr['isoflop_N_opt'])}  {_val('D_opt', pr['isoflop_D_opt'])}"
+        )
+    for name in ("lr", "batch_size"):
+        if f"{name}_opt" in pr:
+            lines.append(f"  optimal {name}: {_num(pr[f'{name}_opt'])}")
+    return lines
+
+
+def format_summary(result: dict) -> str:
+    """Multi-line text: each fit's parameters with 95% CIs, predictions, warnings."""
+    conv = result["conventions"]
+    lines = [
+        f"{result['n_used']} of {result['n_records']} records used "
+        f"(params={conv['params']}, flops={conv['flops']}, loss={conv['loss_unit']})"
+    ]
+    if result.get("frontier"):
+        lines += _frontier_lines(result["frontier"])
+    if result.get("parametric"):
+        lines += _parametric_lines(result["parametric"])
+    if result.get("isoflop"):
+        lines += _isoflop_lines(result["isoflop"])
+    if result.get("hparams"):
+        lines += _hparam_lines(result["hparams"])
+    lines += _prediction_lines(result)
+    if any(_cis(result.get(k)) for k in ("frontier", "parametric")):
+        lines.append("[brackets: 95% percentile bootstrap intervals]")
+    if result["warnings"]:
+        lines.append("Warnings:")
+        lines += [f"  - {w}" for w in result["warnings"]]
+    return "\n".join(lines)

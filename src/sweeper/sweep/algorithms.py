@@ -1,0 +1,217 @@
+"""Build Ray Tune searchers and trial schedulers from a parsed :class:`Space`.
+
+``check_compatible`` refuses bad (search, scheduler, space) combinations before Ray starts.
+``build_searcher`` returns ``(search_alg, param_space)`` for ``tune.TuneConfig(search_alg=...)``
+and ``tune.Tuner(param_space=...)``; ``build_scheduler`` returns the trial scheduler.
+
+Metric and mode go to the searcher and the scheduler here, so leave them out of
+``tune.TuneConfig``: Ray refuses an ASHA/HyperBand scheduler that already has a metric when
+TuneConfig names one too. Ray, Optuna and hpbandster are imported lazily inside the builders.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from sweeper.sweep.space import Space, to_configspace, to_optuna, to_tune
+
+SEARCHES = ("random", "grid", "tpe", "gp", "bohb")
+SCHEDULERS = ("fifo", "asha", "hyperband", "bohb")
+# Searchers that own the space and learn a model of it: they cannot enumerate grid values.
+MODEL_BASED = frozenset({"tpe", "gp", "bohb"})
+MODES = ("min", "max")
+
+
+def _check_name(what: str, name: object, allowed: tuple[str, ...]) -> None:
+    if name not in allowed:
+        raise ValueError(f"unknown {what} {name!r}; expected one of {list(allowed)}")
+
+
+def _check_search_space(search: str, space: Space) -> None:
+    if search in MODEL_BASED:
+        grid = [p.name for p in space.params if p.kind == "grid"]
+        if grid:
+            raise ValueError(
+                f"search {search!r} samples from distributions and cannot enumerate grid "
+                f"params {grid}; use choice: for them, or search: grid/random"
+            )
+    if search == "grid":
+        sampled = [f"{p.name} ({p.kind})" for p in space.params if p.kind != "grid"]
+        if sampled:
+            raise ValueError(
+                f"search 'grid' runs every grid value once and cannot sample {sampled}; "
+                "give them grid: values, or use search: random"
+            )
+
+
+def check_compatible(search: str, scheduler: str, space: Space) -> None:
+    """Raise a one-line ``ValueError`` for a combination Ray would reject or mishandle."""
+    _check_name("search", search, SEARCHES)
+    _check_name("scheduler", scheduler, SCHEDULERS)
+    # TuneBOHB learns only from the budgets HyperBandForBOHB attaches to results, and
+    # HyperBandForBOHB calls on_pause/on_unpause, which only TuneBOHB implements.
+    if search == "bohb" and scheduler != "bohb":
+        raise ValueError(f"search 'bohb' needs scheduler 'bohb', got scheduler {scheduler!r}")
+    if scheduler == "bohb" and search != "bohb":
+        raise ValueError(f"scheduler 'bohb' needs search 'bohb', got search {search!r}")
+    _check_search_space(search, space)
+
+
+def _check_mode(mode: object) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+
+
+def startup_trials(num_samples: int) -> int:
+    """Random trials before TPE/GP start modelling.
+
+    Optuna's default of 10 would leave a small sweep entirely random; a third of the budget,
+    capped at that default, leaves room for model-guided trials.
+    """
+    return max(1, min(10, num_samples // 3))
+
+
+def _optuna_sampler(search: str, seed: int | None, num_samples: int) -> Any:
+    import optuna
+
+    n_startup = startup_trials(num_samples)
+    if search == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup)
+    # GPSampler handles float, int and categorical params; it needs torch and scipy.
+    return optuna.samplers.GPSampler(seed=seed, n_startup_trials=n_startup)
+
+
+def _model_based_searcher(
+    search: str, space: Space, *, metric: str, mode: str, seed: int | None, num_samples: int
+) -> Any:
+    if search == "bohb":
+        from ray.tune.search.bohb import TuneBOHB
+
+        return TuneBOHB(space=to_configspace(space), metric=metric, mode=mode, seed=seed)
+    from ray.tune.search.optuna import OptunaSearch
+
+    sampler = _optuna_sampler(search, seed, num_samples)
+    return OptunaSearch(space=to_optuna(space), metric=metric, mode=mode, sampler=sampler)
+
+
+def build_searcher(
+    search: str,
+    space: Space,
+    *,
+    metric: str,
+    mode: str,
+    seed: int | None,
+    num_samples: int,
+    max_concurrent: int | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Return ``(search_alg, param_space)`` for ``TuneConfig`` and ``Tuner``.
+
+    random/grid: a seeded ``BasicVariantGenerator``; the Tune domains go in ``param_space``.
+    tpe/gp/bohb: the searcher owns the space, so ``param_space`` holds only the fixed values
+    (Ray raises if a searcher built with a space also meets unresolved domains there).
+    ``num_samples`` sizes the random start-up phase of TPE/GP; for search 'grid' pass
+    ``num_samples=1`` to ``TuneConfig`` (Tune repeats the whole grid ``num_samples`` times).
+    """
+    _check_name("search", search, SEARCHES)
+    _check_mode(mode)
+    _check_search_space(search, space)
+    if max_concurrent is not None and max_concurrent < 1:
+        raise ValueError(f"max_concurrent must be >= 1 or None, got {max_concurrent!r}")
+    if search in ("random", "grid"):
+        from ray.tune.search import BasicVariantGenerator
+
+        generator = BasicVariantGenerator(max_concurrent=max_concurrent or 0, random_state=seed)
+        return generator, {**space.fixed, **to_tune(space)}
+    searcher = _model_based_searcher(
+        search, space, metric=metric, mode=mode, seed=seed, num_samples=num_samples
+    )
+    if max_concurrent is not None:
+        from ray.tune.search import ConcurrencyLimiter
+
+        searcher = ConcurrencyLimiter(searcher, max_concurrent=max_concurrent)
+    return searcher, dict(space.fixed)
+
+
+def budget_key(time_attr: str) -> str:
+    """Result key the HyperBand schedulers read: ``time_attr`` in units of the grace period."""
+    return f"{time_attr}_grace_units"
+
+
+@functools.cache
+def _grace_unit_scheduler(base: type) -> type:
+    """Subclass of a HyperBand scheduler that measures time in units of the grace period.
+
+    HyperBand has no grace period: its smallest rung is 1 time unit and it opens
+    log_eta(max_t) brackets, so with max_t counted in tokens (~1e9) it would open ~19
+    brackets and cut trials after a handful of tokens. Feeding it tokens / grace_period
+    makes the first rung the grace period. The key is added to the result in place because
+    HyperBandForBOHB's budget annotations on the same dict must reach TuneBOHB.
+    """
+
+    class GraceUnitScheduler(base):
+        def __init__(self, *, time_attr: str, grace_period: float, **kwargs: Any) -> None:
+            super().__init__(time_attr=budget_key(time_attr), **kwargs)
+            self._source_time_attr = time_attr
+            self._grace_period = grace_period
+
+        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+            if self._source_time_attr in result:
+                units = result[self._source_time_attr] / self._grace_period
+                result[budget_key(self._source_time_attr)] = units
+            return super().on_trial_result(tune_controller, trial, result)
+
+    GraceUnitScheduler.__name__ = GraceUnitScheduler.__qualname__ = f"GraceUnit{base.__name__}"
+    return GraceUnitScheduler
+
+
+def _check_time_axis(max_t: float, grace_period: float, reduction_factor: float) -> None:
+    if not 0 < grace_period <= max_t:
+        raise ValueError(f"need 0 < grace_period <= max_t, got {grace_period!r} and {max_t!r}")
+    if not reduction_factor > 1:
+        raise ValueError(f"reduction_factor must be > 1, got {reduction_factor!r}")
+
+
+def build_scheduler(
+    scheduler: str,
+    *,
+    metric: str | None,
+    mode: str | None,
+    time_attr: str,
+    max_t: float,
+    grace_period: float,
+    reduction_factor: float = 3,
+) -> Any:
+    """Return the Tune trial scheduler; ``max_t`` and ``grace_period`` are in ``time_attr``.
+
+    fifo runs every trial to completion (the trainable stops itself at its budget).
+    asha stops trials at rungs ``grace_period * reduction_factor**k``. hyperband/bohb do the
+    same synchronously and pause trials between rungs, so the trainable must checkpoint.
+    Pass ``metric=None, mode=None`` to take them from ``TuneConfig`` instead.
+    """
+    _check_name("scheduler", scheduler, SCHEDULERS)
+    if mode is not None:
+        _check_mode(mode)
+    _check_time_axis(max_t, grace_period, reduction_factor)
+    from ray.tune import schedulers
+
+    if scheduler == "fifo":
+        return schedulers.FIFOScheduler()
+    if scheduler == "asha":
+        return schedulers.ASHAScheduler(
+            time_attr=time_attr,
+            metric=metric,
+            mode=mode,
+            max_t=max_t,
+            grace_period=grace_period,
+            reduction_factor=reduction_factor,
+        )
+    base = schedulers.HyperBandForBOHB if scheduler == "bohb" else schedulers.HyperBandScheduler
+    return _grace_unit_scheduler(base)(
+        time_attr=time_attr,
+        grace_period=grace_period,
+        metric=metric,
+        mode=mode,
+        max_t=max_t / grace_period,
+        reduction_factor=reduction_factor,
+    )

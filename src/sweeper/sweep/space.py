@@ -1,0 +1,257 @@
+"""The sweep search-space DSL: typed parameter specs and pure translators to each backend.
+
+A stage's ``params`` block maps a dotted config key to a spec::
+
+    optimizer.matrix_lr: {log_uniform: [1.0e-3, 1.0e-1]}   # float, log scale, low > 0
+    optimizer.warmup:    {uniform: [0.0, 0.1]}             # float
+    model.n_layer:       {int: [2, 6]}                     # integer, both bounds inclusive
+    model.d_model:       {log_int: [64, 512]}              # integer, log scale, inclusive
+    optimizer.name:      {choice: [adamw, muon]}           # categorical, sampled
+    data.seed:           {grid: [0, 1, 2]}                 # every value exactly once
+    train.dropout:       0.0                               # fixed value, not searched
+
+Every bound is inclusive in every backend; the translators below absorb each library's own
+convention (Tune's integer upper bound is exclusive, Optuna's and ConfigSpace's are not).
+Ray, Optuna and ConfigSpace are imported inside the translators so this module imports fast.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+RANGE_KINDS = ("log_uniform", "uniform", "int", "log_int")
+LIST_KINDS = ("choice", "grid")
+KINDS = RANGE_KINDS + LIST_KINDS
+LOG_KINDS = frozenset({"log_uniform", "log_int"})
+INT_KINDS = frozenset({"int", "log_int"})
+
+
+class SpaceError(ValueError):
+    """A sweep ``params`` block that cannot be turned into a search space."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One searched parameter. ``low``/``high`` for range kinds, ``values`` for list kinds."""
+
+    name: str
+    kind: str
+    low: float | int | None = None
+    high: float | int | None = None
+    values: tuple[Any, ...] = ()
+
+    @property
+    def log(self) -> bool:
+        return self.kind in LOG_KINDS
+
+    @property
+    def integer(self) -> bool:
+        return self.kind in INT_KINDS
+
+
+@dataclass(frozen=True)
+class Space:
+    """Searched params in declaration order, plus the fixed (not searched) values."""
+
+    params: tuple[ParamSpec, ...]
+    fixed: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+
+def _fail(name: object, message: str) -> SpaceError:
+    return SpaceError(f"sweep param {name!r}: {message}")
+
+
+def _is_scalar(value: object) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _shown(value: object) -> str:
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
+def _parse_bounds(name: str, kind: str, bounds: object) -> tuple[float | int, float | int]:
+    if not isinstance(bounds, (list, tuple)) or len(bounds) != 2:
+        raise _fail(name, f"{kind} needs [low, high], got {_shown(bounds)}")
+    if not all(_is_number(b) for b in bounds):
+        raise _fail(name, f"{kind} needs numeric bounds, got {_shown(bounds)}")
+    if not all(math.isfinite(b) for b in bounds):
+        raise _fail(name, f"{kind} needs finite bounds, got {_shown(bounds)}")
+    if kind in INT_KINDS and not all(isinstance(b, numbers.Integral) for b in bounds):
+        raise _fail(name, f"{kind} needs integer bounds, got {_shown(bounds)}")
+    low, high = bounds
+    if kind in LOG_KINDS and not 0 < low < high:
+        raise _fail(name, f"{kind} needs 0 < low < high, got {_shown(bounds)}")
+    if not low < high:
+        raise _fail(name, f"{kind} needs low < high, got {_shown(bounds)}")
+    if kind in INT_KINDS:
+        return int(low), int(high)
+    return float(low), float(high)
+
+
+def _parse_values(name: str, kind: str, values: object) -> tuple[Any, ...]:
+    if not isinstance(values, (list, tuple)) or not values:
+        raise _fail(name, f"{kind} needs a non-empty list of values, got {_shown(values)}")
+    for value in values:
+        # Optuna's CategoricalDistribution and ConfigSpace only take scalars; keep every
+        # backend able to express every spec.
+        if not _is_scalar(value):
+            raise _fail(name, f"{kind} values must be scalars, got {value!r}")
+    for i, value in enumerate(values):
+        # Equality, not hashing: ConfigSpace also treats 1, 1.0 and True as the same choice.
+        if any(value == earlier for earlier in values[:i]):
+            raise _fail(name, f"{kind} has duplicate value {value!r} in {_shown(values)}")
+    return tuple(values)
+
+
+def parse_param(name: str, spec: Mapping[Any, Any]) -> ParamSpec:
+    """Parse one ``{kind: args}`` mapping into a :class:`ParamSpec`."""
+    unknown = [k for k in spec if k not in KINDS]
+    if unknown:
+        raise _fail(name, f"unknown spec key(s) {unknown}; expected one of {list(KINDS)}")
+    kinds = list(spec)
+    if len(kinds) != 1:
+        raise _fail(name, f"a spec needs exactly one kind of {list(KINDS)}, got {kinds}")
+    kind = kinds[0]
+    if kind in RANGE_KINDS:
+        low, high = _parse_bounds(name, kind, spec[kind])
+        return ParamSpec(name=name, kind=kind, low=low, high=high)
+    return ParamSpec(name=name, kind=kind, values=_parse_values(name, kind, spec[kind]))
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise _fail(name, "param names must be non-empty strings")
+    # Ray's Optuna and BOHB searchers split suggested keys on '/' into nested dicts, which
+    # would silently move the value away from the dotted key the trainable looks up.
+    if "/" in name:
+        raise _fail(name, "param names are dotted config keys and must not contain '/'")
+    return name
+
+
+def parse_space(params: Mapping[str, Any]) -> Space:
+    """Parse a stage's ``params`` mapping; raise :class:`SpaceError` naming the bad param."""
+    if not isinstance(params, Mapping):
+        raise SpaceError(f"sweep params must be a mapping of key -> spec, got {params!r}")
+    specs: list[ParamSpec] = []
+    fixed: dict[str, Any] = {}
+    for raw_name, spec in params.items():
+        name = _check_name(raw_name)
+        if isinstance(spec, Mapping):
+            specs.append(parse_param(name, spec))
+        elif _is_scalar(spec):
+            fixed[name] = spec
+        else:
+            raise _fail(name, f"expected a spec such as {{choice: [...]}} or a scalar, got {spec!r}")
+    if not specs:
+        raise SpaceError(f"sweep params: nothing to search, only fixed values {sorted(fixed)}")
+    return Space(params=tuple(specs), fixed=fixed)
+
+
+def grid_size(space: Space) -> int:
+    """Number of grid points: the product of the grid value counts (1 without grid params)."""
+    return math.prod(len(p.values) for p in space.params if p.kind == "grid")
+
+
+def is_pure_grid(space: Space) -> bool:
+    """True when every searched param is a ``grid`` spec (fully enumerable, no sampling)."""
+    return all(p.kind == "grid" for p in space.params)
+
+
+def narrow_log_band(value: float, factor: float) -> dict[str, list[float]]:
+    """A log-uniform spec spanning ``[value / factor, value * factor]`` around a frozen value."""
+    if not _is_number(value) or not value > 0:
+        raise SpaceError(f"narrow_log_band needs a value > 0, got {value!r}")
+    if not _is_number(factor) or not factor > 1:
+        raise SpaceError(f"narrow_log_band needs a factor > 1, got {factor!r}")
+    return {"log_uniform": [value / factor, value * factor]}
+
+
+def _refuse_grid(param: ParamSpec, backend: str) -> None:
+    if param.kind == "grid":
+        raise _fail(param.name, f"grid values cannot be sampled by {backend}; use choice")
+
+
+def to_tune(space: Space) -> dict[str, Any]:
+    """Flat ``{dotted name: ray.tune domain}`` for the searched params (fixed ones excluded)."""
+    from ray import tune
+
+    def domain(p: ParamSpec) -> Any:
+        # Tune's randint/lograndint exclude their upper bound; the DSL includes it.
+        builders = {
+            "log_uniform": lambda: tune.loguniform(p.low, p.high),
+            "uniform": lambda: tune.uniform(p.low, p.high),
+            "int": lambda: tune.randint(p.low, p.high + 1),
+            "log_int": lambda: tune.lograndint(p.low, p.high + 1),
+            "choice": lambda: tune.choice(list(p.values)),
+            "grid": lambda: tune.grid_search(list(p.values)),
+        }
+        return builders[p.kind]()
+
+    return {p.name: domain(p) for p in space.params}
+
+
+def to_optuna(space: Space) -> dict[str, Any]:
+    """Flat ``{dotted name: optuna distribution}``; Optuna's int ``high`` is inclusive."""
+    from optuna.distributions import (
+        CategoricalDistribution,
+        FloatDistribution,
+        IntDistribution,
+    )
+
+    def distribution(p: ParamSpec) -> Any:
+        _refuse_grid(p, "optuna")
+        if p.kind == "choice":
+            return CategoricalDistribution(list(p.values))
+        if p.integer:
+            return IntDistribution(p.low, p.high, log=p.log)
+        return FloatDistribution(p.low, p.high, log=p.log)
+
+    return {p.name: distribution(p) for p in space.params}
+
+
+def to_configspace(space: Space, seed: int | None = None) -> Any:
+    """A ``ConfigSpace.ConfigurationSpace`` with the same (inclusive) bounds.
+
+    ConfigSpace accepts '.' in hyperparameter names and hands them back unchanged, so the
+    dotted keys need no encoding (tests/test_space.py pins this down).
+    """
+    import ConfigSpace as CS
+
+    def hyperparameter(p: ParamSpec) -> Any:
+        _refuse_grid(p, "ConfigSpace/BOHB")
+        if p.kind == "choice":
+            return CS.CategoricalHyperparameter(p.name, list(p.values))
+        if p.integer:
+            return CS.UniformIntegerHyperparameter(p.name, p.low, p.high, log=p.log)
+        return CS.UniformFloatHyperparameter(p.name, p.low, p.high, log=p.log)
+
+    config_space = CS.ConfigurationSpace(seed=seed)
+    config_space.add([hyperparameter(p) for p in space.params])
+    return config_space
+
+
+def to_builtin(value: Any) -> Any:
+    """Replace numpy scalars (``np.int64``, ``np.str_``, ``np.bool_``) with Python builtins.
+
+    Tune's domains and BOHB hand back numpy scalars, which OmegaConf refuses; dicts, lists
+    and tuples are converted recursively.
+    """
+    if isinstance(value, Mapping):
+        return {k: to_builtin(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_builtin(v) for v in value)
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        return value.item()
+    return value

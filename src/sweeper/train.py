@@ -1,0 +1,245 @@
+"""One GPT training run: `train(config, report)`.
+
+The same function serves `python -m sweeper` (one run, in-process) and every trial of a
+sweep (called inside a Ray worker with a plain dict). It reads top to bottom:
+setup -> budget -> loop (accumulate, clip, step, check divergence, log, evaluate + report)
+-> result. `report(metrics)` is called at every evaluation; when the trainer is asked to
+checkpoint, it is also given `state=` a function returning the full resumable state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from sweeper.config import RunConfig, load_run_config
+from sweeper.data import BatchSampler, load_data, unigram_bpb, val_windows
+from sweeper.model import GPT, GPTShape
+from sweeper.optim import build_optimizer
+from sweeper.runtime import (
+    autocast_context,
+    distributed_info,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+)
+from sweeper.schedule import lr_multiplier, muon_momentum
+
+Report = Callable[..., Any]
+
+
+def resolve_total_steps(cfg: RunConfig, params: int, flops_per_token: int) -> int:
+    """Optimizer steps of the run, from whichever budget is set (exactly one is)."""
+    t = cfg.trainer
+    if t.max_steps is not None:
+        return int(t.max_steps)
+    if t.budget_tokens is not None:
+        tokens = t.budget_tokens
+    elif t.budget_flops is not None:
+        tokens = t.budget_flops / flops_per_token
+    else:
+        tokens = t.tokens_per_param * params  # N = total parameters, as Chinchilla counts
+    return max(1, math.ceil(tokens / t.total_batch_size))
+
+
+@torch.no_grad()
+def evaluate(model, data, cfg: RunConfig, device, dtype, rank: int, world: int) -> float:
+    """Validation bits per byte (bits per token when bytes_per_token is unknown)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of nats, tokens)
+    batches = val_windows(
+        data.val, cfg.model.seq_len, cfg.trainer.eval_tokens, cfg.trainer.device_batch_size
+    )
+    for i, (x, y) in enumerate(batches):
+        if i % world != rank:  # DDP: each rank scores its share, then all-reduce
+            continue
+        with autocast_context(device, dtype):
+            loss = model(x.to(device), y.to(device), reduction="sum")
+        total += torch.stack([loss.double(), torch.tensor(y.numel(), device=device).double()])
+    if world > 1:
+        torch.distributed.all_reduce(total)
+    model.train()
+    nats_per_token = (total[0] / total[1]).item()
+    return nats_per_token / math.log(2) / (data.bytes_per_token or 1.0)
+
+
+def train(
+    config: Mapping | RunConfig,
+    report: Report | None = None,
+    *,
+    resume_state: dict | None = None,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    # --- setup ---------------------------------------------------------------------------
+    cfg = load_run_config(config)
+    t = cfg.trainer
+    rank, world, local_rank = distributed_info()
+    device = resolve_device(t.device, local_rank)
+    dtype = resolve_dtype(t.dtype, device)
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    say = print if verbose and rank == 0 else (lambda *a, **k: None)
+
+    torch.manual_seed(t.seed)
+    data = load_data(cfg.data, cfg.model.seq_len)
+    model = GPT(GPTShape.from_config(cfg.model)).to(device)
+    counts, flops_per_token = model.param_counts(), model.flops_per_token()
+    total_steps = resolve_total_steps(cfg, counts["total"], flops_per_token)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    sampler = BatchSampler(data.train, t.device_batch_size, cfg.model.seq_len, t.seed, rank)
+    accum = cfg.grad_accum_steps
+    tokens_per_step = t.total_batch_size
+    max_loss = t.max_loss or 1.5 * math.log(cfg.model.vocab_size)
+
+    step, history, loss_trace = 0, [], []
+    if resume_state is not None:
+        model.load_state_dict(resume_state["model"])
+        optimizer.load_state_dict(resume_state["optimizer"])
+        sampler.load_state(resume_state["sampler"])
+        torch.set_rng_state(resume_state["torch_rng"])
+        step, history = resume_state["step"], list(resume_state["history"])
+        loss_trace = list(resume_state["loss_trace"])
+
+    train_model = model
+    use_compile = t.compile == "true" or (t.compile == "auto" and device.type == "cuda")
+    if use_compile:
+        train_model = torch.compile(model, dynamic=False)
+    if world > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            train_model, device_ids=[local_rank] if device.type == "cuda" else None
+        )
+    peak = peak_flops(device, dtype)
+    say(
+        f"model: {counts['total'] / 1e6:.2f}M params ({counts['matmul'] / 1e6:.2f}M matmul), "
+        f"{flops_per_token / 1e6:.1f} MFLOP/token | {data.description}\n"
+        f"run: {total_steps} steps x {tokens_per_step} tokens (accum {accum}, workers {world}) "
+        f"on {device.type} {str(dtype).removeprefix('torch.')}"
+        f"{' compiled' if use_compile else ''}"
+    )
+
+    def training_state() -> dict:
+        return {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "sampler": sampler.state(), "torch_rng": torch.get_rng_state(),
+            "step": step, "history": history, "loss_trace": loss_trace,
+        }
+
+    # --- loop ----------------------------------------------------------------------------
+    status, val_bpb, train_loss = "completed", None, float("nan")
+    train_seconds, window_tokens, window_start = 0.0, 0, time.perf_counter()
+    tok_s, mfu, start_step = 0.0, None, step
+    while step < total_steps:
+        # 1) schedule: LR multiplier on every group's peak, Muon momentum warm-up
+        lrm = lr_multiplier(step, total_steps, cfg.scheduler.name, cfg.scheduler.warmup_ratio,
+                            cfg.scheduler.warmdown_ratio, cfg.scheduler.final_lr_frac)
+        momentum = muon_momentum(step, cfg.optimizer.muon_momentum_start,
+                                 cfg.optimizer.muon_momentum, cfg.optimizer.muon_momentum_warmup)
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+            if "nesterov" in group:  # Muon's group
+                group["momentum"] = momentum
+        # 2) forward/backward over micro-batches; DDP all-reduces only on the last one
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            x, y = sampler.next(device)
+            sync = world == 1 or micro == accum - 1
+            with (contextlib.nullcontext() if sync else train_model.no_sync()), \
+                    autocast_context(device, dtype):
+                loss = train_model(x, y)
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        # 3) clip and step
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if world > 1:
+            torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
+        train_loss = loss_sum.item() / accum
+        loss_trace.append(train_loss)
+        step += 1
+        window_tokens += tokens_per_step
+        if step == 1:
+            # long-lived objects are made by now; freezing them spares the GC ~0.5 s pauses
+            gc.collect()
+            gc.freeze()
+        # 4) divergence fast-fail: a NaN or exploded loss ends the run, not the process
+        if not math.isfinite(train_loss) or train_loss > max_loss:
+            status = "diverged"
+            say(f"step {step}: loss {train_loss:.4g} above {max_loss:.3g} -> diverged")
+        now = time.perf_counter()
+        last = step == total_steps or status == "diverged"
+        # 5) progress line
+        if step % t.log_every == 0 or last:
+            elapsed = now - window_start
+            train_seconds += elapsed
+            tok_s = window_tokens / max(elapsed, 1e-9)
+            eta = (total_steps - step) * train_seconds / max(step - start_step, 1)
+            mfu = flops_per_token * tok_s / peak if peak else None
+            say(
+                f"step {step:5d}/{total_steps} | loss {train_loss:.4f} | lr x{lrm:.3f} | "
+                f"{tok_s:,.0f} tok/s | mfu {f'{100 * mfu:.1f}%' if mfu else '-'} | "
+                f"eta {eta:.0f}s"
+            )
+            window_tokens, window_start = 0, time.perf_counter()
+        # 6) evaluate and report
+        if step % t.eval_every == 0 or last:
+            if status == "diverged":
+                val_bpb = float("nan")
+            else:
+                val_bpb = evaluate(train_model if world == 1 else model, data, cfg, device,
+                                   dtype, rank, world)
+                say(f"step {step:5d}/{total_steps} | val bpb {val_bpb:.4f}")
+            tokens = step * tokens_per_step
+            metrics = {
+                "step": step, "tokens": tokens, "flops": tokens * flops_per_token,
+                "train_loss": train_loss, "val_bpb": val_bpb, "lr": lrm * cfg_peak_lr(cfg),
+                "tokens_per_s": tok_s, "mfu": mfu,
+                "status": status if last else "running",
+            }
+            history.append(metrics)
+            if report is not None:
+                if t.checkpoint_every_eval and status != "diverged":
+                    report(metrics, state=training_state)
+                else:
+                    report(metrics)
+            window_start = time.perf_counter()  # evaluation time is not training time
+        if status == "diverged":
+            break
+    gc.unfreeze()  # a reused Ray worker must not keep this run's objects frozen
+
+    # --- result --------------------------------------------------------------------------
+    tokens = step * tokens_per_step
+    overall_tok_s = (step - start_step) * tokens_per_step / max(train_seconds, 1e-9)
+    return {
+        "status": status,
+        "val_bpb": val_bpb,
+        "train_loss": train_loss,
+        "tokens": tokens,
+        "flops": tokens * flops_per_token,
+        "params": counts["total"],
+        "params_matmul": counts["matmul"],
+        "params_non_embedding": counts["non_embedding"],
+        "flops_per_token": flops_per_token,
+        "tokens_per_s": overall_tok_s,
+        "mfu": flops_per_token * overall_tok_s / peak if peak else None,
+        "steps": step,
+        "workers": world,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type,
+        "train_seconds": train_seconds,
+        "unigram_bpb": unigram_bpb(data),
+        "history": history,
+        "loss_trace": loss_trace,
+    }
+
+
+def cfg_peak_lr(cfg: RunConfig) -> float:
+    """The headline peak LR reported as `lr`: Muon's matrix LR, or AdamW's single LR."""
+    return cfg.optimizer.lr if cfg.optimizer.name == "adamw" else cfg.optimizer.matrix_lr

@@ -1,0 +1,251 @@
+"""Searcher/scheduler builders: refused combinations, and tiny real Ray Tune runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from sweeper.sweep.algorithms import (
+    MODEL_BASED,
+    SCHEDULERS,
+    SEARCHES,
+    budget_key,
+    build_scheduler,
+    build_searcher,
+    check_compatible,
+    startup_trials,
+)
+from sweeper.sweep.space import parse_space, to_builtin
+
+METRIC, MODE, TIME_ATTR = "val_bpb", "min", "tokens"
+TOKENS_PER_STEP, STEPS = 1000, 9
+SAMPLED = {
+    "optimizer.lr": {"log_uniform": [1e-3, 1.0]},
+    "model.n_layer": {"int": [1, 3]},
+    "optimizer.name": {"choice": ["adamw", "muon"]},
+    "train.fixed": 0.5,
+}
+GRID = {"optimizer.lr": {"grid": [0.01, 0.3]}, "model.n_layer": {"grid": [1, 3]}, "train.fixed": 0.5}
+MIXED = {"optimizer.lr": {"log_uniform": [1e-3, 1.0]}, "model.n_layer": {"grid": [1, 3]}}
+SPACE_FOR_SEARCH = {"random": MIXED, "grid": GRID, "tpe": SAMPLED, "gp": SAMPLED, "bohb": SAMPLED}
+
+
+@pytest.mark.parametrize(
+    ("search", "scheduler", "params", "fragment"),
+    [
+        ("hyperopt", "fifo", SAMPLED, "unknown search 'hyperopt'"),
+        ("tpe", "pbt", SAMPLED, "unknown scheduler 'pbt'"),
+        ("bohb", "asha", SAMPLED, "search 'bohb' needs scheduler 'bohb', got scheduler 'asha'"),
+        ("bohb", "fifo", SAMPLED, "search 'bohb' needs scheduler 'bohb'"),
+        ("tpe", "bohb", SAMPLED, "scheduler 'bohb' needs search 'bohb', got search 'tpe'"),
+        ("random", "bohb", SAMPLED, "scheduler 'bohb' needs search 'bohb'"),
+        ("tpe", "asha", MIXED, "search 'tpe' samples from distributions and cannot enumerate"),
+        ("gp", "fifo", GRID, "search 'gp' samples from distributions"),
+        ("bohb", "bohb", MIXED, "cannot enumerate grid params ['model.n_layer']"),
+        ("grid", "fifo", MIXED, "cannot sample ['optimizer.lr (log_uniform)']"),
+        ("grid", "asha", SAMPLED, "search 'grid' runs every grid value once"),
+    ],
+)
+def test_check_compatible_refuses(search, scheduler, params, fragment):
+    with pytest.raises(ValueError) as info:
+        check_compatible(search, scheduler, parse_space(params))
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def allowed_pairs():
+    for search in SEARCHES:
+        for scheduler in SCHEDULERS:
+            if (search == "bohb") == (scheduler == "bohb"):
+                yield search, scheduler
+
+
+ALLOWED = list(allowed_pairs())
+
+
+def test_allowed_pairs_pass_the_check():
+    assert len(ALLOWED) == 13
+    for search, scheduler in ALLOWED:
+        check_compatible(search, scheduler, parse_space(SPACE_FOR_SEARCH[search]))
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+def test_build_searcher_splits_the_space(search):
+    space = parse_space(SPACE_FOR_SEARCH[search])
+    alg, param_space = build_searcher(
+        search, space, metric=METRIC, mode=MODE, seed=0, num_samples=8, max_concurrent=2
+    )
+    if search in MODEL_BASED:
+        # The searcher owns the space; the Tuner only sees constants.
+        assert param_space == space.fixed
+        assert type(alg).__name__ == "ConcurrencyLimiter"
+    else:
+        assert set(param_space) == set(space.names) | set(space.fixed)
+        assert type(alg).__name__ == "BasicVariantGenerator"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"mode": "minimize"}, "mode must be one of ['min', 'max'], got 'minimize'"),
+        ({"max_concurrent": 0}, "max_concurrent must be >= 1"),
+        ({"search": "tpe", "params": GRID}, "cannot enumerate grid"),
+    ],
+)
+def test_build_searcher_refuses(kwargs, fragment):
+    args = {"search": "random", "params": SAMPLED, "mode": MODE} | kwargs
+    with pytest.raises(ValueError) as info:
+        build_searcher(
+            args["search"],
+            parse_space(args["params"]),
+            metric=METRIC,
+            mode=args["mode"],
+            seed=0,
+            num_samples=4,
+            max_concurrent=args.get("max_concurrent"),
+        )
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "cls"),
+    [
+        ("fifo", "FIFOScheduler"),
+        ("asha", "AsyncHyperBandScheduler"),
+        ("hyperband", "HyperBandScheduler"),
+        ("bohb", "HyperBandForBOHB"),
+    ],
+)
+def test_build_scheduler_classes(scheduler, cls):
+    from ray.tune import schedulers
+
+    built = build_scheduler(
+        scheduler, metric=METRIC, mode=MODE, time_attr=TIME_ATTR, max_t=9e9, grace_period=1e9
+    )
+    assert isinstance(built, getattr(schedulers, cls))
+
+
+def test_hyperband_counts_time_in_grace_periods():
+    # 9e9 tokens with a 1e9 grace period is 3 brackets at eta=3, not log3(9e9) ~ 21.
+    built = build_scheduler(
+        "hyperband", metric=METRIC, mode=MODE, time_attr=TIME_ATTR, max_t=9e9, grace_period=1e9
+    )
+    assert built._s_max_1 == 3
+    assert built._time_attr == budget_key(TIME_ATTR)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"scheduler": "median"}, "unknown scheduler 'median'"),
+        ({"mode": "up"}, "mode must be one of"),
+        ({"grace_period": 0}, "need 0 < grace_period <= max_t, got 0 and 9"),
+        ({"grace_period": 10}, "need 0 < grace_period <= max_t"),
+        ({"reduction_factor": 1}, "reduction_factor must be > 1, got 1"),
+    ],
+)
+def test_build_scheduler_refuses(kwargs, fragment):
+    args = {"scheduler": "asha", "mode": MODE, "grace_period": 1, "reduction_factor": 3} | kwargs
+    with pytest.raises(ValueError) as info:
+        build_scheduler(
+            args["scheduler"],
+            metric=METRIC,
+            mode=args["mode"],
+            time_attr=TIME_ATTR,
+            max_t=9,
+            grace_period=args["grace_period"],
+            reduction_factor=args["reduction_factor"],
+        )
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(("num_samples", "expected"), [(1, 1), (4, 1), (8, 2), (30, 10), (300, 10)])
+def test_startup_trials(num_samples, expected):
+    assert startup_trials(num_samples) == expected
+
+
+# --- end-to-end runs on a real local Ray -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    from ray import cloudpickle
+
+    # Ray workers cannot import this test module (pytest put tests/ on the driver's path
+    # only), so ship the trainable by value.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
+def quadratic_trainable(config):
+    """Reports a loss that improves with tokens; checkpoints so HyperBand can pause it."""
+    from ray import tune
+
+    config = to_builtin(config)
+    assert isinstance(config["optimizer.lr"], float)
+    assert config.get("train.fixed", 0.5) == 0.5
+    distance = math.log10(config["optimizer.lr"]) + 1.5
+    offset = {"muon": 0.0, "adamw": 0.1}[config.get("optimizer.name", "muon")]
+    step = 0
+    checkpoint = tune.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as folder:
+            step = json.loads((Path(folder) / "state.json").read_text())["step"]
+    while step < STEPS:
+        step += 1
+        loss = distance**2 + offset + 0.1 * config["model.n_layer"] + 1.0 / step
+        with tempfile.TemporaryDirectory() as folder:
+            (Path(folder) / "state.json").write_text(json.dumps({"step": step}))
+            tune.report(
+                {TIME_ATTR: step * TOKENS_PER_STEP, METRIC: loss},
+                checkpoint=tune.Checkpoint.from_directory(folder),
+            )
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(("search", "scheduler"), ALLOWED)
+def test_tuner_end_to_end(ray_session, tmp_path, search, scheduler):
+    from ray import tune
+
+    space = parse_space(SPACE_FOR_SEARCH[search])
+    check_compatible(search, scheduler, space)
+    num_samples = 1 if search == "grid" else (2 if search == "random" else 4)
+    alg, param_space = build_searcher(
+        search, space, metric=METRIC, mode=MODE, seed=0, num_samples=num_samples
+    )
+    sched = build_scheduler(
+        scheduler,
+        metric=METRIC,
+        mode=MODE,
+        time_attr=TIME_ATTR,
+        max_t=STEPS * TOKENS_PER_STEP,
+        grace_period=TOKENS_PER_STEP,
+    )
+    tuner = tune.Tuner(
+        quadratic_trainable,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(
+            search_alg=alg, scheduler=sched, num_samples=num_samples, reuse_actors=True
+        ),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="e2e", verbose=0),
+    )
+    results = tuner.fit()
+
+    assert results.num_errors == 0
+    assert len(results) == 4  # random: 2 samples x 2 grid values; grid: 2 x 2 points
+    assert all(r.metrics and r.metrics[TIME_ATTR] >= TOKENS_PER_STEP for r in results)
+    best = results.get_best_result(metric=METRIC, mode=MODE)
+    assert math.isfinite(best.metrics[METRIC])
+    assert {"optimizer.lr", "model.n_layer"} <= set(best.config)
+    for r in results:
+        print(search, scheduler, r.metrics[TIME_ATTR], r.metrics.get(budget_key(TIME_ATTR)), r.metrics.get("hyperband_info"))

@@ -1,0 +1,272 @@
+"""The sweep search-space DSL: parsing, translation to each backend, bound semantics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from sweeper.sweep.space import (
+    ParamSpec,
+    Space,
+    SpaceError,
+    grid_size,
+    is_pure_grid,
+    narrow_log_band,
+    parse_space,
+    to_builtin,
+    to_configspace,
+    to_optuna,
+    to_tune,
+)
+
+LR = "optimizer.matrix_lr"
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({"log_uniform": [1e-4, 0.2]}, ParamSpec(LR, "log_uniform", 1e-4, 0.2)),
+        ({"uniform": [-1, 1]}, ParamSpec(LR, "uniform", -1.0, 1.0)),
+        ({"int": [1, 3]}, ParamSpec(LR, "int", 1, 3)),
+        ({"log_int": [16, 256]}, ParamSpec(LR, "log_int", 16, 256)),
+        ({"choice": ["adamw", "muon"]}, ParamSpec(LR, "choice", values=("adamw", "muon"))),
+        ({"choice": [1, "x", None, 2.5]}, ParamSpec(LR, "choice", values=(1, "x", None, 2.5))),
+        ({"grid": [0, 1, 2]}, ParamSpec(LR, "grid", values=(0, 1, 2))),
+        ({"grid": (True,)}, ParamSpec(LR, "grid", values=(True,))),
+    ],
+)
+def test_parse_space_specs(spec, expected):
+    space = parse_space({LR: spec})
+    assert space.params == (expected,)
+    assert space.fixed == {}
+
+
+def test_parse_space_keeps_order_and_fixed_values():
+    space = parse_space(
+        {"b.x": {"uniform": [0, 1]}, "a.fixed": 0.1, "a.y": {"int": [1, 2]}, "c": "text"}
+    )
+    assert space.names == ("b.x", "a.y")
+    assert space.fixed == {"a.fixed": 0.1, "c": "text"}
+
+
+def test_float_bounds_become_floats_and_int_bounds_ints():
+    (param,) = parse_space({LR: {"uniform": [0, 2]}}).params
+    assert isinstance(param.low, float) and isinstance(param.high, float)
+    (param,) = parse_space({LR: {"int": [np.int64(1), 4]}}).params
+    assert type(param.low) is int and type(param.high) is int
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        ({LR: {"normal": [0, 1]}}, "unknown spec key(s) ['normal']"),
+        ({LR: {"uniform": [0, 1], "q": 0.1}}, "unknown spec key(s) ['q']"),
+        ({LR: {"uniform": [0, 1], "int": [0, 1]}}, "exactly one kind"),
+        ({LR: {}}, "exactly one kind"),
+        ({LR: {"uniform": [0.0]}}, "uniform needs [low, high], got [0.0]"),
+        ({LR: {"uniform": [0, 1, 2]}}, "uniform needs [low, high]"),
+        ({LR: {"uniform": 0.5}}, "uniform needs [low, high], got 0.5"),
+        ({LR: {"uniform": ["a", 1]}}, "uniform needs numeric bounds, got ['a', 1]"),
+        ({LR: {"uniform": [True, 2]}}, "numeric bounds"),
+        ({LR: {"uniform": [0, math.inf]}}, "finite bounds"),
+        ({LR: {"int": [1, 2.5]}}, "int needs integer bounds, got [1, 2.5]"),
+        ({LR: {"uniform": [1, 1]}}, "uniform needs low < high, got [1, 1]"),
+        ({LR: {"int": [3, 1]}}, "int needs low < high, got [3, 1]"),
+        ({LR: {"log_uniform": [0.0, 0.2]}}, "log_uniform needs 0 < low < high, got [0.0, 0.2]"),
+        ({LR: {"log_uniform": [-1, 0.2]}}, "log_uniform needs 0 < low < high"),
+        ({LR: {"log_uniform": [0.2, 0.1]}}, "log_uniform needs 0 < low < high"),
+        ({LR: {"log_int": [0, 8]}}, "log_int needs 0 < low < high, got [0, 8]"),
+        ({LR: {"choice": []}}, "choice needs a non-empty list of values, got []"),
+        ({LR: {"grid": []}}, "grid needs a non-empty list"),
+        ({LR: {"grid": "abc"}}, "grid needs a non-empty list of values, got 'abc'"),
+        ({LR: {"grid": [1, 2, 1]}}, "grid has duplicate value 1 in [1, 2, 1]"),
+        ({LR: {"choice": ["a", "a"]}}, "choice has duplicate value 'a'"),
+        ({LR: {"choice": [[0.9, 0.95]]}}, "choice values must be scalars, got [0.9, 0.95]"),
+        ({LR: [1e-3, 1e-2]}, "expected a spec such as {choice: [...]} or a scalar"),
+        ({"a/b": {"uniform": [0, 1]}}, "must not contain '/'"),
+    ],
+)
+def test_parse_space_refuses(params, fragment):
+    with pytest.raises(SpaceError) as info:
+        parse_space(params)
+    message = str(info.value)
+    assert fragment in message
+    assert repr(next(iter(params))) in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        ({1: {"uniform": [0, 1]}}, "sweep param 1: param names must be non-empty strings"),
+        ({"": {"uniform": [0, 1]}}, "non-empty strings"),
+        ({"a": 0.1, "b": "x"}, "nothing to search, only fixed values ['a', 'b']"),
+        ({}, "nothing to search"),
+        ([("a", {"uniform": [0, 1]})], "must be a mapping"),
+    ],
+)
+def test_parse_space_refuses_the_whole_block(params, fragment):
+    with pytest.raises(ValueError, match="sweep param") as info:
+        parse_space(params)
+    assert fragment in str(info.value)
+
+
+def test_space_error_is_a_value_error():
+    assert issubclass(SpaceError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("spec", "cls", "bounds"),
+    [
+        # (lower, upper) as Tune stores them: its integer upper bound is exclusive.
+        ({"log_uniform": [1e-4, 0.2]}, "Float", (1e-4, 0.2)),
+        ({"uniform": [0, 1]}, "Float", (0.0, 1.0)),
+        ({"int": [1, 3]}, "Integer", (1, 4)),
+        ({"log_int": [16, 256]}, "Integer", (16, 257)),
+        ({"choice": ["a", "b"]}, "Categorical", None),
+    ],
+)
+def test_to_tune_domains(spec, cls, bounds):
+    domain = to_tune(parse_space({LR: spec, "fixed": 1}))[LR]
+    assert type(domain).__name__ == cls
+    if bounds is not None:
+        assert (domain.lower, domain.upper) == bounds
+    from ray.tune.search.sample import LogUniform, Uniform
+
+    expected_sampler = LogUniform if next(iter(spec)).startswith("log") else Uniform
+    assert isinstance(domain.get_sampler(), expected_sampler)
+
+
+def test_to_tune_grid_and_keys():
+    domains = to_tune(parse_space({"a.b": {"grid": [1, 2]}, "c": {"choice": [3]}, "d": 0}))
+    assert domains["a.b"] == {"grid_search": [1, 2]}
+    assert domains["c"].categories == [3]
+    assert list(domains) == ["a.b", "c"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "cls", "kwargs"),
+    [
+        ({"log_uniform": [1e-4, 0.2]}, "FloatDistribution", {"low": 1e-4, "high": 0.2, "log": True}),
+        ({"uniform": [0, 1]}, "FloatDistribution", {"low": 0.0, "high": 1.0}),
+        ({"int": [1, 3]}, "IntDistribution", {"low": 1, "high": 3}),
+        ({"log_int": [16, 256]}, "IntDistribution", {"low": 16, "high": 256, "log": True}),
+        ({"choice": ["a", None]}, "CategoricalDistribution", {"choices": ("a", None)}),
+    ],
+)
+def test_to_optuna_distributions(spec, cls, kwargs):
+    from optuna import distributions
+
+    translated = to_optuna(parse_space({LR: spec, "fixed": 1}))
+    assert translated == {LR: getattr(distributions, cls)(**kwargs)}
+
+
+@pytest.mark.parametrize(
+    ("spec", "cls", "attrs"),
+    [
+        ({"log_uniform": [1e-4, 0.2]}, "UniformFloatHyperparameter", (1e-4, 0.2, True)),
+        ({"uniform": [0, 1]}, "UniformFloatHyperparameter", (0.0, 1.0, False)),
+        ({"int": [1, 3]}, "UniformIntegerHyperparameter", (1, 3, False)),
+        ({"log_int": [16, 256]}, "UniformIntegerHyperparameter", (16, 256, True)),
+    ],
+)
+def test_to_configspace_ranges(spec, cls, attrs):
+    hp = to_configspace(parse_space({LR: spec, "fixed": 1}))[LR]
+    assert type(hp).__name__ == cls
+    assert (hp.lower, hp.upper, hp.log) == attrs
+
+
+def test_to_configspace_choice_and_names():
+    cs = to_configspace(parse_space({"a.b": {"choice": ["x", 2, None]}, "c": {"int": [1, 2]}}))
+    assert cs["a.b"].choices == ("x", 2, None)
+    assert sorted(cs.keys()) == ["a.b", "c"]
+
+
+@pytest.mark.parametrize("translate", [to_optuna, to_configspace])
+def test_samplers_refuse_grid_specs(translate):
+    with pytest.raises(SpaceError, match="sweep param 'a.b': grid values cannot be sampled"):
+        translate(parse_space({"a.b": {"grid": [1, 2]}}))
+
+
+BOUNDS_SPACE = {"n.int": {"int": [1, 3]}, "n.log_int": {"log_int": [1, 3]}}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS_SPACE))
+def test_int_bounds_are_inclusive_in_tune(name):
+    domain = to_tune(parse_space(BOUNDS_SPACE))[name]
+    draws = domain.sample(size=2000, random_state=np.random.default_rng(0))
+    assert set(int(v) for v in draws) == {1, 2, 3}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS_SPACE))
+def test_int_bounds_are_inclusive_in_optuna_and_configspace(name):
+    space = parse_space(BOUNDS_SPACE)
+    dist = to_optuna(space)[name]
+    assert (dist.low, dist.high) == (1, 3)
+    cs = to_configspace(space, seed=0)
+    assert (cs[name].lower, cs[name].upper) == (1, 3)
+    assert {c[name] for c in cs.sample_configuration(300)} == {1, 2, 3}
+
+
+def test_float_samples_stay_inside_bounds_everywhere():
+    space = parse_space({LR: {"log_uniform": [1e-4, 0.2]}, "u": {"uniform": [-1, 1]}})
+    domains = to_tune(space)
+    rng = np.random.default_rng(0)
+    cs = to_configspace(space, seed=0)
+    for name, (low, high) in {LR: (1e-4, 0.2), "u": (-1.0, 1.0)}.items():
+        tune_draws = domains[name].sample(size=500, random_state=rng)
+        cs_draws = [c[name] for c in cs.sample_configuration(500)]
+        assert all(low <= v <= high for v in [*tune_draws, *cs_draws])
+
+
+def test_configspace_hands_back_dotted_names_unchanged():
+    from hpbandster.optimizers.config_generators.bohb import BOHB
+
+    space = parse_space({LR: {"log_uniform": [1e-4, 0.2]}, "model.n_layer": {"int": [1, 3]}})
+    cs = to_configspace(space, seed=0)
+    assert set(dict(cs.sample_configuration())) == {LR, "model.n_layer"}
+    config, _ = BOHB(cs).get_config(None)
+    assert set(config) == {LR, "model.n_layer"}
+
+
+@pytest.mark.parametrize(
+    ("params", "size", "pure"),
+    [
+        ({"a": {"grid": [1, 2, 3]}, "b": {"grid": ["x", "y"]}, "c": 0}, 6, True),
+        ({"a": {"grid": [1, 2, 3]}, "b": {"uniform": [0, 1]}}, 3, False),
+        ({"b": {"uniform": [0, 1]}}, 1, False),
+    ],
+)
+def test_grid_size_and_purity(params, size, pure):
+    space = parse_space(params)
+    assert grid_size(space) == size
+    assert is_pure_grid(space) is pure
+
+
+def test_narrow_log_band_round_trips_through_parse():
+    spec = narrow_log_band(0.02, 2.0)
+    assert spec == {"log_uniform": [0.01, 0.04]}
+    (param,) = parse_space({LR: spec}).params
+    assert math.isclose(math.sqrt(param.low * param.high), 0.02)
+
+
+@pytest.mark.parametrize(("value", "factor"), [(0.0, 2.0), (-1e-3, 2.0), (1e-3, 1.0), (1e-3, 0.5)])
+def test_narrow_log_band_refuses(value, factor):
+    with pytest.raises(ValueError, match="narrow_log_band needs"):
+        narrow_log_band(value, factor)
+
+
+def test_to_builtin_converts_numpy_scalars():
+    config = {"a": np.int64(3), "b": np.str_("x"), "c": [np.bool_(True), np.float64(0.5)], "d": None}
+    plain = to_builtin(config)
+    assert plain == {"a": 3, "b": "x", "c": [True, 0.5], "d": None}
+    assert [type(v) for v in (plain["a"], plain["b"], *plain["c"])] == [int, str, bool, float]
+
+
+def test_space_is_frozen():
+    space = parse_space({LR: {"uniform": [0, 1]}})
+    assert isinstance(space, Space)
+    with pytest.raises(AttributeError):
+        space.params[0].low = 2.0  # type: ignore[misc]
