@@ -29,12 +29,19 @@ def compose(overrides: Sequence[str]):
 
 
 def one_line(error: BaseException) -> str:
-    """The first meaningful line of an error message (Hydra's are multi-line)."""
-    text = str(error).strip()
-    if isinstance(error.__cause__, Exception) and "Error" in text.splitlines()[0] and error.__cause__.args:
-        text = f"{text.splitlines()[0]} {str(error.__cause__).strip()}"
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return " ".join(lines[:2]) if len(lines) > 1 and len(lines[0]) < 40 else (lines[0] if lines else type(error).__name__)
+    """Hydra's and OmegaConf's multi-line messages, folded into one line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    message = lines[0]
+    if len(lines) > 1 and lines[1].startswith("Available options"):
+        options = []
+        for line in lines[2:]:
+            if line.startswith("Config search path"):
+                break
+            options.append(line)
+        message += f" (available: {', '.join(options)})"
+    return message
 
 
 def fail(message: str) -> None:

@@ -65,7 +65,10 @@ def load_stdlib(every_n: int = 50, root: str | None = None) -> TokenData:
     train, val = (np.frombuffer(b"".join(parts[v]), dtype=np.uint8) for v in (False, True))
     n_files = len(parts[False]) + len(parts[True])
     return TokenData(
-        train, val, 256, 1.0,
+        train,
+        val,
+        256,
+        1.0,
         f"stdlib corpus: {n_files} files, {train.size / 1e6:.1f}M train / {val.size / 1e6:.2f}M val bytes",
     )
 
@@ -109,7 +112,10 @@ def load_shards(cfg: DataConfig, min_tokens: int) -> TokenData:
     if top >= cfg.vocab_size:
         raise ConfigError(f"token shards hold token id {top} >= data.vocab_size {cfg.vocab_size}")
     return TokenData(
-        train, val, cfg.vocab_size, cfg.bytes_per_token,
+        train,
+        val,
+        cfg.vocab_size,
+        cfg.bytes_per_token,
         f"token shards: {len(train_files)} train files ({train.size / 1e6:.1f}M tokens), "
         f"{val.size / 1e6:.2f}M val tokens",
     )
@@ -124,7 +130,7 @@ def load_data(cfg: DataConfig, seq_len: int) -> TokenData:
 def unigram_bpb(data: TokenData) -> float:
     """Bits per byte of the best context-free guess: the validation split scored with the
     training split's token frequencies (add-one smoothed). A model must beat this."""
-    counts = np.bincount(np.asarray(data.train[: 50_000_000]), minlength=data.vocab_size) + 1.0
+    counts = np.bincount(np.asarray(data.train[:50_000_000]), minlength=data.vocab_size) + 1.0
     log2_p = np.log2(counts / counts.sum())
     val_counts = np.bincount(np.asarray(data.val), minlength=data.vocab_size)
     bits_per_token = -(val_counts * log2_p).sum() / val_counts.sum()
@@ -141,7 +147,9 @@ class BatchSampler:
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0):
         if tokens.size <= seq_len + 1:
-            raise ConfigError(f"training data has {tokens.size} tokens, fewer than model.seq_len + 1")
+            raise ConfigError(
+                f"training data has {tokens.size} tokens, fewer than model.seq_len + 1"
+            )
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
         self.rng = np.random.default_rng([seed, rank])
 

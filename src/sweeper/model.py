@@ -110,7 +110,9 @@ class GPT(nn.Module):
         # they let a layer re-read the token embedding and rescale the residual stream
         self.resid_lambdas = nn.Parameter(torch.ones(shape.depth))
         self.x0_lambdas = nn.Parameter(torch.zeros(shape.depth))
-        self.register_buffer("rotary", rotary_tables(shape.seq_len, shape.head_dim), persistent=False)
+        self.register_buffer(
+            "rotary", rotary_tables(shape.seq_len, shape.head_dim), persistent=False
+        )
         self.reset_parameters()
 
     @torch.no_grad()

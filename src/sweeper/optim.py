@@ -46,8 +46,12 @@ def build_optimizer(model: GPT, cfg: OptimizerConfig) -> ChainedOptimizer:
     if cfg.name == "adamw":
         # decay only the matrices: embeddings are sparse lookups and scalars are gains
         adam_groups = [
-            dict(name="matrix", params=groups["matrix"] + groups["unembedding"], lr=cfg.lr,
-                 weight_decay=cfg.weight_decay),
+            dict(
+                name="matrix",
+                params=groups["matrix"] + groups["unembedding"],
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+            ),
             dict(name="embedding", params=groups["embedding"], lr=cfg.lr, weight_decay=0.0),
             dict(name="scalar", params=groups["scalar"], lr=cfg.lr, weight_decay=0.0),
         ]

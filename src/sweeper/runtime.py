@@ -12,8 +12,15 @@ from sweeper.config import ConfigError
 
 # dense bf16 tensor-core peaks (no sparsity), for MFU; add a GPU here to get its MFU
 GPU_PEAK_BF16_FLOPS = {
-    "H100": 989e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12,
-    "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12, "RTX 4090": 165e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
 }
 
 

@@ -10,7 +10,11 @@ import math
 
 
 def lr_multiplier(
-    step: int, total_steps: int, name: str, warmup_ratio: float, warmdown_ratio: float,
+    step: int,
+    total_steps: int,
+    name: str,
+    warmup_ratio: float,
+    warmdown_ratio: float,
     final_lr_frac: float,
 ) -> float:
     """Multiplier of each group's peak LR at optimizer step `step` (0-based) of `total_steps`."""

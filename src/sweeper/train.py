@@ -124,10 +124,15 @@ def train(
     )
 
     def training_state() -> dict:
+        # live tensors, not copies: the caller serialises them before training goes on
         return {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "sampler": sampler.state(), "torch_rng": torch.get_rng_state(),
-            "step": step, "history": history, "loss_trace": loss_trace,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "sampler": sampler.state(),
+            "torch_rng": torch.get_rng_state(),
+            "step": step,
+            "history": list(history),
+            "loss_trace": list(loss_trace),
         }
 
     # --- loop ----------------------------------------------------------------------------
@@ -136,10 +141,20 @@ def train(
     tok_s, mfu, start_step = 0.0, None, step
     while step < total_steps:
         # 1) schedule: LR multiplier on every group's peak, Muon momentum warm-up
-        lrm = lr_multiplier(step, total_steps, cfg.scheduler.name, cfg.scheduler.warmup_ratio,
-                            cfg.scheduler.warmdown_ratio, cfg.scheduler.final_lr_frac)
-        momentum = muon_momentum(step, cfg.optimizer.muon_momentum_start,
-                                 cfg.optimizer.muon_momentum, cfg.optimizer.muon_momentum_warmup)
+        lrm = lr_multiplier(
+            step,
+            total_steps,
+            cfg.scheduler.name,
+            cfg.scheduler.warmup_ratio,
+            cfg.scheduler.warmdown_ratio,
+            cfg.scheduler.final_lr_frac,
+        )
+        momentum = muon_momentum(
+            step,
+            cfg.optimizer.muon_momentum_start,
+            cfg.optimizer.muon_momentum,
+            cfg.optimizer.muon_momentum_warmup,
+        )
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
             if "nesterov" in group:  # Muon's group
@@ -149,8 +164,10 @@ def train(
         for micro in range(accum):
             x, y = sampler.next(device)
             sync = world == 1 or micro == accum - 1
-            with (contextlib.nullcontext() if sync else train_model.no_sync()), \
-                    autocast_context(device, dtype):
+            with (
+                contextlib.nullcontext() if sync else train_model.no_sync(),
+                autocast_context(device, dtype),
+            ):
                 loss = train_model(x, y)
             (loss / accum).backward()
             loss_sum += loss.detach()
@@ -193,14 +210,20 @@ def train(
             if status == "diverged":
                 val_bpb = float("nan")
             else:
-                val_bpb = evaluate(train_model if world == 1 else model, data, cfg, device,
-                                   dtype, rank, world)
+                val_bpb = evaluate(
+                    train_model if world == 1 else model, data, cfg, device, dtype, rank, world
+                )
                 say(f"step {step:5d}/{total_steps} | val bpb {val_bpb:.4f}")
             tokens = step * tokens_per_step
             metrics = {
-                "step": step, "tokens": tokens, "flops": tokens * flops_per_token,
-                "train_loss": train_loss, "val_bpb": val_bpb, "lr": lrm * cfg_peak_lr(cfg),
-                "tokens_per_s": tok_s, "mfu": mfu,
+                "step": step,
+                "tokens": tokens,
+                "flops": tokens * flops_per_token,
+                "train_loss": train_loss,
+                "val_bpb": val_bpb,
+                "lr": lrm * cfg_peak_lr(cfg),
+                "tokens_per_s": tok_s,
+                "mfu": mfu,
                 "status": status if last else "running",
             }
             history.append(metrics)

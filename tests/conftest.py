@@ -1,0 +1,55 @@
+"""Shared fixtures: a tiny preset behind every fast test (torchtitan's `debugmodel` habit)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+TINY = {
+    "model": {"depth": 2, "aspect_ratio": 32, "head_dim": 32, "seq_len": 64},
+    "trainer": {
+        "device": "cpu",
+        "device_batch_size": 8,
+        "total_batch_size": 512,
+        "max_steps": 10,
+        "budget_tokens": None,
+        "eval_every": 5,
+        "eval_tokens": 2048,
+        "log_every": 5,
+        "threads": 1,
+    },
+}
+
+
+def tiny(**sections) -> dict:
+    """The tiny run config with per-section overrides: tiny(trainer={"max_steps": 3})."""
+    cfg = copy.deepcopy(TINY)
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+@pytest.fixture
+def tiny_config():
+    return tiny
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 120, module: str = "sweeper"):
+    """`python -m <module> args` in `cwd`, like a user would; returns CompletedProcess."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), RAY_USAGE_STATS_ENABLED="0")
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

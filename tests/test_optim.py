@@ -1,0 +1,81 @@
+"""Optimizer groups and LR schedules."""
+
+import pytest
+import torch
+
+from sweeper.config import OptimizerConfig
+from sweeper.model import GPT, GPTShape
+from sweeper.optim import build_optimizer
+from sweeper.schedule import lr_multiplier, muon_momentum
+
+SHAPE = GPTShape(depth=2, d_model=64, head_dim=32, seq_len=32, vocab_size=256)
+
+
+@pytest.mark.parametrize("name", ["muon_adamw", "adamw"])
+def test_every_parameter_in_exactly_one_group(name):
+    model = GPT(SHAPE)
+    opt = build_optimizer(model, OptimizerConfig(name=name))
+    seen = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(seen) == len(set(seen))
+    assert set(seen) == {id(p) for p in model.parameters()}
+
+
+def test_muon_takes_hidden_matrices_adamw_the_rest():
+    model = GPT(SHAPE)
+    opt = build_optimizer(model, OptimizerConfig(matrix_lr=0.03, embedding_lr=0.2))
+    muon, adamw = opt.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    muon_params = [p for g in muon.param_groups for p in g["params"]]
+    assert all(p.ndim == 2 for p in muon_params)
+    assert {id(p) for p in muon_params} == {id(p) for b in model.blocks for p in b.parameters()}
+    groups = {g["name"]: g for g in adamw.param_groups}
+    assert groups["embedding"]["params"][0] is model.wte.weight
+    assert groups["unembedding"]["params"][0] is model.lm_head.weight
+    scale = (64 / 768) ** -0.5
+    assert groups["embedding"]["lr"] == pytest.approx(0.2 * scale)
+    assert muon.param_groups[0]["lr"] == pytest.approx(0.03)  # Muon LR is not width-scaled
+    assert all(g["weight_decay"] == 0 for g in adamw.param_groups)
+    assert adamw.defaults["eps"] == 1e-10 and adamw.defaults["betas"] == (0.8, 0.95)
+
+
+def test_plain_adamw_decays_matrices_only():
+    model = GPT(SHAPE)
+    opt = build_optimizer(model, OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.1))
+    decay = {g["name"]: g["weight_decay"] for g in opt.param_groups}
+    assert decay == {"matrix": 0.1, "embedding": 0.0, "scalar": 0.0}
+
+
+def _shape(name, total=100, **kw):
+    args = dict(warmup_ratio=0.0, warmdown_ratio=0.4, final_lr_frac=0.0) | kw
+    return [lr_multiplier(s, total, name, **args) for s in range(total)]
+
+
+@pytest.mark.parametrize(
+    "name, kw, checks",
+    [
+        # (step, expected multiplier)
+        ("wsd", {}, [(0, 1.0), (59, 1.0), (80, 0.5), (99, 0.025)]),
+        ("wsd", {"warmup_ratio": 0.1}, [(0, 0.1), (4, 0.5), (9, 1.0), (50, 1.0)]),
+        ("wsd", {"final_lr_frac": 0.1}, [(80, 0.55), (59, 1.0)]),
+        ("cosine", {"final_lr_frac": 0.1}, [(0, 1.0), (50, 0.55), (99, 0.1)]),
+        ("constant", {"warmup_ratio": 0.1}, [(0, 0.1), (10, 1.0), (99, 1.0)]),
+    ],
+)
+def test_schedule_shapes(name, kw, checks):
+    values = _shape(name, **kw)
+    for step, expected in checks:
+        assert values[step] == pytest.approx(expected, abs=0.011), (step, values[step])
+    assert all(0 < v <= 1.0 + 1e-9 for v in values)
+
+
+def test_decays_are_monotone():
+    for name in ("wsd", "cosine"):
+        values = _shape(name, warmup_ratio=0.05)
+        tail = values[10:]
+        assert all(b <= a + 1e-12 for a, b in zip(tail, tail[1:]))
+
+
+def test_muon_momentum_warmup():
+    assert muon_momentum(0, 0.85, 0.95, 300) == pytest.approx(0.85)
+    assert muon_momentum(150, 0.85, 0.95, 300) == pytest.approx(0.90)
+    assert muon_momentum(1000, 0.85, 0.95, 300) == pytest.approx(0.95)

@@ -1,0 +1,120 @@
+"""The training loop, end to end on the tiny preset (CPU, seconds each)."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+
+from sweeper.config import load_run_config
+from sweeper.data import BatchSampler
+from sweeper.train import resolve_total_steps, train
+
+from .conftest import tiny
+
+
+def test_same_seed_gives_identical_loss_trace():
+    a = train(tiny(trainer={"max_steps": 6}), verbose=False)
+    b = train(tiny(trainer={"max_steps": 6}), verbose=False)
+    c = train(tiny(trainer={"max_steps": 6, "seed": 1}), verbose=False)
+    assert a["loss_trace"] == b["loss_trace"]
+    assert a["loss_trace"] != c["loss_trace"]
+
+
+def test_batch_sampler_stream_does_not_depend_on_micro_batch_split():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    whole = BatchSampler(tokens, 4, 16, seed=3).next("cpu")[0]
+    split = BatchSampler(tokens, 1, 16, seed=3)
+    parts = [split.next("cpu")[0] for _ in range(4)]
+    assert all((whole[i] == parts[i][0]).all() for i in range(4))
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    # 1 x 4B (no accumulation) vs 4 x B (accumulation): same windows, same updates.
+    # AdamW with eps >> sqrt(v) acts as SGD, so a mis-scaled accumulated gradient would
+    # show (Adam's own scale invariance would hide it); fp32 and no Muon, whose bf16
+    # Newton-Schulz would amplify summation-order noise
+    common = {"max_steps": 4, "total_batch_size": 256, "dtype": "float32", "grad_clip": 0.0}
+    opt = {"name": "adamw", "lr": 0.2, "adam_eps": 1.0}
+    big = train(tiny(optimizer=opt, trainer=common | {"device_batch_size": 4}), verbose=False)
+    small = train(tiny(optimizer=opt, trainer=common | {"device_batch_size": 1}), verbose=False)
+    assert small["loss_trace"] == pytest.approx(big["loss_trace"], rel=1e-5)
+    assert small["loss_trace"][-1] < small["loss_trace"][0] - 0.1  # and it did update
+
+
+def test_learns_well_below_unigram_baseline():
+    result = train(tiny(trainer={"max_steps": 60, "eval_every": 60}), verbose=False)
+    assert result["status"] == "completed"
+    assert result["loss_trace"][0] == pytest.approx(math.log(256), abs=0.1)
+    assert result["val_bpb"] < result["unigram_bpb"] - 1.0, result
+
+
+def test_report_called_at_every_eval_with_the_contract_metrics():
+    seen = []
+    result = train(tiny(trainer={"max_steps": 10, "eval_every": 4}), seen.append, verbose=False)
+    assert [m["step"] for m in seen] == [4, 8, 10]
+    keys = {"step", "tokens", "flops", "train_loss", "val_bpb", "lr", "tokens_per_s", "mfu"}
+    assert keys <= seen[-1].keys()
+    assert seen[-1]["tokens"] == 10 * 512 == result["tokens"]
+    assert seen[-1]["flops"] == result["tokens"] * result["flops_per_token"]
+    assert seen[-1]["status"] == "completed" and seen[0]["status"] == "running"
+    for key in (
+        "status",
+        "val_bpb",
+        "train_loss",
+        "tokens",
+        "flops",
+        "params",
+        "tokens_per_s",
+        "mfu",
+        "steps",
+        "workers",
+        "dtype",
+        "device",
+    ):
+        assert key in result
+
+
+def test_divergence_ends_the_run_with_status_not_exception():
+    seen = []
+    cfg = tiny(optimizer={"name": "adamw", "lr": 50.0}, trainer={"max_steps": 30})
+    result = train(cfg, seen.append, verbose=False)
+    assert result["status"] == "diverged"
+    assert result["steps"] < 30
+    assert seen[-1]["status"] == "diverged" and math.isnan(seen[-1]["val_bpb"])
+
+
+@pytest.mark.parametrize(
+    "budget, expected_steps",
+    [
+        ({"max_steps": 7}, 7),
+        ({"budget_tokens": 5000}, 10),  # ceil(5000 / 512)
+        ({"tokens_per_param": 0.02}, None),  # checked against params below
+        ({"budget_flops": 1e9}, None),
+    ],
+)
+def test_budgets(budget, expected_steps):
+    trainer = {"max_steps": None} | budget
+    cfg = load_run_config(tiny(trainer=trainer))
+    params, fpt = 130_000, 800_000
+    steps = resolve_total_steps(cfg, params, fpt)
+    if expected_steps is None:
+        tokens = budget.get("tokens_per_param", 0) * params or budget.get("budget_flops", 0) / fpt
+        expected_steps = math.ceil(tokens / 512)
+    assert steps == expected_steps
+
+
+def test_resume_from_state_continues_exactly():
+    full = train(tiny(trainer={"max_steps": 8, "eval_every": 4, "dtype": "float32"}), verbose=False)
+    states = []
+    cfg = tiny(
+        trainer={"max_steps": 8, "eval_every": 4, "dtype": "float32", "checkpoint_every_eval": True}
+    )
+    train(
+        cfg,
+        lambda m, state=None: states.append(copy.deepcopy(state())) if m["step"] == 4 else None,
+        verbose=False,
+    )
+    resumed = train(cfg, resume_state=states[0], verbose=False)
+    assert resumed["loss_trace"] == pytest.approx(full["loss_trace"], rel=1e-6)
+    assert resumed["val_bpb"] == pytest.approx(full["val_bpb"], rel=1e-6)
