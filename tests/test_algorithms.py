@@ -30,7 +30,11 @@ SAMPLED = {
     "optimizer.name": {"choice": ["adamw", "muon"]},
     "train.fixed": 0.5,
 }
-GRID = {"optimizer.lr": {"grid": [0.01, 0.3]}, "model.n_layer": {"grid": [1, 3]}, "train.fixed": 0.5}
+GRID = {
+    "optimizer.lr": {"grid": [0.01, 0.3]},
+    "model.n_layer": {"grid": [1, 3]},
+    "train.fixed": 0.5,
+}
 MIXED = {"optimizer.lr": {"log_uniform": [1e-3, 1.0]}, "model.n_layer": {"grid": [1, 3]}}
 SPACE_FOR_SEARCH = {"random": MIXED, "grid": GRID, "tpe": SAMPLED, "gp": SAMPLED, "bohb": SAMPLED}
 
@@ -74,6 +78,7 @@ def test_allowed_pairs_pass_the_check():
         check_compatible(search, scheduler, parse_space(SPACE_FOR_SEARCH[search]))
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # hpbandster calls old ConfigSpace APIs
 @pytest.mark.parametrize("search", SEARCHES)
 def test_build_searcher_splits_the_space(search):
     space = parse_space(SPACE_FOR_SEARCH[search])
@@ -247,5 +252,41 @@ def test_tuner_end_to_end(ray_session, tmp_path, search, scheduler):
     best = results.get_best_result(metric=METRIC, mode=MODE)
     assert math.isfinite(best.metrics[METRIC])
     assert {"optimizer.lr", "model.n_layer"} <= set(best.config)
-    for r in results:
-        print(search, scheduler, r.metrics[TIME_ATTR], r.metrics.get(budget_key(TIME_ATTR)), r.metrics.get("hyperband_info"))
+    if scheduler == "bohb":
+        # BOHB fills its largest bracket first (9 slots, first rung 1 grace period), which
+        # keeps ceil(9 / 3) = 3 of the 4 trials: the 4th stops after one grace period.
+        assert min(r.metrics[TIME_ATTR] for r in results) == TOKENS_PER_STEP
+
+
+def _tuner(param_space, alg, sched, tmp_path, **tune_config):
+    from ray import tune
+
+    return tune.Tuner(
+        quadratic_trainable,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(search_alg=alg, scheduler=sched, num_samples=1, **tune_config),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="quirk", verbose=0),
+    )
+
+
+@pytest.mark.slow
+def test_ray_refuses_domains_beside_a_searcher_that_owns_the_space(ray_session, tmp_path):
+    from ray import tune
+
+    space = parse_space(SAMPLED)
+    alg, _ = build_searcher("tpe", space, metric=METRIC, mode=MODE, seed=0, num_samples=1)
+    with pytest.raises(Exception, match="unresolved parameters"):
+        _tuner({"optimizer.lr": tune.uniform(0, 1)}, alg, None, tmp_path).fit()
+
+
+@pytest.mark.slow
+def test_ray_refuses_metric_in_both_scheduler_and_tune_config(ray_session, tmp_path):
+    space = parse_space(MIXED)
+    alg, param_space = build_searcher(
+        "random", space, metric=METRIC, mode=MODE, seed=0, num_samples=1
+    )
+    sched = build_scheduler(
+        "asha", metric=METRIC, mode=MODE, time_attr=TIME_ATTR, max_t=9, grace_period=1
+    )
+    with pytest.raises(Exception, match="scheduler you are using was already instantiated"):
+        _tuner(param_space, alg, sched, tmp_path, metric=METRIC, mode=MODE).fit()

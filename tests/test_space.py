@@ -149,7 +149,11 @@ def test_to_tune_grid_and_keys():
 @pytest.mark.parametrize(
     ("spec", "cls", "kwargs"),
     [
-        ({"log_uniform": [1e-4, 0.2]}, "FloatDistribution", {"low": 1e-4, "high": 0.2, "log": True}),
+        (
+            {"log_uniform": [1e-4, 0.2]},
+            "FloatDistribution",
+            {"low": 1e-4, "high": 0.2, "log": True},
+        ),
         ({"uniform": [0, 1]}, "FloatDistribution", {"low": 0.0, "high": 1.0}),
         ({"int": [1, 3]}, "IntDistribution", {"low": 1, "high": 3}),
         ({"log_int": [16, 256]}, "IntDistribution", {"low": 16, "high": 256, "log": True}),
@@ -221,6 +225,7 @@ def test_float_samples_stay_inside_bounds_everywhere():
         assert all(low <= v <= high for v in [*tune_draws, *cs_draws])
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # hpbandster calls old ConfigSpace APIs
 def test_configspace_hands_back_dotted_names_unchanged():
     from hpbandster.optimizers.config_generators.bohb import BOHB
 
@@ -259,7 +264,12 @@ def test_narrow_log_band_refuses(value, factor):
 
 
 def test_to_builtin_converts_numpy_scalars():
-    config = {"a": np.int64(3), "b": np.str_("x"), "c": [np.bool_(True), np.float64(0.5)], "d": None}
+    config = {
+        "a": np.int64(3),
+        "b": np.str_("x"),
+        "c": [np.bool_(True), np.float64(0.5)],
+        "d": None,
+    }
     plain = to_builtin(config)
     assert plain == {"a": 3, "b": "x", "c": [True, 0.5], "d": None}
     assert [type(v) for v in (plain["a"], plain["b"], *plain["c"])] == [int, str, bool, float]

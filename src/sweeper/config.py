@@ -179,6 +179,7 @@ class TrainerConfig:
     budget_flops: float | None = None
     tokens_per_param: float | None = None
     eval_every: int = 25
+    num_evals: int | None = None
     eval_tokens: int = 32768
     log_every: int = 5
     grad_clip: float = 1.0
@@ -205,6 +206,7 @@ class TrainerConfig:
         for key in ("device_batch_size", "total_batch_size", "eval_every", "eval_tokens"):
             value = getattr(self, key)
             _require(value >= 1, f"trainer.{key} must be >= 1, got {value}")
+        _positive("trainer.num_evals", self.num_evals)
         _require(self.log_every >= 1, f"trainer.log_every must be >= 1, got {self.log_every}")
         _require(self.workers >= 1, f"trainer.workers must be >= 1, got {self.workers}")
         _require(self.grad_clip >= 0, f"trainer.grad_clip must be >= 0, got {self.grad_clip}")

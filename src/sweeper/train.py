@@ -94,6 +94,8 @@ def train(
     optimizer = build_optimizer(model, cfg.optimizer)
     sampler = BatchSampler(data.train, t.device_batch_size, cfg.model.seq_len, t.seed, rank)
     accum = cfg.grad_accum_steps
+    # num_evals (sweeps) spreads a fixed number of evaluations over any run length
+    eval_every = math.ceil(total_steps / t.num_evals) if t.num_evals else t.eval_every
     tokens_per_step = t.total_batch_size
     max_loss = t.max_loss or 1.5 * math.log(cfg.model.vocab_size)
 
@@ -206,7 +208,7 @@ def train(
             )
             window_tokens, window_start = 0, time.perf_counter()
         # 6) evaluate and report
-        if step % t.eval_every == 0 or last:
+        if step % eval_every == 0 or last:
             if status == "diverged":
                 val_bpb = float("nan")
             else:

@@ -153,7 +153,9 @@ def parse_space(params: Mapping[str, Any]) -> Space:
         elif _is_scalar(spec):
             fixed[name] = spec
         else:
-            raise _fail(name, f"expected a spec such as {{choice: [...]}} or a scalar, got {spec!r}")
+            raise _fail(
+                name, f"expected a spec such as {{choice: [...]}} or a scalar, got {spec!r}"
+            )
     if not specs:
         raise SpaceError(f"sweep params: nothing to search, only fixed values {sorted(fixed)}")
     return Space(params=tuple(specs), fixed=fixed)

@@ -1,0 +1,279 @@
+"""The staged sweep: `python -m sweeper +sweep=NAME`.
+
+for each stage: space -> searcher + scheduler -> Tuner.fit() on Ray -> best trial ->
+freeze its values into the base config of the next stage. A baseline run of the
+unmodified config trains alongside the first stage under the same budget. At the end:
+summary, reports.csv, plots and the loss-vs-compute fit in the run dir.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from sweeper.config import RUN_SECTIONS, ConfigError, load_run_config
+from sweeper.sweep.spec import SweepSpec, flatten, load_sweep_spec, stage_space, validate_spec
+from sweeper.sweep.stages import pick_best
+from sweeper.sweep.state import SweepState
+from sweeper.sweep.trainable import TrialContext, batch_of, load_target, trial_config
+
+BUILTIN_TRAINABLE = "sweeper.train.train"
+
+
+def trainable_target(cfg) -> str | None:
+    """The user's function ("pkg.module.fn"), or None for sweeper's own training run."""
+    target = cfg.get("trainable", {}).get("_target_", BUILTIN_TRAINABLE)
+    return None if target == BUILTIN_TRAINABLE else target
+
+
+def validate_sweep(cfg) -> SweepSpec:
+    """Every check that can run before Ray starts; raises ConfigError."""
+    from omegaconf import OmegaConf
+
+    spec = load_sweep_spec(cfg.sweep)
+    target = trainable_target(cfg)
+    run_keys = set(flatten(OmegaConf.to_container(cfg, resolve=True)))
+    validate_spec(spec, run_keys, custom_trainable=target is not None)
+    if target:
+        try:
+            load_target(target)
+        except (ImportError, AttributeError, ValueError) as error:
+            raise ConfigError(f"trainable._target_={target} cannot be imported: {error}") from None
+    return spec
+
+
+def base_config(cfg, spec: SweepSpec, target: str | None) -> dict:
+    """The plain nested dict every trial starts from, with the sweep's budget written in
+    and relative paths made absolute (Ray runs trials in their own working directories)."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("sweep", "ray", "mlflow", "trainable", "hydra"):
+        tree.pop(key, None)
+    if target:
+        return tree
+    trainer = tree["trainer"]
+    for key in ("max_steps", "budget_tokens", "budget_flops", "tokens_per_param"):
+        trainer[key] = None
+    trainer["budget_tokens"] = spec.budget.tokens_per_trial
+    trainer["budget_flops"] = spec.budget.flops_per_trial
+    trainer["num_evals"] = spec.reports_per_trial
+    for key in ("path", "val_path"):
+        if tree["data"].get(key):
+            tree["data"][key] = os.path.abspath(tree["data"][key])
+    return {k: tree[k] for k in RUN_SECTIONS}
+
+
+def default_penalty(spec: SweepSpec, base: dict, target: str | None) -> float:
+    if spec.penalty is not None:
+        return float(spec.penalty)
+    if target:
+        return 1e9 if spec.mode == "min" else -1e9
+    # a uniform guess over the vocabulary: worse than any model that learned anything
+    data = base["data"]
+    return math.log2(data["vocab_size"]) / (data.get("bytes_per_token") or 1.0)
+
+
+def time_axis(spec: SweepSpec, target: str | None) -> tuple[str, float]:
+    """ASHA/Hyperband's clock: tokens or FLOPs (compute-denominated, so batch sizes compare
+    fairly), or report count for a user's function without a compute budget."""
+    if spec.budget.tokens_per_trial:
+        return "tokens", float(spec.budget.tokens_per_trial)
+    if spec.budget.flops_per_trial:
+        return "flops", float(spec.budget.flops_per_trial)
+    return "training_iteration", float(spec.reports_per_trial)
+
+
+def run_sweep(cfg, out_dir: str) -> float | None:
+    from sweeper.sweep import outputs
+    from sweeper.sweep.ray_cluster import start_ray
+
+    spec = validate_sweep(cfg)
+    target = trainable_target(cfg)
+    out = Path(out_dir).resolve()
+    base = base_config(cfg, spec, target)
+    if not target:
+        load_run_config(base)  # the budget written in must still make a valid run
+    state = SweepState.load(out) if spec.resume else None
+    if spec.resume and state is None:
+        print(f"sweep.resume=true but no sweep state in {out}: starting a new sweep")
+    state = state or SweepState.new(out, spec.name, base)
+    if state.name != spec.name:
+        raise ConfigError(f"run dir {out} holds sweep '{state.name}', not '{spec.name}'")
+
+    start_ray(cfg.ray)
+    started = time.time() - state.elapsed
+    baseline_job = None
+    if spec.baseline and state.baseline is None:
+        baseline_job = outputs.launch_baseline(
+            base, spec, target, default_penalty(spec, base, target)
+        )
+
+    current = state.base_after_finished_stages() or base
+    for index, stage in enumerate(spec.stages):
+        if state.stage_done(stage.name):
+            print(f"[{stage.name}] finished in an earlier run: skipped")
+            continue
+        remaining_trials = None
+        if spec.max_trials is not None:
+            remaining_trials = spec.max_trials - state.trial_count()
+        remaining_seconds = None
+        if spec.max_seconds is not None:
+            remaining_seconds = spec.max_seconds - (time.time() - started)
+        if (remaining_trials is not None and remaining_trials <= 0) or (
+            remaining_seconds is not None and remaining_seconds <= 0
+        ):
+            print(f"[{stage.name}] skipped: the sweep's trial or time cap is reached")
+            break
+        records, reports = run_stage(
+            spec, index, current, target, out, state, remaining_trials, remaining_seconds
+        )
+        best = pick_best(records, spec.metric, spec.mode)
+        if best is not None:
+            current = trial_config(
+                best["params"], current, stage_context(spec, stage, current, target)
+            )
+        state.finish_stage(stage.name, records, reports, best, current, time.time() - started)
+        outputs.print_stage_table(stage.name, records, best, spec)
+        if state.total_flops() >= (spec.max_flops or math.inf):
+            print("the sweep's FLOP cap is reached: no further stages")
+            break
+
+    if baseline_job is not None:
+        state.set_baseline(outputs.collect_baseline(baseline_job))
+    summary = outputs.write_all(out, spec, state, base)
+    return summary["best"]["value"] if summary.get("best") else None
+
+
+def stage_context(spec: SweepSpec, stage, base: dict, target: str | None) -> TrialContext:
+    space = stage_space(spec, stage, flatten(base))
+    pausing = spec.stage_scheduler(stage) in ("hyperband", "bohb")
+    return TrialContext(
+        metric=spec.metric,
+        penalty=default_penalty(spec, base, target),
+        target=target,
+        lr_rule=stage.lr_rule,
+        base_batch=batch_of(base),
+        lr_keys=tuple(spec.lr_keys),
+        # paused (Hyperband/BOHB) and retried trials resume from their last report
+        checkpoint=pausing or spec.max_failures > 0,
+        threads=max(1, int(spec.cpus_per_trial)),
+        sampled=tuple(space.names),
+    )
+
+
+def run_stage(
+    spec: SweepSpec,
+    index: int,
+    base: dict,
+    target: str | None,
+    out: Path,
+    state: SweepState,
+    remaining_trials: int | None,
+    remaining_seconds: float | None,
+) -> tuple[list[dict], list[dict]]:
+    from ray import tune
+
+    from sweeper.sweep.algorithms import build_scheduler, build_searcher
+    from sweeper.sweep.callbacks import FlopCap, ProgressCallback
+    from sweeper.sweep.results import collect_results
+    from sweeper.sweep.space import grid_size, is_pure_grid
+    from sweeper.sweep.trainable import run_trial
+
+    stage = spec.stages[index]
+    space = stage_space(spec, stage, flatten(base))
+    search, scheduler_name = spec.stage_search(stage), spec.stage_scheduler(stage)
+    grid = search == "grid" or is_pure_grid(space)
+    planned = grid_size(space) if grid else stage.num_samples
+    if remaining_trials is not None and planned > remaining_trials:
+        if grid:
+            raise ConfigError(
+                f"sweep stage '{stage.name}': its grid of {planned} exceeds the "
+                f"remaining sweep.max_trials ({remaining_trials})"
+            )
+        planned = remaining_trials
+    ctx = stage_context(spec, stage, base, target)
+    time_attr, max_t = time_axis(spec, target)
+    searcher, param_space = build_searcher(
+        search,
+        space,
+        metric=spec.metric,
+        mode=spec.mode,
+        seed=spec.seed + index,
+        num_samples=planned,
+        max_concurrent=spec.concurrency,
+    )
+    scheduler = build_scheduler(
+        scheduler_name,
+        metric=spec.metric,
+        mode=spec.mode,
+        time_attr=time_attr,
+        max_t=max_t,
+        grace_period=max_t * spec.grace_fraction,
+        reduction_factor=spec.reduction_factor,
+    )
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, base=base, ctx=ctx),
+        {"cpu": spec.cpus_per_trial, "gpu": spec.gpus_per_trial},
+    )
+    progress = ProgressCallback(stage.name, planned, spec.metric, spec.mode)
+    run_config = tune.RunConfig(
+        name=f"stage{index}_{stage.name}",
+        storage_path=str(out / "ray"),
+        verbose=0,
+        callbacks=[progress],
+        stop=FlopCap(spec.max_flops, state.total_flops()) if spec.max_flops else None,
+        failure_config=tune.FailureConfig(max_failures=spec.max_failures),
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+    )
+    experiment = out / "ray" / run_config.name
+    print(
+        f"[{stage.name}] {search} search, {scheduler_name} scheduler, {planned} trials of "
+        f"{max_t:.3g} {time_attr}: {', '.join(space.names)}"
+    )
+    if spec.resume and tune.Tuner.can_restore(str(experiment)):
+        print(f"[{stage.name}] resuming the interrupted stage from {experiment}")
+        tuner = tune.Tuner.restore(
+            str(experiment),
+            trainable,
+            resume_unfinished=True,
+            resume_errored=True,
+            param_space=param_space,
+        )
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space,
+            tune_config=tune.TuneConfig(
+                search_alg=searcher,
+                scheduler=scheduler,
+                num_samples=1 if grid else planned,
+                max_concurrent_trials=spec.concurrency,
+                time_budget_s=remaining_seconds,
+                reuse_actors=True,
+            ),
+            run_config=run_config,
+        )
+    results = tuner.fit()
+    return collect_results(results, stage.name, spec.metric, base, ctx)
+
+
+def reproduce_overrides(final: dict) -> list[str]:
+    """Hydra overrides that turn `python -m sweeper`'s default run into `final`: both sides
+    resolved through the schema, so derived values (vocab size) do not show up as changes."""
+    from sweeper.config import RunConfig
+
+    before = flatten(RunConfig().to_dict())
+    after = flatten(load_run_config(final).to_dict())
+    return [f"{k}={hydra_value(after[k])}" for k in sorted(after) if before.get(k) != after[k]]
+
+
+def hydra_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, float) else str(value)

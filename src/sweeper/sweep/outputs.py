@@ -1,0 +1,227 @@
+"""End of a sweep: the baseline run, the tables, summary.json, reports.csv, plots, fit."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+from sweeper.sweep.spec import SweepSpec
+from sweeper.sweep.state import SweepState, write_json_atomic
+
+
+# --- the baseline: the unmodified config under the same budget --------------------------
+def _baseline_run(base: dict, metric: str, target: str | None, threads: int) -> dict:
+    import torch
+
+    if target:
+        from sweeper.sweep.trainable import load_target
+
+        seen: list[dict] = []
+        load_target(target)(base, lambda m, state=None: seen.append(dict(m)))
+        return {"value": seen[-1].get(metric) if seen else None, "status": "completed"}
+    from sweeper.train import train
+
+    torch.set_num_threads(threads)
+    base = {**base, "trainer": {**base["trainer"], "threads": threads}}
+    result = train(base, verbose=False)
+    return {
+        "value": result.get(metric),
+        "status": result["status"],
+        "tokens": result["tokens"],
+        "flops": result["flops"],
+        "params": result["params"],
+    }
+
+
+def launch_baseline(base: dict, spec: SweepSpec, target: str | None, penalty: float):
+    """Runs on Ray beside the first stage, holding one trial's resources."""
+    import ray
+
+    remote = ray.remote(num_cpus=spec.cpus_per_trial, num_gpus=spec.gpus_per_trial)(_baseline_run)
+    print("baseline: training the unmodified config under the same budget, beside stage 1")
+    return remote.remote(base, spec.metric, target, max(1, int(spec.cpus_per_trial)))
+
+
+def collect_baseline(job) -> dict:
+    import ray
+
+    try:
+        return ray.get(job)
+    except Exception as error:  # a failed baseline must not lose the sweep's results
+        return {"value": None, "status": "failed", "error": str(error).splitlines()[0]}
+
+
+# --- tables ----------------------------------------------------------------------------
+def print_stage_table(stage: str, records: list[dict], best: dict | None, spec: SweepSpec) -> None:
+    keys = sorted({k for r in records for k in r["params"]})
+    order = sorted(records, key=lambda r: (r["metric"] is None, _signed(r["metric"], spec.mode)))
+    print(f"\n[{stage}] {len(records)} trials, sorted by {spec.metric}:")
+    print("  " + " | ".join([f"{spec.metric:>9}", f"{'status':>9}", *(f"{k:>22}" for k in keys)]))
+    for r in order:
+        value = f"{r['metric']:.4f}" if r["metric"] is not None else "-"
+        cells = [
+            f"{value:>9}",
+            f"{r['status']:>9}",
+            *(f"{_fmt(r['params'].get(k)):>22}" for k in keys),
+        ]
+        mark = "  <- best" if best is not None and r["trial_id"] == best["trial_id"] else ""
+        print("  " + " | ".join(cells) + mark)
+    print()
+
+
+def _signed(value, mode):
+    return 0.0 if value is None else (value if mode == "min" else -value)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# --- files -----------------------------------------------------------------------------
+def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
+    columns = [
+        "trial_id",
+        "stage",
+        "status",
+        "step",
+        "tokens",
+        "flops",
+        "params",
+        "val_bpb",
+        "train_loss",
+        "lr",
+        "total_batch_size",
+        "tokens_per_s",
+        "final",
+    ]
+    if metric not in columns:
+        columns.insert(7, metric)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(reports)
+
+
+def write_all(out: Path, spec: SweepSpec, state: SweepState, base: dict) -> dict:
+    from sweeper.sweep.engine import reproduce_overrides
+    from sweeper.sweep.plots import plot_learning_curves, plot_stage_lr
+
+    records, reports = state.all_records(), state.all_reports()
+    write_reports_csv(out / "reports.csv", reports, spec.metric)
+    stages = []
+    for stage in state.stages:
+        best = stage["best"]
+        stages.append(
+            {
+                "name": stage["name"],
+                "params": sorted({k for r in stage["records"] for k in r["params"]}),
+                "trials": len(stage["records"]),
+                "statuses": _count(stage["records"]),
+                "best_value": best["metric"] if best else None,
+                "best_params": best["params"] if best else None,
+            }
+        )
+    final = state.stages[-1]["base_after"] if state.stages else base
+    finished = [s["best"] for s in state.stages if s["best"]]
+    best_value = finished[-1]["metric"] if finished else None
+    baseline = state.baseline or {}
+    summary = {
+        "sweep": spec.name,
+        "metric": spec.metric,
+        "mode": spec.mode,
+        "stages": stages,
+        "best": {
+            "value": best_value,
+            spec.metric: best_value,
+            "overrides": _overrides(final, base, reproduce_overrides),
+        }
+        if finished
+        else None,
+        "baseline": {spec.metric: baseline.get("value"), **baseline} if baseline else None,
+        "improvement": (baseline["value"] - best_value) * (1 if spec.mode == "min" else -1)
+        if baseline.get("value") is not None and best_value is not None
+        else None,
+        "trials": len(records),
+        "total_flops": state.total_flops(),
+        "elapsed_s": state.elapsed,
+    }
+    plots = [plot_learning_curves(out / "learning_curves.png", reports, spec.metric)]
+    for stage in state.stages:
+        plots.append(plot_stage_lr(out / f"stage_{stage['name']}.png", stage["records"], spec))
+    summary["plots"] = [p.name for p in plots if p]
+    summary["fit"] = _fit(out, reports, spec)
+    write_json_atomic(out / "summary.json", summary)
+    _print_summary(summary, spec, out)
+    return summary
+
+
+def _overrides(final: dict, base: dict, reproduce) -> list[str]:
+    try:
+        return reproduce(final)
+    except Exception:  # a user's function's config need not be a sweeper run config
+        from sweeper.sweep.spec import flatten
+
+        before, after = flatten(base), flatten(final)
+        return [f"{k}={after[k]}" for k in sorted(after) if before.get(k) != after[k]]
+
+
+def _count(records: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    return counts
+
+
+def _fit(out: Path, reports: list[dict], spec: SweepSpec) -> dict | None:
+    """Loss against compute over every report of every trial (the frontier fit)."""
+    try:
+        from sweeper.scaling import fit_all, plot_all
+    except ImportError:
+        return None
+    points = [
+        {
+            "N": r.get("params"),
+            "D": r.get("tokens"),
+            "C": r.get("flops"),
+            "loss": r.get(spec.metric),
+            "final": r.get("final"),
+        }
+        for r in reports
+        if r.get("status") != "diverged" and r.get(spec.metric) is not None
+    ]
+    try:
+        result = fit_all(
+            points,
+            conventions={
+                "params": "total",
+                "flops": "per_token_with_attention",
+                "loss_unit": spec.metric,
+            },
+        )
+        write_json_atomic(out / "fit.json", result)
+        plot_all(result, points, out)
+    except Exception as error:  # a fit that can't be made must not lose the sweep
+        return {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
+    return {"file": "fit.json", "warnings": result.get("warnings", [])}
+
+
+def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
+    print(f"sweep '{spec.name}': {summary['trials']} trials in {summary['elapsed_s']:.0f}s")
+    for stage in summary["stages"]:
+        value = stage["best_value"]
+        print(
+            f"  stage {stage['name']:<14} best {spec.metric} "
+            f"{value if value is None else f'{value:.4f}'} with {stage['best_params']}"
+        )
+    base = (summary.get("baseline") or {}).get("value")
+    best = (summary.get("best") or {}).get("value")
+    if base is not None and best is not None and math.isfinite(base):
+        print(
+            f"  baseline {spec.metric} {base:.4f} -> best {best:.4f} "
+            f"({summary['improvement']:+.4f} better)"
+        )
+    if summary.get("best"):
+        print(f"  reproduce: python -m sweeper {' '.join(summary['best']['overrides'])}")
+    print(f"  outputs: {out}/summary.json, reports.csv, {', '.join(summary['plots'])}")

@@ -1,0 +1,89 @@
+"""Turn Ray Tune's ResultGrid into plain trial records and per-report rows."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sweeper.sweep.space import to_builtin
+from sweeper.sweep.trainable import TrialContext, trial_config
+
+REPORT_COLUMNS = (
+    "step",
+    "tokens",
+    "flops",
+    "params",
+    "val_bpb",
+    "train_loss",
+    "lr",
+    "tokens_per_s",
+    "mfu",
+)
+
+
+def trial_status(metrics: dict, error: Any) -> str:
+    """completed | pruned | diverged | failed, from the trial's last report."""
+    if error is not None:
+        return "failed"
+    status = metrics.get("status")
+    if status in ("completed", "diverged"):
+        return status
+    if status is None and metrics.get("done"):
+        return "completed"  # a user's function that returned by itself
+    return "pruned"  # stopped by the scheduler (or a cap) before its budget
+
+
+def collect_results(results, stage: str, metric: str, base: dict, ctx: TrialContext):
+    records, reports = [], []
+    for result in results:
+        metrics = to_builtin(dict(result.metrics or {}))
+        params = to_builtin({k: v for k, v in (result.config or {}).items()})
+        trial_id = metrics.get("trial_id") or str(result.path).rsplit("/", 1)[-1]
+        status = trial_status(metrics, result.error)
+        effective = trial_config(params, base, ctx)
+        value = metrics.get(metric)
+        records.append(
+            {
+                "trial_id": trial_id,
+                "stage": stage,
+                "status": status,
+                "params": params,
+                "metric": value
+                if isinstance(value, int | float) and math.isfinite(value)
+                else None,
+                "tokens": metrics.get("tokens"),
+                "flops": metrics.get("flops"),
+                "batch_size": effective.get("trainer", {}).get("total_batch_size"),
+                "lr": metrics.get("lr"),
+                "error": str(result.error).splitlines()[0] if result.error else None,
+                "path": str(result.path),
+            }
+        )
+        frame = result.metrics_dataframe
+        if frame is None:
+            continue
+        rows = frame.to_dict("records")
+        for i, row in enumerate(rows):
+            reports.append(
+                to_builtin(
+                    {
+                        "trial_id": trial_id,
+                        "stage": stage,
+                        "status": status,
+                        **{c: row.get(c) for c in REPORT_COLUMNS},
+                        metric: row.get(metric),
+                        "total_batch_size": effective.get("trainer", {}).get("total_batch_size"),
+                        "final": i == len(rows) - 1,
+                    }
+                )
+            )
+    return records, _clean(reports)
+
+
+def _clean(rows: list[dict]) -> list[dict]:
+    """NaN -> None, so the JSON state file stays valid JSON."""
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                row[key] = None
+    return rows

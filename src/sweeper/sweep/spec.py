@@ -1,0 +1,167 @@
+"""The typed sweep definition (`cfg.sweep`), validated before Ray starts.
+
+Every mistake a user can make in a sweep file or override (an unknown search, bohb search
+without the bohb scheduler, an empty or inverted range, a parameter key the run config
+does not have) becomes one ConfigError line here, so nothing is started or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sweeper.config import ConfigError
+from sweeper.sweep.algorithms import check_compatible
+from sweeper.sweep.space import Space, parse_space
+
+LR_RULES = ("none", "sqrt", "linear", "retune")
+BATCH_KEY = "trainer.total_batch_size"
+
+
+@dataclass
+class BudgetSpec:
+    tokens_per_trial: float | None = None
+    flops_per_trial: float | None = None
+
+
+@dataclass
+class StageSpec:
+    name: str = "stage"
+    params: dict[str, Any] = field(default_factory=dict)
+    search: str | None = None  # null: the sweep's default
+    scheduler: str | None = None
+    num_samples: int = 8
+    lr_rule: str = "none"  # how frozen LRs follow a batch-size change
+    retune_factor: float = 2.0  # lr_rule=retune: search LRs in [v / f, v * f]
+
+
+@dataclass
+class SweepSpec:
+    name: str = "sweep"
+    metric: str = "val_bpb"
+    mode: str = "min"
+    search: str = "tpe"
+    scheduler: str = "asha"
+    budget: BudgetSpec = field(default_factory=BudgetSpec)
+    stages: list[StageSpec] = field(default_factory=list)
+    max_trials: int | None = None
+    max_flops: float | None = None
+    max_seconds: float | None = None
+    concurrency: int | None = None
+    cpus_per_trial: float = 1.0
+    gpus_per_trial: float = 0.0
+    reports_per_trial: int = 8
+    grace_fraction: float = 0.25
+    reduction_factor: float = 3.0
+    penalty: float | None = None
+    seed: int = 0
+    baseline: bool = True
+    max_failures: int = 1
+    resume: bool = False
+    lr_keys: list[str] = field(default_factory=list)
+
+    def stage_search(self, stage: StageSpec) -> str:
+        return stage.search or self.search
+
+    def stage_scheduler(self, stage: StageSpec) -> str:
+        return stage.scheduler or self.scheduler
+
+
+def load_sweep_spec(tree: Any) -> SweepSpec:
+    """`cfg.sweep` (DictConfig or dict) -> SweepSpec, types checked by OmegaConf."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from sweeper.config import _omegaconf_message
+
+    container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SweepSpec), container))
+    except OmegaConfBaseException as error:
+        raise ConfigError("sweep." + _omegaconf_message(error).removeprefix("sweep.")) from None
+
+
+def stage_space(spec: SweepSpec, stage: StageSpec, frozen: dict[str, Any] | None = None) -> Space:
+    """The stage's search space; lr_rule=retune adds a narrow band around each frozen LR."""
+    from sweeper.sweep.space import narrow_log_band
+
+    params = dict(stage.params)
+    if stage.lr_rule == "retune":
+        for key in spec.lr_keys:
+            if frozen and key in frozen and key not in params:
+                params[key] = narrow_log_band(float(frozen[key]), stage.retune_factor)
+    try:
+        return parse_space(params)
+    except ValueError as error:
+        raise ConfigError(f"sweep stage '{stage.name}': {error}") from None
+
+
+def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -> None:
+    """Cross-field checks; `run_keys` are the dotted keys of the run config."""
+    _check(spec.mode in ("min", "max"), f"sweep.mode must be min or max, got {spec.mode!r}")
+    _check(bool(spec.stages), f"sweep '{spec.name}' has no stages")
+    budgets = [k for k in ("tokens_per_trial", "flops_per_trial") if getattr(spec.budget, k)]
+    if not custom_trainable:
+        _check(
+            len(budgets) == 1,
+            "set exactly one of sweep.budget.tokens_per_trial, "
+            f"sweep.budget.flops_per_trial; got {', '.join(budgets) or 'none'}",
+        )
+    for key in budgets:
+        _check(getattr(spec.budget, key) > 0, f"sweep.budget.{key} must be > 0")
+    for key in ("max_trials", "max_flops", "max_seconds", "concurrency"):
+        value = getattr(spec, key)
+        _check(value is None or value > 0, f"sweep.{key} must be > 0, got {value}")
+    _check(spec.cpus_per_trial > 0, f"sweep.cpus_per_trial must be > 0, got {spec.cpus_per_trial}")
+    _check(
+        spec.gpus_per_trial >= 0, f"sweep.gpus_per_trial must be >= 0, got {spec.gpus_per_trial}"
+    )
+    _check(spec.reports_per_trial >= 1, "sweep.reports_per_trial must be >= 1")
+    _check(
+        0 < spec.grace_fraction <= 1,
+        f"sweep.grace_fraction must be in (0, 1], got {spec.grace_fraction}",
+    )
+    _check(
+        spec.reduction_factor > 1,
+        f"sweep.reduction_factor must be > 1, got {spec.reduction_factor}",
+    )
+    _check(spec.max_failures >= 0, "sweep.max_failures must be >= 0")
+    names = [s.name for s in spec.stages]
+    _check(len(set(names)) == len(names), f"sweep stage names must be unique, got {names}")
+    for stage in spec.stages:
+        where = f"sweep stage '{stage.name}'"
+        _check(
+            stage.num_samples >= 1, f"{where}: num_samples must be >= 1, got {stage.num_samples}"
+        )
+        _check(
+            stage.lr_rule in LR_RULES,
+            f"{where}: lr_rule must be one of {', '.join(LR_RULES)}, got {stage.lr_rule!r}",
+        )
+        _check(stage.retune_factor > 1, f"{where}: retune_factor must be > 1")
+        if not custom_trainable:
+            for key in stage.params:
+                _check(key in run_keys, f"{where}: unknown config key '{key}' in params")
+        # retune bands are continuous: check with a stand-in frozen value for every LR key
+        frozen = dict.fromkeys(spec.lr_keys, 1e-3)
+        space = stage_space(spec, stage, frozen)
+        try:
+            check_compatible(spec.stage_search(stage), spec.stage_scheduler(stage), space)
+        except ValueError as error:
+            raise ConfigError(f"{where}: {error}") from None
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat

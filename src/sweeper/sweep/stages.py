@@ -1,0 +1,78 @@
+"""Pure helpers of the staged sweep: apply sampled values, follow the batch size with the
+LRs, pick a stage's best trial, freeze it into the next stage's base config."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+BATCH_KEY = "trainer.total_batch_size"
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def get_dotted(tree: dict, key: str, default: Any = None) -> Any:
+    node = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def apply_params(base: dict, params: dict[str, Any]) -> dict:
+    """A copy of the nested `base` config with dotted `params` written in."""
+    tree = copy.deepcopy(base)
+    for key, value in params.items():
+        set_dotted(tree, key, value)
+    return tree
+
+
+def lr_scale(rule: str, batch: float, base_batch: float) -> float:
+    """Factor on the frozen LRs when the batch goes from base_batch to batch tokens:
+    sqrt (Adam-style noise scale, Malladi et al. 2022) or linear (Goyal et al. 2017)."""
+    if rule == "sqrt":
+        return math.sqrt(batch / base_batch)
+    if rule == "linear":
+        return batch / base_batch
+    return 1.0
+
+
+def follow_batch_size(
+    config: dict, rule: str, base_batch: float, lr_keys: list[str], sampled: set[str]
+) -> dict:
+    """Rescale the frozen LRs of `config` for its batch size. LRs the stage samples itself
+    are left alone (they are being tuned at this batch size)."""
+    batch = get_dotted(config, BATCH_KEY)
+    factor = lr_scale(rule, batch, base_batch) if batch else 1.0
+    if factor == 1.0:
+        return config
+    config = copy.deepcopy(config)
+    for key in lr_keys:
+        value = get_dotted(config, key)
+        if key not in sampled and isinstance(value, int | float):
+            set_dotted(config, key, value * factor)
+    return config
+
+
+def pick_best(trials: list[dict], metric: str, mode: str) -> dict | None:
+    """The best finished trial: among those that ran their whole budget when any did
+    (a pruned trial's last value is at fewer tokens, not comparable), by `metric`."""
+    usable = [t for t in trials if _finite(t.get("metric"))]
+    complete = [t for t in usable if t.get("status") == "completed"]
+    pool = complete or usable
+    if not pool:
+        return None
+    sign = 1 if mode == "min" else -1
+    return min(pool, key=lambda t: sign * t["metric"])
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
