@@ -11,6 +11,7 @@ optimal hyperparameters vs compute), bootstrap_* (percentile CIs).
 
 from .analysis import DEFAULT_CONVENTIONS, fit_all
 from .bootstrap import bootstrap_chinchilla, bootstrap_frontier, percentile_ci
+from .frontier import FrontierFit, fit_frontier, lower_envelope
 from .isoflop import (
     IsoFlopFit,
     IsoFlopProfile,
@@ -24,12 +25,9 @@ from .isoflop import (
 )
 from .laws import (
     ChinchillaFit,
-    FrontierFit,
     compute_optimal,
     fit_chinchilla,
-    fit_frontier,
     huber_objective,
-    lower_envelope,
     start_grid,
 )
 from .plots import plot_all

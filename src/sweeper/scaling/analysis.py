@@ -11,8 +11,9 @@ import math
 import numpy as np
 
 from .bootstrap import bootstrap_chinchilla, bootstrap_frontier
+from .frontier import fit_frontier, lower_envelope
 from .isoflop import fit_hparam_vs_compute, fit_isoflop, group_by_budget
-from .laws import compute_optimal, fit_chinchilla, fit_frontier, lower_envelope
+from .laws import compute_optimal, fit_chinchilla
 from .records import Points, to_points
 
 DEFAULT_CONVENTIONS = {
@@ -118,7 +119,11 @@ def _frontier(pts: Points, opts: dict, warnings: list) -> tuple:
         hi = max(c.max(), target or 0.0)
         band = np.logspace(np.log10(c.min()), np.log10(hi), 60)
         boot = bootstrap_frontier(
-            c[env], y[env], n_boot=opts["boot"], seed=opts["seed"], target_flops=target,
+            c[env],
+            y[env],
+            n_boot=opts["boot"],
+            seed=opts["seed"],
+            target_flops=target,
             band_flops=band,
         )
         section["bootstrap"] = boot
@@ -128,7 +133,7 @@ def _frontier(pts: Points, opts: dict, warnings: list) -> tuple:
 
 
 def _parametric(pts: Points, opts: dict, warnings: list, grid, n_refine) -> tuple:
-    ok = np.flatnonzero(pts.final & pts.has("N") & pts.has("D"))
+    ok = _best_per_pair(pts, np.flatnonzero(pts.final & pts.has("N") & pts.has("D")))
     n, d, y = pts.N[ok], pts.D[ok], pts.loss[ok]
     problem = None
     if len(ok) < MIN_PARAMETRIC_POINTS:
@@ -150,7 +155,10 @@ def _parametric(pts: Points, opts: dict, warnings: list, grid, n_refine) -> tupl
     section["n_excluded_intermediate"] = int(np.sum(~pts.final & pts.has("N") & pts.has("D")))
     preds = {}
     target = opts["target"]
-    if target is not None:
+    usable = fit.alpha > 0 and fit.beta > 0 and np.isfinite([fit.E, fit.A, fit.B]).all()
+    if target is not None and not usable:
+        warnings.append("parametric: degenerate parameters; no compute-optimal prediction")
+    elif target is not None:
         n_opt, d_opt, loss_opt = compute_optimal(fit.E, fit.A, fit.B, fit.alpha, fit.beta, target)
         preds.update(
             {
@@ -169,6 +177,17 @@ def _parametric(pts: Points, opts: dict, warnings: list, grid, n_refine) -> tupl
             for key in ("N_opt", "D_opt", "loss_opt", "tokens_per_param"):
                 preds[f"parametric_{key}_ci95"] = boot["ci95"].get(key)
     return section, preds
+
+
+def _best_per_pair(pts: Points, idx: np.ndarray) -> np.ndarray:
+    """The lowest-loss run of each (N, D): runs differing only in hyperparameters (an LR
+    sweep at one size) are one measurement of the law, at its best hyperparameters."""
+    best: dict[tuple, int] = {}
+    for i in idx:
+        key = (pts.N[i], pts.D[i])
+        if key not in best or pts.loss[i] < pts.loss[best[key]]:
+            best[key] = i
+    return np.array(sorted(best.values()), dtype=int)
 
 
 def _with_budget(pts: Points, mask: np.ndarray) -> np.ndarray:

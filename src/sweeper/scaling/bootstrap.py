@@ -11,14 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .laws import (
-    ChinchillaFit,
-    FrontierFit,
-    compute_optimal,
-    fit_chinchilla,
-    fit_frontier,
-    single_blas_thread,
-)
+from .frontier import FrontierFit, fit_frontier
+from .laws import ChinchillaFit, compute_optimal, fit_chinchilla, single_blas_thread
 
 CI_LEVEL = 0.95
 

@@ -61,7 +61,8 @@ def _budget_value(label, flops: np.ndarray) -> float:
         value = float("nan")
     if np.isfinite(value) and value > 0:
         return value
-    return float(np.median(flops))
+    known = flops[np.isfinite(flops) & (flops > 0)]
+    return float(np.median(known)) if len(known) else float("nan")
 
 
 def group_by_budget(flops, budget=None, bins_per_decade: int = 10) -> list[tuple]:
@@ -69,11 +70,13 @@ def group_by_budget(flops, budget=None, bins_per_decade: int = 10) -> list[tuple
 
     With labels, points sharing a label form a group. Without, log10 C is rounded to
     1/bins_per_decade of a decade, so points whose compute differs by < ~12% (default) share a
-    budget. Returns [(budget_flops, indices, label), ...].
+    budget. Returns [(budget_flops, indices, label), ...]; groups whose compute is unknown
+    (no finite positive label or C) are left out.
     """
     c = np.asarray(flops, dtype=float)
     if budget is None:
-        keys = np.round(np.log10(c) * bins_per_decade)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            keys = np.round(np.log10(c) * bins_per_decade)
         labels = [None if not np.isfinite(k) else k for k in keys]
     else:
         labels = list(budget)
@@ -89,7 +92,8 @@ def group_by_budget(flops, budget=None, bins_per_decade: int = 10) -> list[tuple
             value = float(np.exp(np.mean(np.log(c[idx]))))
         else:
             value = _budget_value(lab, c[idx])
-        out.append((value, idx, lab))
+        if np.isfinite(value) and value > 0:
+            out.append((value, idx, lab))
     return sorted(out, key=lambda t: t[0])
 
 

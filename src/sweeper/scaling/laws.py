@@ -1,6 +1,7 @@
-"""Scaling-law fits: the compute frontier L(C) and Chinchilla's parametric law L(N, D).
+"""Chinchilla's parametric scaling law L(N, D), fitted as Hoffmann et al. / Besiroglu et al. do.
 
-Both are pure functions of numpy arrays; nothing here knows about sweeps, files or plots.
+Pure functions of numpy arrays; nothing here knows about sweeps, files or plots (the compute
+frontier L(C) lives in frontier.py).
 
 Parametric law (Hoffmann et al. 2022, Approach 3, as re-done by Besiroglu et al. 2024):
 
@@ -17,7 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import least_squares, minimize
+from scipy.optimize import minimize
 
 HUBER_DELTA = 1e-3
 # Order of the parameter vector theta used throughout this module.
@@ -168,13 +169,15 @@ class ChinchillaFit:
 def compute_optimal(E, A, B, alpha, beta, flops):
     """Chinchilla's closed form for the loss-minimising split of C = 6 N D.
 
-    Returns (N_opt, D_opt, loss_opt); broadcasts over numpy inputs.
+    Returns (N_opt, D_opt, loss_opt); broadcasts over numpy inputs. Defined for positive
+    exponents and coefficients; otherwise the results are NaN/inf (never complex).
     """
-    flops = np.asarray(flops, dtype=float)
-    g = (alpha * A / (beta * B)) ** (1.0 / (alpha + beta))
-    n_opt = g * (flops / 6.0) ** (beta / (alpha + beta))
-    d_opt = (flops / 6.0) ** (alpha / (alpha + beta)) / g
-    return n_opt, d_opt, E + A / n_opt**alpha + B / d_opt**beta
+    E, A, B, alpha, beta, flops = (np.asarray(v, dtype=float) for v in (E, A, B, alpha, beta, flops))
+    with np.errstate(all="ignore"):
+        g = (alpha * A / (beta * B)) ** (1.0 / (alpha + beta))
+        n_opt = g * (flops / 6.0) ** (beta / (alpha + beta))
+        d_opt = (flops / 6.0) ** (alpha / (alpha + beta)) / g
+        return n_opt, d_opt, E + A / n_opt**alpha + B / d_opt**beta
 
 
 def _lbfgs(x0, args, delta, weights):
@@ -242,10 +245,12 @@ def fit_chinchilla(
     f, g = huber_objective(theta, *args, delta=delta, weights=w)
     grad_norm = float(np.linalg.norm(g))
     a, b, e, alpha, beta = (float(v) for v in theta)
+    with np.errstate(over="ignore"):  # a diverged fit is reported below, not warned about
+        big_e, big_a, big_b = (float(v) for v in np.exp([e, a, b]))
     fit = ChinchillaFit(
-        E=float(np.exp(e)),
-        A=float(np.exp(a)),
-        B=float(np.exp(b)),
+        E=big_e,
+        A=big_a,
+        B=big_b,
         alpha=alpha,
         beta=beta,
         objective=float(f),
@@ -261,127 +266,13 @@ def fit_chinchilla(
             f"parametric fit: final gradient norm {grad_norm:.2e} > {GRAD_WARN:g}; "
             "the optimiser may have stopped short of the minimum"
         )
+    if not np.all(np.isfinite([big_e, big_a, big_b])):
+        fit.warnings.append(
+            "parametric fit: coefficients diverged to infinity; the data do not determine the law"
+        )
     if alpha <= 0 or beta <= 0:
         fit.warnings.append(
             f"parametric fit: non-positive exponent (alpha={alpha:.3g}, beta={beta:.3g}); "
             "the data do not constrain both terms"
-        )
-    return fit
-
-
-# ---------------------------------------------------------------------------------------------
-# Compute frontier: L(C) = E + A * C^-alpha on the lower envelope of (compute, loss).
-
-
-def lower_envelope(flops, loss) -> np.ndarray:
-    """Indices of the points on the compute frontier, in order of increasing compute.
-
-    A point is kept when its loss is strictly lower than that of every point with less (or
-    equal) compute: the running minimum of loss over increasing C, recording only improvements.
-    Non-finite or non-positive entries are ignored.
-    """
-    c, y = np.asarray(flops, dtype=float), np.asarray(loss, dtype=float)
-    ok = np.flatnonzero(np.isfinite(c) & np.isfinite(y) & (c > 0) & (y > 0))
-    # Sort by compute, ties by loss, so the best of several equal-compute points comes first.
-    order = ok[np.lexsort((y[ok], c[ok]))]
-    keep, best = [], np.inf
-    for i in order:
-        if y[i] < best:
-            keep.append(i)
-            best = y[i]
-    return np.array(keep, dtype=int)
-
-
-@dataclass
-class FrontierFit:
-    """Result of fitting L(C) = E + A * C^-alpha (least squares on log L)."""
-
-    E: float
-    A: float
-    alpha: float
-    rmse_log: float
-    n_points: int
-    e_at_bound: bool
-    warnings: list[str] = field(default_factory=list)
-
-    def predict(self, flops):
-        return self.E + self.A * np.asarray(flops, dtype=float) ** -self.alpha
-
-    def to_dict(self) -> dict:
-        return {
-            "E": self.E,
-            "A": self.A,
-            "alpha": self.alpha,
-            "rmse_log": self.rmse_log,
-            "n_points": self.n_points,
-            "E_at_bound": self.e_at_bound,
-        }
-
-
-def _frontier_residuals(p, x, log_l):
-    e, log_a, alpha = p
-    return np.log(e + np.exp(log_a - alpha * x)) - log_l
-
-
-def _frontier_jac(p, x, log_l):
-    e, log_a, alpha = p
-    t = np.exp(log_a - alpha * x)
-    pred = e + t
-    return np.column_stack([1.0 / pred, t / pred, -x * t / pred])
-
-
-def fit_frontier(flops, loss) -> FrontierFit:
-    """Fit L(C) = E + A * C^-alpha to (C, L) points, minimising squared error of log L.
-
-    Pass the envelope points (see lower_envelope). E is bounded to [0, min L). log C is
-    centred before fitting so the amplitude is O(1); A is reported for C in raw FLOPs.
-    Starts: for a ladder of fixed E values, log(L - E) is linear in log C, so ordinary least
-    squares gives (log A, alpha); the best of those seeds a bounded least-squares refit.
-    """
-    c, y = np.asarray(flops, dtype=float), np.asarray(loss, dtype=float)
-    if c.ndim != 1 or c.shape != y.shape or len(c) < 3:
-        raise ValueError("need at least 3 (compute, loss) points")
-    if not np.all(np.isfinite(c) & np.isfinite(y) & (c > 0) & (y > 0)):
-        raise ValueError("compute and loss must be finite and positive")
-    x0 = np.mean(np.log(c))
-    x = np.log(c) - x0
-    log_l = np.log(y)
-    e_max = float(y.min()) * (1.0 - 1e-9)
-    best = None
-    for frac in np.linspace(0.0, 0.99, 34):
-        e = frac * y.min()
-        slope, icpt = np.polyfit(x, np.log(y - e), 1)
-        p = np.array([e, icpt, max(-slope, 0.0)])
-        sse = float(np.sum(_frontier_residuals(p, x, log_l) ** 2))
-        if best is None or sse < best[0]:
-            best = (sse, p)
-    p0 = best[1]
-    p0[0] = min(p0[0], e_max * (1 - 1e-6))
-    res = least_squares(
-        _frontier_residuals,
-        p0,
-        jac=_frontier_jac,
-        bounds=([0.0, -np.inf, 0.0], [e_max, np.inf, np.inf]),
-        args=(x, log_l),
-        method="trf",
-        x_scale="jac",
-        ftol=1e-15,
-        xtol=1e-15,
-        gtol=1e-15,
-        max_nfev=10_000,
-    )
-    e, log_a, alpha = (float(v) for v in res.x)
-    fit = FrontierFit(
-        E=e,
-        A=float(np.exp(log_a + alpha * x0)),
-        alpha=alpha,
-        rmse_log=float(np.sqrt(np.mean(res.fun**2))),
-        n_points=len(c),
-        e_at_bound=bool(e >= e_max * (1 - 1e-6) or e <= 0.0),
-    )
-    if fit.e_at_bound:
-        fit.warnings.append(
-            f"frontier fit: E={e:.4g} is at its bound [0, min loss); the irreducible loss is "
-            "not constrained by these points"
         )
     return fit

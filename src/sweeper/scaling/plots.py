@@ -13,6 +13,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .laws import compute_optimal
 from .records import to_points
 
 DPI = 120
@@ -68,14 +69,22 @@ def plot_frontier(result: dict, pts, path: Path) -> Path:
     ax.plot(c_fit, curve(c_fit), c="C1", label=label)
     band = (fr.get("bootstrap") or {}).get("band")
     if band:
-        ax.fill_between(band["flops"], band["lo"], band["hi"], color="C1", alpha=0.2,
-                        label="95% bootstrap band")
+        ax.fill_between(
+            band["flops"], band["lo"], band["hi"], color="C1", alpha=0.2, label="95% bootstrap band"
+        )
     if target and target > c_max:
         c_ext = np.logspace(np.log10(c_max), np.log10(target), 100)
         ax.plot(c_ext, curve(c_ext), c="C1", ls="--", label="extrapolation")
     if target:
-        ax.scatter([target], [curve(target)], marker="*", s=120, c="C3", zorder=5,
-                   label=f"target {target:.2g} FLOPs: {curve(target):.3f}")
+        ax.scatter(
+            [target],
+            [curve(target)],
+            marker="*",
+            s=120,
+            c="C3",
+            zorder=5,
+            label=f"target {target:.2g} FLOPs: {curve(target):.3f}",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("compute C (FLOPs)")
     ax.set_ylabel(_loss_label(result))
@@ -100,8 +109,15 @@ def plot_isoflop(result: dict, pts, path: Path) -> Path:
         ax.plot(np.exp(x), c0 + c1 * x + c2 * x**2, color=color, label=f"{prof['flops']:.2g}")
         if prof.get("n_opt"):
             marker = "*" if prof["valid"] else "x"
-            ax.scatter([prof["n_opt"]], [prof["loss_opt"]], marker=marker, s=90, color=color,
-                       edgecolors="k", zorder=5)
+            ax.scatter(
+                [prof["n_opt"]],
+                [prof["loss_opt"]],
+                marker=marker,
+                s=90,
+                color=color,
+                edgecolors="k",
+                zorder=5,
+            )
     ax.set_xscale("log")
     ax.set_xlabel("parameters N")
     ax.set_ylabel(_loss_label(result))
@@ -113,7 +129,10 @@ def plot_isoflop(result: dict, pts, path: Path) -> Path:
 def _points_of_budget(pts, prof: dict) -> np.ndarray:
     """Final points carrying the profile's budget label."""
     return np.array(
-        [lab is not None and fin and str(lab) == prof["label"] for lab, fin in zip(pts.budget, pts.final)],
+        [
+            lab is not None and fin and str(lab) == prof["label"]
+            for lab, fin in zip(pts.budget, pts.final)
+        ],
         dtype=bool,
     )
 
@@ -139,18 +158,12 @@ def plot_optima(result: dict, path: Path) -> Path:
     ):
         law = iso[law_key]
         ax.scatter(c, [p[key] for p in good], c="C0", label="IsoFLOP optima")
-        ax.plot(c_line, law["k"] * c_line ** law["p"], c="C1",
-                label=f"fit: {key} ∝ C^{law['p']:.3f}")
+        ax.plot(
+            c_line, law["k"] * c_line ** law["p"], c="C1", label=f"fit: {key} ∝ C^{law['p']:.3f}"
+        )
         if par:
-            g = (par["alpha"] * par["A"] / (par["beta"] * par["B"])) ** (
-                1 / (par["alpha"] + par["beta"])
-            )
-            if key == "n_opt":
-                y = g * (c_line / 6) ** par["a"]
-            else:
-                y = (c_line / 6) ** par["b"] / g
-            ax.plot(c_line, y, c="C2", ls="--",
-                    label=f"parametric law: ∝ C^{par[exp_name]:.3f}")
+            y = _parametric_optimum(par, c_line)[0 if key == "n_opt" else 1]
+            ax.plot(c_line, y, c="C2", ls="--", label=f"parametric law: ∝ C^{par[exp_name]:.3f}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("compute C (FLOPs)")
@@ -158,6 +171,14 @@ def plot_optima(result: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle("Compute-optimal model size and data vs compute")
     return _save(fig, path)
+
+
+def _parametric_optimum(par: dict, flops):
+    """(N_opt, D_opt) of the fitted parametric law along C = 6 N D (Chinchilla's closed form)."""
+    n_opt, d_opt, _ = compute_optimal(
+        par["E"], par["A"], par["B"], par["alpha"], par["beta"], flops
+    )
+    return n_opt, d_opt
 
 
 def plot_hparams(result: dict, path: Path) -> Path:

@@ -19,16 +19,59 @@ FIELDS = ("N", "D", "C", "loss", "budget", "lr", "batch_size", "final")
 # Auto-detection: header names are lower-cased and runs of space/_/-/. become one space, then
 # compared with these spellings in order (the first match wins).
 COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
-    "N": ("n", "params", "parameters", "model size", "model params", "num params", "n params",
-          "nparams", "param count", "num parameters", "non embedding params"),
-    "D": ("d", "tokens", "training tokens", "num tokens", "n tokens", "train tokens",
-          "dataset size"),
-    "C": ("c", "flops", "training flop", "training flops", "compute", "flop", "total flops",
-          "train flops"),
-    "loss": ("loss", "val loss", "val bpb", "validation loss", "eval loss", "valid loss",
-             "bpb", "final loss", "test loss", "train loss"),
-    "budget": ("budget", "flops budget", "flop budget", "compute budget", "budget flops",
-               "isoflop", "isoflop budget"),
+    "N": (
+        "n",
+        "params",
+        "parameters",
+        "model size",
+        "model params",
+        "num params",
+        "n params",
+        "nparams",
+        "param count",
+        "num parameters",
+        "non embedding params",
+    ),
+    "D": (
+        "d",
+        "tokens",
+        "training tokens",
+        "num tokens",
+        "n tokens",
+        "train tokens",
+        "dataset size",
+    ),
+    "C": (
+        "c",
+        "flops",
+        "training flop",
+        "training flops",
+        "compute",
+        "flop",
+        "total flops",
+        "train flops",
+    ),
+    "loss": (
+        "loss",
+        "val loss",
+        "val bpb",
+        "validation loss",
+        "eval loss",
+        "valid loss",
+        "bpb",
+        "final loss",
+        "test loss",
+        "train loss",
+    ),
+    "budget": (
+        "budget",
+        "flops budget",
+        "flop budget",
+        "compute budget",
+        "budget flops",
+        "isoflop",
+        "isoflop budget",
+    ),
     "lr": ("lr", "learning rate", "learning_rate", "peak lr", "max lr"),
     "batch_size": ("batch size", "total batch size", "bs", "global batch size"),
     "final": ("final", "is final"),
@@ -112,8 +155,12 @@ def read_csv_records(
     path: Path,
     explicit: dict[str, str | None] | None = None,
     preferred: dict[str, str] | None = None,
-) -> list[dict]:
-    """Read a CSV into records, detecting columns. Raises InputError for unusable files."""
+    return_columns: bool = False,
+):
+    """Read a CSV into records, detecting columns. Raises InputError for unusable files.
+
+    With return_columns, returns (records, {field: column name}).
+    """
     try:
         with open(path, newline="") as fh:
             rows = list(csv.reader(fh))
@@ -140,7 +187,7 @@ def read_csv_records(
             else:
                 rec[fld] = _to_float(cell)
         records.append(rec)
-    return records
+    return (records, mapping) if return_columns else records
 
 
 @dataclass
@@ -166,7 +213,10 @@ class Points:
 
 
 def _budget_label(value):
-    if value is None or (isinstance(value, float) and not np.isfinite(value)):
+    """A hashable label: a float when numeric, else a stripped string; None when absent."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float, np.number)):
+        return None
+    if isinstance(value, (int, float, np.number)) and not np.isfinite(value):
         return None
     if isinstance(value, str):
         value = value.strip()

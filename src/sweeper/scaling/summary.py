@@ -70,7 +70,9 @@ def _prediction_lines(result: dict) -> list[str]:
         return []
     lines = [f"Predictions at C = {result['target_flops']:.3e} FLOPs:"]
     if "frontier_loss" in pr:
-        lines.append("  frontier: " + _val("loss", pr["frontier_loss"], pr.get("frontier_loss_ci95")))
+        lines.append(
+            "  frontier: " + _val("loss", pr["frontier_loss"], pr.get("frontier_loss_ci95"))
+        )
     if "parametric_N_opt" in pr:
         parts = [
             _val(label, pr[f"parametric_{key}"], pr.get(f"parametric_{key}_ci95"))

@@ -7,6 +7,7 @@ No Hydra state crosses into the worker (hydra#1126, #2772).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
@@ -81,10 +82,8 @@ def run_trial(config: dict, base: dict, ctx: TrialContext) -> None:
             raise Diverged
 
     if ctx.target:
-        try:
+        with contextlib.suppress(Diverged):  # ended by the report above, as diverged
             load_target(ctx.target)(run_cfg, report)
-        except Diverged:
-            pass
         return
 
     import torch
