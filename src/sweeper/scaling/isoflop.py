@@ -40,6 +40,8 @@ def fit_power_law(x, y) -> PowerLawFit:
     if len(np.unique(lx)) < 2:
         raise ValueError("power-law fit needs at least 2 distinct x values")
     p, log_k = np.polyfit(lx, ly, 1)
+    if not np.isfinite(p) or abs(log_k) > 700:  # exp(log_k) would overflow
+        raise ValueError(f"power-law fit diverged (exponent {p:.3g}); x values too close")
     r2 = None
     if len(x) > 2:
         ss_res = float(np.sum((ly - (log_k + p * lx)) ** 2))

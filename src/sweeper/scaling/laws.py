@@ -172,7 +172,9 @@ def compute_optimal(E, A, B, alpha, beta, flops):
     Returns (N_opt, D_opt, loss_opt); broadcasts over numpy inputs. Defined for positive
     exponents and coefficients; otherwise the results are NaN/inf (never complex).
     """
-    E, A, B, alpha, beta, flops = (np.asarray(v, dtype=float) for v in (E, A, B, alpha, beta, flops))
+    E, A, B, alpha, beta, flops = (
+        np.asarray(v, dtype=float) for v in (E, A, B, alpha, beta, flops)
+    )
     with np.errstate(all="ignore"):
         g = (alpha * A / (beta * B)) ** (1.0 / (alpha + beta))
         n_opt = g * (flops / 6.0) ** (beta / (alpha + beta))

@@ -50,7 +50,8 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
     ax.set_ylabel(metric)
     ax.set_title("Learning curves of all trials")
     ax.grid(alpha=0.3)
-    ax.legend(title="trial ended")
+    if shown:
+        ax.legend(title="trial ended")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

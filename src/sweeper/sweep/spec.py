@@ -81,11 +81,29 @@ def load_sweep_spec(tree: Any) -> SweepSpec:
         raise ConfigError("sweep." + _omegaconf_message(error).removeprefix("sweep.")) from None
 
 
+def flatten_params(params: dict, prefix: str = "") -> dict[str, Any]:
+    """Params may nest like the config (`optimizer: {matrix_lr: {log_uniform: [..]}}`, which
+    plain Hydra overrides can address) or use dotted keys; both become dotted keys. A dict
+    whose keys are all DSL kinds is a spec, not a level of nesting."""
+    from sweeper.sweep.space import KINDS
+
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and not value:
+            continue  # a level emptied by a `~` override
+        if isinstance(value, dict) and not set(value) <= set(KINDS):
+            flat.update(flatten_params(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
 def stage_space(spec: SweepSpec, stage: StageSpec, frozen: dict[str, Any] | None = None) -> Space:
     """The stage's search space; lr_rule=retune adds a narrow band around each frozen LR."""
     from sweeper.sweep.space import narrow_log_band
 
-    params = dict(stage.params)
+    params = flatten_params(stage.params)
     if stage.lr_rule == "retune":
         for key in spec.lr_keys:
             if frozen and key in frozen and key not in params:
@@ -139,7 +157,7 @@ def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -
         )
         _check(stage.retune_factor > 1, f"{where}: retune_factor must be > 1")
         if not custom_trainable:
-            for key in stage.params:
+            for key in flatten_params(stage.params):
                 _check(key in run_keys, f"{where}: unknown config key '{key}' in params")
         # retune bands are continuous: check with a stand-in frozen value for every LR key
         frozen = dict.fromkeys(spec.lr_keys, 1e-3)

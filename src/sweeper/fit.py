@@ -1,0 +1,177 @@
+"""`python -m sweeper.fit PATH`: fit scaling laws to a CSV or to a finished sweep.
+
+The work is done by sweeper.scaling; this module only parses arguments, reads the input,
+writes fit.json / PNGs and prints. Bad input is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from sweeper.scaling.records import SWEEP_COLUMNS, InputError, read_csv_records
+
+MIN_ROWS = 3
+
+DESCRIPTION = """\
+Fit scaling laws: the compute frontier L(C) = E + A C^-alpha, the parametric law
+L(N, D) = E + A/N^alpha + B/D^beta, IsoFLOP optima N_opt ~ C^a, D_opt ~ C^b, and optimal
+learning rate / batch size vs compute -- whichever the data allow.
+
+PATH is a CSV file, or a finished sweep's directory (its reports.csv is read: params -> N,
+tokens -> D, flops -> C, val_bpb -> loss). CSV columns are detected case-insensitively
+(N: n, params, parameters, "model size", num_params; D: d, tokens, "training tokens";
+C: c, flops, "training flop", compute; loss: loss, val_loss, val_bpb; budget: budget,
+flops_budget; also lr, batch_size, final). With N and C only, D = C/(6N); with N and D,
+C = 6ND.
+
+Output: fit.json and PNG plots in --out (default: the sweep directory, or ./<csv-name>-fit/
+in the current directory for a CSV), and a summary (or the JSON, with --json) on stdout."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sweeper.fit",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("path", metavar="PATH", help="CSV file or sweep directory")
+    for fld, flag in (("N", "n"), ("D", "d"), ("C", "c"), ("loss", "loss"), ("budget", "budget")):
+        p.add_argument(
+            f"--{flag}-col",
+            dest=f"col_{fld}",
+            metavar="NAME",
+            help=f"column holding {fld} (default: auto-detected)",
+        )
+    p.add_argument(
+        "--drop-highest",
+        type=int,
+        default=0,
+        metavar="K",
+        help="drop the K rows with the highest loss first (default 0)",
+    )
+    p.add_argument(
+        "--target-flops",
+        type=float,
+        metavar="X",
+        help="predict loss and compute-optimal N, D (and lr) at X FLOPs",
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=0,
+        metavar="K",
+        help="bootstrap replicates for 95%% CIs (e.g. 1000; default 0 = none)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    p.add_argument(
+        "--grid",
+        choices=("full", "small"),
+        default="full",
+        help="start grid of the parametric fit (default full: 4500 starts)",
+    )
+    p.add_argument("--out", type=Path, metavar="DIR", help="output directory (see above)")
+    p.add_argument("--json", action="store_true", help="print the fit.json content to stdout")
+    p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    p.add_argument(
+        "--params-convention",
+        choices=("total", "non_embedding", "matmul"),
+        default="total",
+        help="what N counts (default total)",
+    )
+    p.add_argument(
+        "--flops-convention",
+        choices=("6ND", "per_token_with_attention", "given"),
+        help="how C was computed (default: given if the data have a compute column, else 6ND)",
+    )
+    p.add_argument(
+        "--loss-unit",
+        metavar="UNIT",
+        help="unit of the loss column (default: bpb if its name says so, else nats)",
+    )
+    return p
+
+
+def load_records(args) -> tuple[list[dict], Path, dict]:
+    """Records, output directory and conventions for the parsed arguments."""
+    path = Path(args.path)
+    explicit = {fld: getattr(args, f"col_{fld}") for fld in ("N", "D", "C", "loss", "budget")}
+    if path.is_dir():
+        csv_path, preferred, out = path / "reports.csv", SWEEP_COLUMNS, path
+        if not csv_path.is_file():
+            raise InputError(f"{path} is a directory without reports.csv")
+    elif path.is_file():
+        csv_path, preferred, out = path, None, Path.cwd() / f"{path.stem}-fit"
+    else:
+        raise InputError(f"{path}: no such file or directory")
+    records, columns = read_csv_records(csv_path, explicit, preferred, return_columns=True)
+    if args.drop_highest < 0:
+        raise InputError("--drop-highest must be >= 0")
+    if args.drop_highest:
+        finite = sorted(
+            (r for r in records if r["loss"] == r["loss"]), key=lambda r: r["loss"], reverse=True
+        )
+        dropped = {id(r) for r in finite[: args.drop_highest]}
+        records = [r for r in records if id(r) not in dropped]
+    usable = sum(1 for r in records if r["loss"] == r["loss"] and r["loss"] > 0)
+    if usable < MIN_ROWS:
+        raise InputError(f"{csv_path}: {usable} usable row(s) with a loss; need >= {MIN_ROWS}")
+    conventions = {
+        "params": args.params_convention,
+        "flops": args.flops_convention or ("given" if "C" in columns else "6ND"),
+        "loss_unit": args.loss_unit or ("bpb" if "bpb" in columns["loss"].lower() else "nats"),
+    }
+    return records, args.out or out, conventions
+
+
+def run(args) -> int:
+    from sweeper.scaling.analysis import fit_all
+    from sweeper.scaling.summary import format_summary
+
+    records, out_dir, conventions = load_records(args)
+    result = fit_all(
+        records,
+        target_flops=args.target_flops,
+        bootstrap=max(args.bootstrap, 0),
+        seed=args.seed,
+        conventions=conventions,
+        grid=args.grid,
+    )
+    if not any(result[k] for k in ("frontier", "parametric", "isoflop", "hparams")):
+        raise InputError("no fit could be made: " + "; ".join(result["warnings"]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fit.json").write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    written = [out_dir / "fit.json"]
+    if not args.no_plots:
+        from sweeper.scaling.plots import plot_all
+
+        try:
+            written += plot_all(result, records, out_dir)
+        except Exception as exc:  # a plot is never worth losing the fit over
+            print(f"warning: plotting failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=2, allow_nan=False))
+    else:
+        print(format_summary(result))
+        print("Wrote " + ", ".join(p.name for p in written) + f" to {out_dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except InputError as exc:
+        msg = str(exc)
+    except OSError as exc:
+        msg = f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": ")
+    except Exception as exc:  # no tracebacks for whatever odd input gets through
+        msg = f"unexpected failure: {type(exc).__name__}: {exc}"
+    print(f"error: {' '.join(msg.split())}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Pure helpers of the staged sweep: freezing, the LR rule, picking the best trial."""
+
+import math
+
+import pytest
+
+from sweeper.sweep.engine import hydra_value, reproduce_overrides
+from sweeper.sweep.stages import apply_params, follow_batch_size, lr_scale, pick_best
+from sweeper.sweep.trainable import TrialContext, trial_config
+
+BASE = {
+    "optimizer": {"matrix_lr": 0.02, "embedding_lr": 0.2},
+    "trainer": {"total_batch_size": 8192},
+}
+KEYS = ["optimizer.matrix_lr", "optimizer.embedding_lr"]
+
+
+@pytest.mark.parametrize(
+    "rule, batch, expected",
+    [("sqrt", 32768, 2.0), ("linear", 16384, 2.0), ("none", 32768, 1.0), ("sqrt", 2048, 0.5)],
+)
+def test_lr_scale(rule, batch, expected):
+    assert lr_scale(rule, batch, 8192) == pytest.approx(expected)
+
+
+def test_frozen_lrs_follow_the_batch_size_but_sampled_ones_do_not():
+    config = apply_params(BASE, {"trainer.total_batch_size": 32768})
+    scaled = follow_batch_size(config, "sqrt", 8192, KEYS, sampled={"optimizer.embedding_lr"})
+    assert scaled["optimizer"]["matrix_lr"] == pytest.approx(0.04)
+    assert scaled["optimizer"]["embedding_lr"] == 0.2
+    assert BASE["optimizer"]["matrix_lr"] == 0.02  # the base is never mutated
+
+
+def test_trial_config_applies_params_then_the_rule():
+    ctx = TrialContext(
+        metric="val_bpb", penalty=8.0, lr_rule="linear", base_batch=8192, lr_keys=tuple(KEYS)
+    )
+    config = trial_config({"trainer.total_batch_size": 4096}, BASE, ctx)
+    assert config["optimizer"] == {"matrix_lr": 0.01, "embedding_lr": 0.1}
+
+
+def test_pick_best_prefers_trials_that_ran_their_whole_budget():
+    trials = [
+        {"trial_id": "a", "status": "pruned", "metric": 1.0},
+        {"trial_id": "b", "status": "completed", "metric": 2.0},
+        {"trial_id": "c", "status": "completed", "metric": 1.5},
+        {"trial_id": "d", "status": "diverged", "metric": None},
+        {"trial_id": "e", "status": "completed", "metric": math.nan},
+    ]
+    assert pick_best(trials, "val_bpb", "min")["trial_id"] == "c"
+    assert pick_best(trials, "val_bpb", "max")["trial_id"] == "b"
+    assert pick_best(trials[:1], "val_bpb", "min")["trial_id"] == "a"
+    assert pick_best([trials[3]], "val_bpb", "min") is None
+
+
+def test_reproduce_overrides_are_the_changes_from_the_default_run():
+    from sweeper.config import RunConfig
+
+    final = RunConfig().to_dict()
+    final["optimizer"]["matrix_lr"] = 0.05
+    final["trainer"]["budget_tokens"] = 1000.0
+    assert reproduce_overrides(final) == [
+        "optimizer.matrix_lr=0.05",
+        "trainer.budget_tokens=1000.0",
+    ]
+    assert hydra_value(None) == "null" and hydra_value(True) == "true"

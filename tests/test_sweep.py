@@ -1,0 +1,180 @@
+"""Sweeps end to end on a real local Ray cluster with the real (tiny) trainable."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from sweeper.cli import compose
+from sweeper.sweep.engine import run_sweep
+
+from .conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow
+
+# a few seconds per trial: tiny model, tiny budget, tiny eval
+TINY_SWEEP = [
+    "+sweep=smoke",
+    "sweep.budget.tokens_per_trial=8192",
+    "sweep.reports_per_trial=4",
+    "trainer.eval_tokens=1024",
+    "trainer.total_batch_size=512",
+    "sweep.baseline=false",
+]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src")])
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def sweep(tmp_path: Path, *overrides: str) -> dict:
+    cfg = compose([*TINY_SWEEP, *overrides])
+    run_sweep(cfg, str(tmp_path))
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+ALLOWED = [
+    ("random", "fifo"),
+    ("random", "asha"),
+    ("random", "hyperband"),
+    ("tpe", "fifo"),
+    ("tpe", "asha"),
+    ("tpe", "hyperband"),
+    ("gp", "fifo"),
+    ("gp", "asha"),
+    ("gp", "hyperband"),
+    ("bohb", "bohb"),
+]
+
+
+@pytest.mark.parametrize("search, scheduler", ALLOWED, ids=["-".join(p) for p in ALLOWED])
+def test_every_allowed_searcher_scheduler_pair_runs_the_real_trainable(
+    ray_cluster, tmp_path, search, scheduler
+):
+    summary = sweep(
+        tmp_path,
+        f"sweep.stages.0.search={search}",
+        f"sweep.stages.0.scheduler={scheduler}",
+        "sweep.stages.0.num_samples=3",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    lr_stage = summary["stages"][0]
+    assert lr_stage["trials"] == 3
+    assert set(lr_stage["statuses"]) <= {"completed", "pruned"}
+    assert 0 < lr_stage["best_value"] < 8.0
+    assert summary["best"]["overrides"]
+
+
+def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(ray_cluster, tmp_path):
+    summary = sweep(tmp_path, "sweep.stages.1.params.trainer.total_batch_size.grid=[512,2048]")
+    best_lr = summary["stages"][0]["best_params"]["optimizer.matrix_lr"]
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    frozen = state["stages"][0]["base_after"]["optimizer"]["matrix_lr"]
+    assert frozen == pytest.approx(best_lr)  # stage 1's best is the base of stage 2
+    bs_records = state["stages"][1]["records"]
+    assert sorted(r["batch_size"] for r in bs_records) == [512, 2048]
+    final = state["stages"][1]["base_after"]
+    batch = final["trainer"]["total_batch_size"]
+    assert final["optimizer"]["matrix_lr"] == pytest.approx(best_lr * (batch / 512) ** 0.5)
+    assert f"trainer.total_batch_size={batch}" in summary["best"]["overrides"]
+    for name in ("reports.csv", "learning_curves.png", "stage_lr.png", "summary.json"):
+        assert (tmp_path / name).is_file(), name
+
+
+def test_a_diverging_trial_is_stopped_with_a_penalty_and_the_sweep_finishes(ray_cluster, tmp_path):
+    summary = sweep(
+        tmp_path,
+        "optimizer=adamw",
+        "sweep.stages.0.search=grid",
+        "sweep.stages.0.scheduler=fifo",
+        "~sweep.stages.0.params.optimizer.matrix_lr",
+        "+sweep.stages.0.params.optimizer.lr.grid=[100.0,0.003]",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    records = {r["params"]["optimizer.lr"]: r for r in state["stages"][0]["records"]}
+    assert records[100.0]["status"] == "diverged"
+    assert records[100.0]["metric"] == pytest.approx(8.0)  # log2(256): the uniform-guess penalty
+    assert records[100.0]["tokens"] < 8192  # stopped before its budget
+    assert records[0.003]["status"] == "completed"
+    assert summary["stages"][0]["best_params"] == {"optimizer.lr": 0.003}
+
+
+def test_resume_skips_finished_stages(ray_cluster, tmp_path):
+    first = sweep(tmp_path, "sweep.stages.1.params.trainer.total_batch_size.grid=[512]")
+    trial_dirs = sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir())
+    again = sweep(
+        tmp_path, "sweep.stages.1.params.trainer.total_batch_size.grid=[512]", "sweep.resume=true"
+    )
+    assert (
+        sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir()) == trial_dirs
+    )
+    assert again["best"] == first["best"] and again["trials"] == first["trials"]
+
+
+def test_a_users_function_is_swept_with_the_same_dsl(ray_cluster, tmp_path):
+    summary = sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.noisy_bowl",
+        "sweep.baseline=true",
+        "sweep.stages.0.search=tpe",
+        "sweep.stages.0.scheduler=asha",
+        "sweep.stages.0.num_samples=6",
+        "~sweep.stages.0.params.optimizer.matrix_lr",
+        "+sweep.stages.0.params.optimizer.lr.log_uniform=[0.0001,1.0]",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    assert summary["stages"][0]["trials"] == 6
+    assert summary["best"]["value"] < 3.0
+    assert summary["baseline"]["value"] is not None
+
+
+def test_a_users_function_that_reports_nan_ends_as_diverged(ray_cluster, tmp_path):
+    sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.explodes",
+        "sweep.stages.0.num_samples=1",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    assert [r["status"] for r in state["stages"][0]["records"]] == ["diverged"]
+
+
+REFUSED = [
+    (["sweep.stages.0.search=bohb"], "bohb"),
+    (["sweep.stages.0.scheduler=bohb"], "bohb"),
+    (["sweep.stages.1.search=tpe"], "grid"),
+    (["sweep.stages.0.search=annealing"], "annealing"),
+    (["sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.1,0.01]"], "matrix_lr"),
+    (["sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.0,0.1]"], "matrix_lr"),
+    (["+sweep.stages.0.params.optimizer.no_such_lr.uniform=[0,1]"], "no_such_lr"),
+    (["sweep.stages.1.lr_rule=cubic"], "lr_rule"),
+    (["sweep.budget.tokens_per_trial=null"], "tokens_per_trial"),
+    (["sweep.mode=lowest"], "sweep.mode"),
+    (["sweep.stages=[]"], "no stages"),
+    (["trainable._target_=no.such.module.fn"], "trainable"),
+]
+
+
+@pytest.mark.parametrize("args, names", REFUSED, ids=[a[0] for a, _ in REFUSED])
+def test_refused_sweeps_error_in_one_line_before_ray_starts(tmp_path, args, names):
+    proc = run_cli(["+sweep=smoke", *args], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_sweep_name_is_one_line(tmp_path):
+    proc = run_cli(["+sweep=nonexistent"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and "sweep/nonexistent" in proc.stderr
+    assert "available" in proc.stderr and "lr_bs" in proc.stderr

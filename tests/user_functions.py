@@ -1,0 +1,16 @@
+"""A user's own training function, swept by tests through `trainable._target_`."""
+
+import math
+
+
+def noisy_bowl(config: dict, report) -> None:
+    """val_bpb is lowest at lr = 0.01 and falls with 'training' like a learning curve."""
+    lr = config["optimizer"]["lr"]
+    for step in range(1, 5):
+        distance = (math.log10(lr) + 2.0) ** 2
+        report({"val_bpb": 1.0 + distance + 1.0 / step, "step": step, "tokens": step * 100})
+
+
+def explodes(config: dict, report) -> None:
+    report({"val_bpb": float("nan"), "step": 1})
+    raise AssertionError("a diverged trial must be ended by its report, not run on")
