@@ -46,9 +46,12 @@ def fit_all(
     grid / n_refine: start grid of the parametric fit (see laws.fit_chinchilla).
     """
     result: dict = {
-        "conventions": {**DEFAULT_CONVENTIONS, **(conventions or {})},
+        "conventions": {
+            **DEFAULT_CONVENTIONS,
+            **(conventions if isinstance(conventions, dict) else {}),
+        },
         "target_flops": target_flops,
-        "n_records": len(records) if isinstance(records, list) else 0,
+        "n_records": len(records) if isinstance(records, (list, tuple)) else 0,
         "n_used": 0,
         "frontier": None,
         "parametric": None,

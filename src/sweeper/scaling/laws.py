@@ -49,16 +49,10 @@ def single_blas_thread():
     machine). Entering threadpoolctl costs a few ms, so nested uses are no-ops.
     """
     global _single_thread_depth
-    if threadpool_limits is None or _single_thread_depth:
-        _single_thread_depth += 1
-        try:
-            yield
-        finally:
-            _single_thread_depth -= 1
-        return
+    outer = threadpool_limits is not None and _single_thread_depth == 0
     _single_thread_depth += 1
     try:
-        with threadpool_limits(limits=1, user_api="blas"):
+        with threadpool_limits(limits=1, user_api="blas") if outer else contextlib.nullcontext():
             yield
     finally:
         _single_thread_depth -= 1
@@ -190,7 +184,8 @@ def _lbfgs(x0, args, delta, weights):
 
 
 def _log_data(n, d, loss):
-    log_n, log_d, log_l = (np.log(np.asarray(v, dtype=float)) for v in (n, d, loss))
+    with np.errstate(divide="ignore", invalid="ignore"):  # bad values are rejected below
+        log_n, log_d, log_l = (np.log(np.asarray(v, dtype=float)) for v in (n, d, loss))
     if not (log_n.shape == log_d.shape == log_l.shape) or log_n.ndim != 1:
         raise ValueError("N, D and loss must be 1-D arrays of equal length")
     if not np.all(np.isfinite(log_n + log_d + log_l)):

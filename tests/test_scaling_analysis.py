@@ -1,0 +1,194 @@
+"""fit_all / plot_all on sweep-like records: every fit, predictions, CIs, bad data, plots."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from sweeper.scaling import bootstrap_chinchilla, fit_all, fit_chinchilla, plot_all
+
+LAW = {"E": 1.7, "A": 400.0, "B": 410.0, "alpha": 0.34, "beta": 0.28}
+LR_EXP = -0.1
+BUDGETS = [1e17, 3e17, 1e18, 3e18, 1e19]
+
+
+def law(n, d):
+    return LAW["E"] + LAW["A"] / n ** LAW["alpha"] + LAW["B"] / d ** LAW["beta"]
+
+
+def lr_opt(c):
+    return 2.0 * c**LR_EXP
+
+
+def make_sweep(seed=0, noise=1e-3):
+    """IsoFLOP grid (5 budgets x 5 sizes x 3 LRs), each run with 3 intermediate reports."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for c in BUDGETS:
+        n_center = 0.1 * c**0.5
+        for n in n_center * np.logspace(-0.6, 0.6, 5):
+            d = c / (6 * n)
+            for mult in (0.5, 1.0, 2.0):
+                lr = lr_opt(c) * mult
+                penalty = 0.02 * math.log2(mult) ** 2
+                for frac in (0.25, 0.5, 1.0):
+                    loss = (law(n, d * frac) + penalty + 0.05 * (frac < 1)) * math.exp(
+                        rng.normal(0, noise)
+                    )
+                    records.append(
+                        {
+                            "N": n,
+                            "D": d * frac,
+                            "loss": loss,
+                            "budget": c,
+                            "lr": lr,
+                            "batch_size": 2**18 * (c / 1e17) ** 0.3,
+                            "final": frac == 1.0,
+                        }
+                    )
+    return records
+
+
+def test_fit_all_does_every_fit():
+    records = make_sweep()
+    res = fit_all(records, target_flops=1e21, conventions={"loss_unit": "bpb"})
+    json.dumps(res, allow_nan=False)
+    assert res["conventions"] == {"params": "total", "flops": "6ND", "loss_unit": "bpb"}
+    assert res["n_records"] == res["n_used"] == len(records)
+    par = res["parametric"]
+    assert par["n_points"] == 25  # one best-LR run per (N, D), intermediates excluded
+    assert par["n_excluded_intermediate"] == 150
+    assert par["alpha"] == pytest.approx(LAW["alpha"], rel=0.1)
+    assert par["beta"] == pytest.approx(LAW["beta"], rel=0.1)
+    assert par["E"] == pytest.approx(LAW["E"], rel=0.03)
+    iso = res["isoflop"]
+    assert len(iso["profiles"]) == 5
+    assert iso["a"] == pytest.approx(LAW["beta"] / (LAW["alpha"] + LAW["beta"]), abs=0.03)
+    assert res["hparams"]["lr"]["p"] == pytest.approx(LR_EXP, abs=1e-9)
+    assert res["hparams"]["batch_size"]["p"] == pytest.approx(0.3, abs=1e-9)
+    fr = res["frontier"]
+    assert fr["n_candidates"] == len(records) and fr["n_points"] >= 4
+    pr = res["predictions"]
+    for key in (
+        "frontier_loss",
+        "parametric_N_opt",
+        "parametric_D_opt",
+        "parametric_loss_opt",
+        "parametric_tokens_per_param",
+        "isoflop_N_opt",
+        "isoflop_D_opt",
+        "lr_opt",
+    ):
+        assert pr[key] > 0, key
+    assert pr["lr_opt"] == pytest.approx(lr_opt(1e21), rel=1e-6)
+    assert pr["parametric_tokens_per_param"] == pytest.approx(
+        pr["parametric_D_opt"] / pr["parametric_N_opt"]
+    )
+    assert not [w for w in res["warnings"] if "parametric" in w or "frontier" in w]
+
+
+def test_bootstrap_cis_cover_the_truth_and_are_seeded():
+    records = make_sweep()
+    a = fit_all(records, target_flops=1e21, bootstrap=40, seed=7)
+    b = fit_all(records, target_flops=1e21, bootstrap=40, seed=7)
+    assert a == b
+    ci = a["parametric"]["bootstrap"]["ci95"]
+    for key in ("E", "alpha", "beta"):
+        lo, hi = ci[key]
+        assert lo <= a["parametric"][key] <= hi
+    assert set(ci) >= {
+        "E",
+        "A",
+        "B",
+        "alpha",
+        "beta",
+        "a",
+        "b",
+        "N_opt",
+        "D_opt",
+        "tokens_per_param",
+        "loss_opt",
+    }
+    assert a["predictions"]["parametric_N_opt_ci95"] == ci["N_opt"]
+    fb = a["frontier"]["bootstrap"]
+    assert set(fb["ci95"]) == {"E", "A", "alpha", "loss_at_target"}
+    assert len(fb["band"]["flops"]) == len(fb["band"]["lo"]) == 60
+    assert a["predictions"]["frontier_loss_ci95"] == fb["ci95"]["loss_at_target"]
+
+
+def test_bootstrap_chinchilla_percentiles():
+    rng = np.random.default_rng(0)
+    n, d = (v.ravel() for v in np.meshgrid(np.logspace(7, 10, 8), np.logspace(9, 12, 8)))
+    loss = law(n, d) * np.exp(rng.normal(0, 2e-3, n.size))
+    fit = fit_chinchilla(n, d, loss, grid="small")
+    out = bootstrap_chinchilla(n, d, loss, fit, n_boot=50, seed=1)
+    assert out["n_boot"] == 50 and out["n_failed"] == 0
+    lo, hi = out["ci95"]["alpha"]
+    assert lo < LAW["alpha"] < hi and hi - lo < 0.1
+
+
+@pytest.mark.parametrize(
+    "records, expect",
+    [
+        ([], ["frontier:", "parametric:", "isoflop:"]),
+        ([{"N": 1e8, "D": 2e9, "loss": 3.0}] * 3, ["frontier: only 1", "parametric: 1 final"]),
+        ([{"N": "abc", "loss": "x"}, {"loss": None}, {}], ["dropped 3 of 3"]),
+    ],
+)
+def test_bad_data_gives_warnings_not_exceptions(records, expect):
+    res = fit_all(records)
+    json.dumps(res, allow_nan=False)
+    for text in expect:
+        assert any(w.startswith(text) for w in res["warnings"]), (text, res["warnings"])
+    assert res["parametric"] is None and res["frontier"] is None
+
+
+def test_nan_losses_dropped_with_count_and_rest_fitted():
+    records = make_sweep()
+    for r in records[:5]:
+        r["loss"] = float("nan")
+    records[5]["loss"] = float("inf")
+    res = fit_all(records)
+    assert any(w.startswith("dropped 6 of") for w in res["warnings"])
+    assert res["parametric"] is not None and res["frontier"] is not None
+
+
+def test_single_model_size_skips_parametric_with_reason():
+    records = [{"N": 1e8, "D": d, "loss": 2.0 + 100 / d**0.3} for d in np.logspace(9, 11, 8)]
+    res = fit_all(records)
+    assert res["parametric"] is None
+    assert any("single model size" in w for w in res["warnings"])
+    assert res["frontier"] is not None
+
+
+def test_fixed_tokens_per_param_is_collinear():
+    records = [{"N": n, "D": 20 * n, "loss": law(n, 20 * n)} for n in np.logspace(7, 9, 8)]
+    res = fit_all(records)
+    assert any("collinear" in w for w in res["warnings"])
+
+
+def test_wrong_shaped_input_and_bad_target():
+    res = fit_all(None, target_flops="lots")
+    assert res["warnings"] and res["target_flops"] is None
+    res = fit_all([1, 2, 3])
+    assert any("could not read records" in w for w in res["warnings"])
+
+
+def test_plot_all_writes_pngs(tmp_path):
+    records = make_sweep()
+    res = fit_all(records, target_flops=1e21, bootstrap=20)
+    paths = plot_all(res, records, tmp_path / "plots")
+    names = sorted(p.name for p in paths)
+    assert names == ["frontier.png", "hparams.png", "isoflop.png", "optima.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+
+
+def test_plot_all_skips_absent_fits(tmp_path):
+    records = [{"C": c, "loss": 2 + 30 * c**-0.1} for c in np.logspace(17, 20, 10)]
+    res = fit_all(records)
+    assert [p.name for p in plot_all(res, records, tmp_path)] == ["frontier.png"]
+    assert plot_all(fit_all([]), [], tmp_path / "empty") == []

@@ -1,0 +1,169 @@
+"""`python -m sweeper.fit`: column detection, sweep directories, --json, bad input -> exit 2."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sweeper.fit import main
+from sweeper.scaling.records import InputError, detect_columns
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def run_fit(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "sweeper.fit", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+    )
+
+
+def write_csv(path: Path, header: list[str], rows: list[list]) -> Path:
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def put(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def law_rows(n_sizes=6, n_tokens=6):
+    rows = []
+    for n in np.logspace(7, 9, n_sizes):
+        for d in np.logspace(9, 11, n_tokens):
+            rows.append([n, 6 * n * d, 1.7 + 400 / n**0.34 + 410 / d**0.28])
+    return rows
+
+
+def test_detect_columns_aliases():
+    header = ["x", "Model Size", "Training FLOP", "val_bpb", "FLOPs budget", "Learning rate"]
+    m = detect_columns(header)
+    assert m == {
+        "N": "Model Size",
+        "C": "Training FLOP",
+        "loss": "val_bpb",
+        "budget": "FLOPs budget",
+        "lr": "Learning rate",
+    }
+    assert detect_columns(["params", "tokens", "val_bpb", "train_loss"])["loss"] == "val_bpb"
+    assert detect_columns(["size", "y"], explicit={"N": "size", "loss": "Y"}) == {
+        "N": "size",
+        "loss": "y",
+    }
+    with pytest.raises(InputError):
+        detect_columns(["a"], explicit={"loss": "nope"})
+
+
+def test_cli_json_on_csv_with_n_and_c(tmp_path):
+    src = write_csv(tmp_path / "runs.csv", ["params", "FLOPs", "loss"], law_rows())
+    proc = run_fit(src, "--json", "--no-plots", "--target-flops", "1e21", "--out", tmp_path / "o")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["conventions"] == {"params": "total", "flops": "given", "loss_unit": "nats"}
+    assert res["parametric"]["alpha"] == pytest.approx(0.34, rel=0.01)
+    assert res["predictions"]["parametric_N_opt"] > 0
+    assert json.loads((tmp_path / "o" / "fit.json").read_text()) == res
+
+
+def test_cli_summary_and_plots_default_out_in_cwd(tmp_path):
+    src = write_csv(
+        tmp_path / "runs.csv",
+        ["N", "D", "val_loss"],
+        [[n, c / (6 * n), y] for n, c, y in law_rows()],
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run_fit(src, "--params-convention", "non_embedding", cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    assert "Parametric law" in proc.stdout and "alpha = 0.34" in proc.stdout
+    out = work / "runs-fit"
+    assert (out / "fit.json").is_file() and (out / "frontier.png").is_file()
+    res = json.loads((out / "fit.json").read_text())
+    assert res["conventions"]["params"] == "non_embedding" and res["conventions"]["flops"] == "6ND"
+
+
+def test_cli_reads_sweep_directory(tmp_path):
+    header = [
+        "trial_id",
+        "stage",
+        "status",
+        "step",
+        "tokens",
+        "flops",
+        "params",
+        "val_bpb",
+        "train_loss",
+        "lr",
+        "total_batch_size",
+        "budget",
+        "final",
+    ]
+    rows = []
+    for i, (n, c, y) in enumerate(law_rows()):
+        d = c / (6 * n)
+        rows.append(
+            [f"t{i}", "s0", "TERMINATED", 10, d / 2, c / 2, n, y + 0.1, y, 1e-3, 256, "", "False"]
+        )
+        rows.append([f"t{i}", "s0", "TERMINATED", 20, d, c, n, y, y, 1e-3, 256, "", "True"])
+    rows.append(["tx", "s0", "ERROR", 5, 1e9, 1e18, 1e8, "nan", "", 1e-3, 256, "", "False"])
+    write_csv(tmp_path / "reports.csv", header, rows)
+    proc = run_fit(tmp_path, "--json", "--no-plots")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["conventions"]["loss_unit"] == "bpb"
+    assert (
+        res["parametric"]["n_points"] == 36 and res["parametric"]["n_excluded_intermediate"] == 36
+    )
+    assert any("dropped 1 of 73" in w for w in res["warnings"])
+    assert (tmp_path / "fit.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "setup, needle",
+    [
+        (lambda d: d / "missing.csv", "no such file"),
+        (lambda d: write_csv(d / "a.csv", ["params", "flops"], [[1, 2]] * 5), "no loss column"),
+        (lambda d: write_csv(d / "b.csv", ["params", "loss"], [[1e8, 3.0]] * 2), "usable row"),
+        (lambda d: put(d / "c.csv", b"\xff\xfe\x00garbage\x00"), "cannot read"),
+        (lambda d: put(d / "e.csv", b""), "empty"),
+        (lambda d: put(d / "h.csv", b'loss,params\n1,2,3\n"unterminated'), "usable row"),
+        (lambda d: d, "without reports.csv"),
+        (lambda d: write_csv(d / "f.csv", ["params", "loss"], [["x", "y"]] * 9), "usable row"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, setup, needle):
+    target = setup(tmp_path)
+    assert main([str(target), "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], captured.err
+    assert captured.out == ""
+
+
+def test_cli_subprocess_bad_input_exit_2_without_traceback(tmp_path):
+    proc = run_fit(tmp_path / "nope.csv")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == f"error: {tmp_path / 'nope.csv'}: no such file or directory"
+
+
+def test_main_in_process_no_fit_possible(tmp_path, capsys):
+    src = write_csv(tmp_path / "g.csv", ["params", "loss"], [[1e8, 3.0], [1e8, 2.9], [1e8, 2.8]])
+    assert main([str(src), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no fit could be made") and "\n" not in err
