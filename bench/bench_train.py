@@ -106,15 +106,19 @@ def main() -> None:
 
     ours, plain, mfus = [], [], []
     for i in range(args.repeats):
-        tok_s, mfu = sweeper_tokens_per_s(OmegaConf.to_container(composed, resolve=True), args.steps)
+        tok_s, mfu = sweeper_tokens_per_s(
+            OmegaConf.to_container(composed, resolve=True), args.steps
+        )
         ours.append(tok_s)
         mfus.append(mfu)
         plain.append(plain_tokens_per_s(cfg, args.steps))
         print(f"run {i + 1}: sweeper {ours[-1]:,.0f} tok/s | plain {plain[-1]:,.0f} tok/s")
     med_ours, med_plain = statistics.median(ours), statistics.median(plain)
     print(f"model={args.model} threads={torch.get_num_threads()} device={cfg.trainer.device}")
-    print(f"median sweeper: {med_ours:,.0f} tok/s | median plain: {med_plain:,.0f} tok/s | "
-          f"ratio {med_ours / med_plain:.2f}x")
+    print(
+        f"median sweeper: {med_ours:,.0f} tok/s | median plain: {med_plain:,.0f} tok/s | "
+        f"ratio {med_ours / med_plain:.2f}x"
+    )
     if mfus[0] is not None:
         print(f"median MFU: {100 * statistics.median(mfus):.1f}%")
 

@@ -104,6 +104,9 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     if state.name != spec.name:
         raise ConfigError(f"run dir {out} holds sweep '{state.name}', not '{spec.name}'")
 
+    from sweeper.tracking import make_tracker
+
+    tracker = make_tracker(cfg, spec, out)  # before Ray: an unreachable server fails fast
     start_ray(cfg.ray)
     started = time.time() - state.elapsed
     baseline_job = None
@@ -112,39 +115,56 @@ def run_sweep(cfg, out_dir: str) -> float | None:
             base, spec, target, default_penalty(spec, base, target)
         )
 
-    current = state.base_after_finished_stages() or base
-    for index, stage in enumerate(spec.stages):
-        if state.stage_done(stage.name):
-            print(f"[{stage.name}] finished in an earlier run: skipped")
-            continue
-        remaining_trials = None
-        if spec.max_trials is not None:
-            remaining_trials = spec.max_trials - state.trial_count()
-        remaining_seconds = None
-        if spec.max_seconds is not None:
-            remaining_seconds = spec.max_seconds - (time.time() - started)
-        if (remaining_trials is not None and remaining_trials <= 0) or (
-            remaining_seconds is not None and remaining_seconds <= 0
-        ):
-            print(f"[{stage.name}] skipped: the sweep's trial or time cap is reached")
-            break
-        records, reports = run_stage(
-            spec, index, current, target, out, state, remaining_trials, remaining_seconds
-        )
-        best = pick_best(records, spec.metric, spec.mode)
-        if best is not None:
-            current = trial_config(
-                best["params"], current, stage_context(spec, stage, current, target)
+    try:
+        current = state.base_after_finished_stages() or base
+        for index, stage in enumerate(spec.stages):
+            if state.stage_done(stage.name):
+                print(f"[{stage.name}] finished in an earlier run: skipped")
+                continue
+            remaining_trials = None
+            if spec.max_trials is not None:
+                remaining_trials = spec.max_trials - state.trial_count()
+            remaining_seconds = None
+            if spec.max_seconds is not None:
+                remaining_seconds = spec.max_seconds - (time.time() - started)
+            if (remaining_trials is not None and remaining_trials <= 0) or (
+                remaining_seconds is not None and remaining_seconds <= 0
+            ):
+                print(f"[{stage.name}] skipped: the sweep's trial or time cap is reached")
+                break
+            records, reports = run_stage(
+                spec,
+                index,
+                current,
+                target,
+                out,
+                state,
+                remaining_trials,
+                remaining_seconds,
+                tracker,
             )
-        state.finish_stage(stage.name, records, reports, best, current, time.time() - started)
-        outputs.print_stage_table(stage.name, records, best, spec)
-        if state.total_flops() >= (spec.max_flops or math.inf):
-            print("the sweep's FLOP cap is reached: no further stages")
-            break
+            best = pick_best(records, spec.metric, spec.mode)
+            if best is not None:
+                current = trial_config(
+                    best["params"], current, stage_context(spec, stage, current, target)
+                )
+            state.finish_stage(stage.name, records, reports, best, current, time.time() - started)
+            outputs.print_stage_table(stage.name, records, best, spec)
+            if state.total_flops() >= (spec.max_flops or math.inf):
+                print("the sweep's FLOP cap is reached: no further stages")
+                break
 
-    if baseline_job is not None:
-        state.set_baseline(outputs.collect_baseline(baseline_job))
+        if baseline_job is not None:
+            state.set_baseline(outputs.collect_baseline(baseline_job))
+            tracker.log_baseline(state.baseline)
+    except BaseException as error:
+        # Ctrl+C or a crash: close the tracker's runs honestly, keep the state on disk
+        tracker.finish(
+            {}, out, status="KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+        )
+        raise
     summary = outputs.write_all(out, spec, state, base)
+    tracker.finish(summary, out)
     return summary["best"]["value"] if summary.get("best") else None
 
 
@@ -174,6 +194,7 @@ def run_stage(
     state: SweepState,
     remaining_trials: int | None,
     remaining_seconds: float | None,
+    tracker,
 ) -> tuple[list[dict], list[dict]]:
     from ray import tune
 
@@ -224,7 +245,10 @@ def run_stage(
         name=f"stage{index}_{stage.name}",
         storage_path=str(out / "ray"),
         verbose=0,
-        callbacks=[progress],
+        callbacks=[
+            progress,
+            *tracker.stage_callbacks(stage.name, base, ctx, search, scheduler_name),
+        ],
         stop=FlopCap(spec.max_flops, state.total_flops()) if spec.max_flops else None,
         failure_config=tune.FailureConfig(max_failures=spec.max_failures),
         checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
