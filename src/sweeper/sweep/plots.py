@@ -59,33 +59,43 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
 
 
 def plot_stage_lr(path: Path, records: list[dict], spec) -> Path | None:
-    """The metric against the stage's first LR-like parameter (or its first parameter)."""
-    keys = sorted({k for r in records for k in r["params"]})
-    lr_keys = [k for k in keys if k.endswith("lr")]
-    key = (lr_keys or keys or [None])[0]
-    points = [r for r in records if r["metric"] is not None and key in r["params"]]
-    if not points:
+    """The metric against each numeric parameter the stage tuned, LRs first (in the order
+    of sweep.lr_keys: the matrix LR leads). Pruned trials are hollow: their last report
+    came before the full budget, so their values sit higher than they would have ended."""
+    from matplotlib.ticker import NullFormatter
+
+    tuned = sorted({k for r in records for k in r["params"]})
+    order = [k for k in spec.lr_keys if k in tuned] + [k for k in tuned if k not in spec.lr_keys]
+    keys = [k for k in order if all(isinstance(r["params"].get(k), int | float) for r in records)][
+        :3
+    ]
+    points = [r for r in records if r["metric"] is not None]
+    if not keys or not points:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for status in STATUS_COLORS:
-        chosen = [r for r in points if r["status"] == status]
-        if chosen:
-            ax.scatter(
-                [r["params"][key] for r in chosen],
-                [r["metric"] for r in chosen],
-                color=STATUS_COLORS[status],
-                label=status,
-                s=36,
-            )
-    values = [r["params"][key] for r in points]
-    if all(isinstance(v, int | float) and v > 0 for v in values) and max(values) / min(values) > 3:
-        ax.set_xscale("log")
-    ax.set_xlabel(key)
-    ax.set_ylabel(f"{spec.metric} (last report)")
-    ax.set_title(f"Stage '{records[0]['stage']}': {spec.metric} vs {key}")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for status, color in STATUS_COLORS.items():
+            chosen = [r for r in points if r["status"] == status]
+            if chosen:
+                hollow = status == "pruned"
+                ax.scatter(
+                    [r["params"][key] for r in chosen],
+                    [r["metric"] for r in chosen],
+                    s=40,
+                    label=status,
+                    edgecolors=color,
+                    facecolors="none" if hollow else color,
+                )
+        values = [r["params"][key] for r in points]
+        if min(values) > 0 and max(values) / min(values) > 3:
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap
+        ax.set_xlabel(key)
+        ax.set_ylabel(f"{spec.metric} (last report)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.suptitle(f"Stage '{records[0]['stage']}': {spec.metric} against its parameters")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
