@@ -21,12 +21,19 @@ def test_same_seed_gives_identical_loss_trace():
     assert a["loss_trace"] != c["loss_trace"]
 
 
-def test_batch_sampler_stream_does_not_depend_on_micro_batch_split():
+def test_batch_sampler_depends_on_step_only_and_splits_across_ranks():
     tokens = np.arange(10_000, dtype=np.uint16)
-    whole = BatchSampler(tokens, 4, 16, seed=3).next("cpu")[0]
-    split = BatchSampler(tokens, 1, 16, seed=3)
-    parts = [split.next("cpu")[0] for _ in range(4)]
-    assert all((whole[i] == parts[i][0]).all() for i in range(4))
+    one = [x for x, _ in BatchSampler(tokens, 2, 16, seed=3).step_batches(7, 4, "cpu")]
+    again = [x for x, _ in BatchSampler(tokens, 2, 16, seed=3).step_batches(7, 4, "cpu")]
+    assert all((a == b).all() for a, b in zip(one, again))
+    # 2 ranks x 2 micro-batches cover exactly the windows of 1 rank x 4 micro-batches
+    ranks = [
+        [x for x, _ in BatchSampler(tokens, 2, 16, 3, r, 2).step_batches(7, 2, "cpu")]
+        for r in (0, 1)
+    ]
+    assert all((ranks[i % 2][i // 2] == one[i]).all() for i in range(4))
+    other = next(BatchSampler(tokens, 2, 16, seed=3).step_batches(8, 1, "cpu"))[0]
+    assert not (other == one[0]).all()
 
 
 def test_gradient_accumulation_matches_one_big_batch():

@@ -186,6 +186,7 @@ class TrainerConfig:
     max_loss: float | None = None
     seed: int = 0
     workers: int = 1
+    dist_timeout_s: int = 60
     threads: int | None = None
     checkpoint_every_eval: bool = False
 
@@ -209,6 +210,7 @@ class TrainerConfig:
         _positive("trainer.num_evals", self.num_evals)
         _require(self.log_every >= 1, f"trainer.log_every must be >= 1, got {self.log_every}")
         _require(self.workers >= 1, f"trainer.workers must be >= 1, got {self.workers}")
+        _positive("trainer.dist_timeout_s", self.dist_timeout_s)
         _require(self.grad_clip >= 0, f"trainer.grad_clip must be >= 0, got {self.grad_clip}")
         _positive("trainer.max_loss", self.max_loss)
         _positive("trainer.threads", self.threads)

@@ -139,32 +139,42 @@ def unigram_bpb(data: TokenData) -> float:
 
 # --- batches ----------------------------------------------------------------------------
 class BatchSampler:
-    """Random (B, T) windows of the training tokens from a seeded generator.
+    """Random (B, T) windows of the training tokens, a pure function of (seed, step).
 
-    `state()`/`load_state()` carry the generator, so a checkpoint pins the data position.
-    DDP ranks pass their rank into the seed and so draw disjoint streams of windows.
+    Each optimizer step draws its `world * accum` micro-batches from a generator seeded
+    with (seed, step); rank r takes micro-batches r, r + world, ... So a resumed run needs
+    no sampler state (the step is the data position), a checkpoint restores on any world
+    size, and 2 ranks x 1 micro-batch see exactly the windows of 1 rank x 2 micro-batches.
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, rank: int = 0):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+    ):
         if tokens.size <= seq_len + 1:
             raise ConfigError(
                 f"training data has {tokens.size} tokens, fewer than model.seq_len + 1"
             )
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
-        self.rng = np.random.default_rng([seed, rank])
+        self.seed, self.rank, self.world = seed, rank, world
 
-    def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = self.rng.integers(0, self.tokens.size - self.seq_len - 1, size=self.batch_size)
+    def step_batches(self, step: int, accum: int, device):
+        """This rank's `accum` micro-batches (x, y) of optimizer step `step`."""
+        rng = np.random.default_rng([self.seed, step])
+        high = self.tokens.size - self.seq_len - 1
+        starts = rng.integers(0, high, size=(accum * self.world, self.batch_size))
+        for micro in range(accum):
+            yield self._batch(starts[micro * self.world + self.rank], device)
+
+    def _batch(self, starts: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
         windows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
-        batch = torch.from_numpy(windows)  # (B, T+1)
-        batch = batch.to(device, non_blocking=True)
+        batch = torch.from_numpy(windows).to(device, non_blocking=True)  # (B, T+1)
         return batch[:, :-1], batch[:, 1:]
-
-    def state(self) -> dict:
-        return self.rng.bit_generator.state
-
-    def load_state(self, state: dict) -> None:
-        self.rng.bit_generator.state = state
 
 
 def val_windows(tokens: np.ndarray, seq_len: int, n_tokens: int, batch_size: int):

@@ -92,7 +92,7 @@ def train(
     counts, flops_per_token = model.param_counts(), model.flops_per_token()
     total_steps = resolve_total_steps(cfg, counts["total"], flops_per_token)
     optimizer = build_optimizer(model, cfg.optimizer)
-    sampler = BatchSampler(data.train, t.device_batch_size, cfg.model.seq_len, t.seed, rank)
+    sampler = BatchSampler(data.train, t.device_batch_size, cfg.model.seq_len, t.seed, rank, world)
     accum = cfg.grad_accum_steps
     # num_evals (sweeps) spreads a fixed number of evaluations over any run length
     eval_every = math.ceil(total_steps / t.num_evals) if t.num_evals else t.eval_every
@@ -103,7 +103,6 @@ def train(
     if resume_state is not None:
         model.load_state_dict(resume_state["model"])
         optimizer.load_state_dict(resume_state["optimizer"])
-        sampler.load_state(resume_state["sampler"])
         torch.set_rng_state(resume_state["torch_rng"])
         step, history = resume_state["step"], list(resume_state["history"])
         loss_trace = list(resume_state["loss_trace"])
@@ -130,7 +129,6 @@ def train(
         return {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
-            "sampler": sampler.state(),
             "torch_rng": torch.get_rng_state(),
             "step": step,
             "history": list(history),
@@ -163,8 +161,7 @@ def train(
                 group["momentum"] = momentum
         # 2) forward/backward over micro-batches; DDP all-reduces only on the last one
         loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            x, y = sampler.next(device)
+        for micro, (x, y) in enumerate(sampler.step_batches(step, accum, device)):
             sync = world == 1 or micro == accum - 1
             with (
                 contextlib.nullcontext() if sync else train_model.no_sync(),

@@ -168,7 +168,9 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     return summary["best"]["value"] if summary.get("best") else None
 
 
-def stage_context(spec: SweepSpec, stage, base: dict, target: str | None) -> TrialContext:
+def stage_context(
+    spec: SweepSpec, stage, base: dict, target: str | None, storage: str | None = None
+) -> TrialContext:
     space = stage_space(spec, stage, flatten(base))
     pausing = spec.stage_scheduler(stage) in ("hyperband", "bohb")
     return TrialContext(
@@ -182,6 +184,7 @@ def stage_context(spec: SweepSpec, stage, base: dict, target: str | None) -> Tri
         checkpoint=pausing or spec.max_failures > 0,
         threads=max(1, int(spec.cpus_per_trial)),
         sampled=tuple(space.names),
+        storage=storage,
     )
 
 
@@ -216,7 +219,7 @@ def run_stage(
                 f"remaining sweep.max_trials ({remaining_trials})"
             )
         planned = remaining_trials
-    ctx = stage_context(spec, stage, base, target)
+    ctx = stage_context(spec, stage, base, target, storage=str(out / "ray"))
     time_attr, max_t = time_axis(spec, target)
     searcher, param_space = build_searcher(
         search,
@@ -236,10 +239,16 @@ def run_stage(
         grace_period=max_t * spec.grace_fraction,
         reduction_factor=spec.reduction_factor,
     )
-    trainable = tune.with_resources(
-        tune.with_parameters(run_trial, base=base, ctx=ctx),
-        {"cpu": spec.cpus_per_trial, "gpu": spec.gpus_per_trial},
+    workers = 1 if target else int(base["trainer"]["workers"])
+    # a DDP trial only launches its TorchTrainer, whose workers hold the CPUs/GPUs
+    # (sweep.cpus_per_trial / gpus_per_trial are then per rank); Ray refuses an empty
+    # request, and any CPU held here would be missing for the last rank: one byte of memory
+    resources = (
+        {"cpu": spec.cpus_per_trial, "gpu": spec.gpus_per_trial}
+        if workers == 1
+        else {"cpu": 0, "memory": 1}
     )
+    trainable = tune.with_resources(tune.with_parameters(run_trial, base=base, ctx=ctx), resources)
     progress = ProgressCallback(stage.name, planned, spec.metric, spec.mode)
     run_config = tune.RunConfig(
         name=f"stage{index}_{stage.name}",

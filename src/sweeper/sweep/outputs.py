@@ -21,11 +21,29 @@ def _baseline_run(base: dict, metric: str, target: str | None, threads: int) -> 
         seen: list[dict] = []
         load_target(target)(base, lambda m, state=None: seen.append(dict(m)))
         return {"value": seen[-1].get(metric) if seen else None, "status": "completed"}
-    from sweeper.train import train
-
-    torch.set_num_threads(threads)
     base = {**base, "trainer": {**base["trainer"], "threads": threads}}
-    result = train(base, verbose=False)
+    if base["trainer"]["workers"] > 1:
+        import json
+        import tempfile
+
+        from sweeper.distributed import train_ddp
+
+        with tempfile.TemporaryDirectory() as folder:
+            train_ddp(
+                base,
+                cpus_per_worker=threads,
+                storage_path=folder,
+                name="baseline",
+                inside_tune=False,
+                result_path=f"{folder}/result.json",
+            )
+            with open(f"{folder}/result.json") as f:
+                result = json.load(f)
+    else:
+        from sweeper.train import train
+
+        torch.set_num_threads(threads)
+        result = train(base, verbose=False)
     return {
         "value": result.get(metric),
         "status": result["status"],
@@ -39,7 +57,11 @@ def launch_baseline(base: dict, spec: SweepSpec, target: str | None, penalty: fl
     """Runs on Ray beside the first stage, holding one trial's resources."""
     import ray
 
-    remote = ray.remote(num_cpus=spec.cpus_per_trial, num_gpus=spec.gpus_per_trial)(_baseline_run)
+    ddp = not target and base["trainer"]["workers"] > 1
+    # a DDP baseline only launches a TorchTrainer, whose ranks hold the resources
+    remote = ray.remote(
+        num_cpus=0 if ddp else spec.cpus_per_trial, num_gpus=0 if ddp else spec.gpus_per_trial
+    )(_baseline_run)
     print("baseline: training the unmodified config under the same budget, beside stage 1")
     return remote.remote(base, spec.metric, target, max(1, int(spec.cpus_per_trial)))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 from sweeper.config import ConfigError
 
@@ -14,14 +15,46 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # with a checkpoint per report, Tune warns at every forced state snapshot: that is by design
 os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
 
+# how long a "host:port" address may take to accept a TCP connection before Ray is asked:
+# ray.init retries an unreachable GCS for minutes (without end in Ray 2.60)
+PROBE_TIMEOUT_S = 5.0
 
-def start_ray(ray_cfg) -> None:
+
+def endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) of "host:port" or "ray://host:port"; None for "auto", "local" and the
+    like, which Ray resolves itself."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Fail in seconds, in one line, when nothing listens at a "host:port" address."""
+    target = endpoint(address)
+    if target is None:
+        return
+    try:
+        socket.create_connection(target, timeout=timeout).close()
+    except OSError as error:
+        reason = error.strerror or str(error) or type(error).__name__
+        raise ConfigError(
+            f"ray.address={address}: no Ray cluster answers at {target[0]}:{target[1]} "
+            f"({reason}); start one (ray start --head) or fix the address"
+        ) from None
+
+
+def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
+    """Sweeps keep the driver's output to their own progress lines (trial output stays in
+    Ray's logs); a single DDP run shows rank 0's progress (log_to_driver=True)."""
     import ray
 
     if ray.is_initialized():
         return
-    common = dict(logging_level=logging.WARNING, log_to_driver=False)
+    common = dict(logging_level=logging.WARNING, log_to_driver=log_to_driver)
     address = ray_cfg.get("address")
+    if address:
+        probe(str(address))
     try:
         if address:
             context = ray.init(address=address, **common)
@@ -35,7 +68,13 @@ def start_ray(ray_cfg) -> None:
                 **common,
             )
     except (ConnectionError, RuntimeError, ValueError) as error:
-        raise ConfigError(f"ray.address={address}: cannot start or join Ray ({error})") from None
+        hint = ""
+        if type(error.__cause__).__name__ == "AuthenticationError":
+            # `ray start` clusters use token auth; an explicit address does not turn it on
+            hint = "; the cluster wants a token: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"
+        raise ConfigError(
+            f"ray.address={address}: cannot start or join Ray ({error}){hint}"
+        ) from None
     resources = ray.cluster_resources()
     url = context.dashboard_url
     print(

@@ -8,6 +8,7 @@ No Hydra state crosses into the worker (hydra#1126, #2772).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import os
@@ -34,6 +35,7 @@ class TrialContext:
     checkpoint: bool = False  # write a resumable checkpoint at each report
     threads: int = 1
     sampled: tuple[str, ...] = field(default_factory=tuple)
+    storage: str | None = None  # the sweep's Ray storage path (DDP trials put their runs there)
 
 
 class Diverged(Exception):
@@ -55,6 +57,19 @@ def load_target(target: str):
     return getattr(importlib.import_module(module), name)
 
 
+def penalise(metrics: dict, metric: str, penalty: float) -> tuple[dict, bool]:
+    """A diverged report gets a finite penalty: NaN is never stopped by Ray's ASHA (its
+    comparisons are false) and Optuna marks NaN trials failed, learning nothing."""
+    metrics = to_builtin(dict(metrics))
+    value = metrics.get(metric)
+    diverged = metrics.get("status") == "diverged" or (
+        isinstance(value, float) and not math.isfinite(value)
+    )
+    if diverged:
+        metrics.update({metric: penalty, "status": "diverged"})
+    return metrics, diverged
+
+
 def run_trial(config: dict, base: dict, ctx: TrialContext) -> None:
     from ray import tune
 
@@ -62,14 +77,7 @@ def run_trial(config: dict, base: dict, ctx: TrialContext) -> None:
     run_cfg = trial_config(params, base, ctx)
 
     def report(metrics: dict, state=None) -> None:
-        metrics = to_builtin(dict(metrics))
-        value = metrics.get(ctx.metric)
-        diverged = metrics.get("status") == "diverged" or (
-            isinstance(value, float) and not math.isfinite(value)
-        )
-        if diverged:
-            # a finite penalty: NaN would never be stopped by ASHA and poisons Optuna
-            metrics.update({ctx.metric: ctx.penalty, "status": "diverged"})
+        metrics, diverged = penalise(metrics, ctx.metric, ctx.penalty)
         if state is None or diverged:
             tune.report(metrics)
         else:
@@ -86,13 +94,26 @@ def run_trial(config: dict, base: dict, ctx: TrialContext) -> None:
             load_target(ctx.target)(run_cfg, report)
         return
 
+    run_cfg["trainer"]["threads"] = ctx.threads
+    run_cfg["trainer"]["checkpoint_every_eval"] = ctx.checkpoint
+    if run_cfg["trainer"]["workers"] > 1:
+        from sweeper.distributed import train_ddp
+
+        train_ddp(
+            run_cfg,
+            cpus_per_worker=ctx.threads,
+            storage_path=ctx.storage,
+            name=f"ddp_{tune.get_context().get_trial_id()}",
+            inside_tune=True,
+            penalise=functools.partial(penalise, metric=ctx.metric, penalty=ctx.penalty),
+        )
+        return
+
     import torch
 
     from sweeper.train import train
 
     torch.set_num_threads(ctx.threads)
-    run_cfg["trainer"]["threads"] = ctx.threads
-    run_cfg["trainer"]["checkpoint_every_eval"] = ctx.checkpoint
     resume_state = None
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:  # a paused (Hyperband/BOHB) or retried trial
