@@ -64,3 +64,28 @@ def test_reproduce_overrides_are_the_changes_from_the_default_run():
         "trainer.budget_tokens=1000.0",
     ]
     assert hydra_value(None) == "null" and hydra_value(True) == "true"
+
+
+def test_retune_rule_searches_a_narrow_band_around_each_frozen_lr():
+    from sweeper.sweep.spec import StageSpec, SweepSpec, stage_space
+
+    spec = SweepSpec(lr_keys=["optimizer.matrix_lr", "optimizer.lr"])
+    stage = StageSpec(
+        name="bs",
+        lr_rule="retune",
+        retune_factor=2.0,
+        params={"trainer": {"total_batch_size": {"choice": [512, 1024]}}},
+    )
+    space = stage_space(spec, stage, {"optimizer.matrix_lr": 0.02, "optimizer.lr": 0.001})
+    specs = {p.name: p for p in space.params}
+    assert (specs["optimizer.matrix_lr"].low, specs["optimizer.matrix_lr"].high) == (0.01, 0.04)
+    assert specs["optimizer.matrix_lr"].kind == "log_uniform"
+    assert specs["trainer.total_batch_size"].kind == "choice"
+
+
+def test_nested_and_dotted_params_mean_the_same():
+    from sweeper.sweep.spec import flatten_params
+
+    nested = {"optimizer": {"matrix_lr": {"log_uniform": [0.01, 0.1]}, "empty": {}}}
+    dotted = {"optimizer.matrix_lr": {"log_uniform": [0.01, 0.1]}}
+    assert flatten_params(nested) == flatten_params(dotted) == dotted

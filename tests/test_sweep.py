@@ -178,3 +178,31 @@ def test_unknown_sweep_name_is_one_line(tmp_path):
     proc = run_cli(["+sweep=nonexistent"], cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and "sweep/nonexistent" in proc.stderr
     assert "available" in proc.stderr and "lr_bs" in proc.stderr
+
+
+def test_trial_cap_limits_the_sweep_and_skips_a_grid_that_no_longer_fits(ray_cluster, tmp_path):
+    summary = sweep(
+        tmp_path,
+        "sweep.max_trials=3",
+        "sweep.stages.0.num_samples=2",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512,1024]",
+    )
+    assert summary["trials"] == 2 and [s["name"] for s in summary["stages"]] == ["lr"]
+
+
+def test_flop_cap_stops_the_sweep(ray_cluster, tmp_path):
+    # 8192 tokens x ~0.8 MFLOP/token ~ 7 GFLOP per trial: a 5 GFLOP cap ends stage 1 early
+    summary = sweep(
+        tmp_path,
+        "sweep.max_flops=5e9",
+        "sweep.stages.0.num_samples=4",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.concurrency=1",
+    )
+    assert summary["trials"] < 4 + 2 and [s["name"] for s in summary["stages"]] == ["lr"]
+    assert summary["total_flops"] < 2 * 5e9
+
+
+def test_time_cap_stops_the_sweep(ray_cluster, tmp_path):
+    summary = sweep(tmp_path, "sweep.max_seconds=1", "sweep.stages.0.num_samples=8")
+    assert summary["trials"] < 8 + 2

@@ -10,11 +10,8 @@ costs ~20 s of start-up per trial.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from typing import Any
-
-STATE_FILE = "training_state.pt"
 
 
 def _worker_loop(config: dict) -> None:
@@ -22,6 +19,7 @@ def _worker_loop(config: dict) -> None:
     import ray.train
     import torch
 
+    from sweeper.checkpoint import load_latest_state, save_state
     from sweeper.train import train
 
     rank = ray.train.get_context().get_world_rank()
@@ -30,7 +28,7 @@ def _worker_loop(config: dict) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:  # a paused or retried trial: restores on any world size
         with checkpoint.as_directory() as folder:
-            resume_state = torch.load(os.path.join(folder, STATE_FILE), weights_only=False)
+            resume_state = load_latest_state(folder)
     penalise = config.get("penalise")
 
     def report(metrics: dict, state=None) -> None:
@@ -38,7 +36,7 @@ def _worker_loop(config: dict) -> None:
         # every rank reports (Ray Train synchronises on it); only rank 0 checkpoints
         if state is not None and rank == 0 and not diverged:
             with tempfile.TemporaryDirectory() as folder:
-                torch.save(state(), os.path.join(folder, STATE_FILE))
+                save_state(folder, state())
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
         else:
             ray.train.report(metrics)

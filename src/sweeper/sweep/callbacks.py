@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 from ray import tune
 
@@ -39,6 +40,13 @@ class ProgressCallback(tune.Callback):
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self._finish(trial, "failed")
+        error_file = Path(trial.local_path or ".") / "error.txt"
+        reason = _first_line(error_file)
+        print(
+            f"[{self.stage}] trial {trial.trial_id} FAILED after its retries: {reason} "
+            f"(full error: {error_file}; worker logs: Ray's session logs)",
+            flush=True,
+        )
 
     def _finish(self, trial, status: str) -> None:
         self.running.discard(trial.trial_id)
@@ -70,3 +78,12 @@ class FlopCap(tune.Stopper):
 
     def stop_all(self) -> bool:
         return self.already + sum(self.latest.values()) >= self.max_flops
+
+
+def _first_line(path: Path) -> str:
+    """The last non-empty line of a Python traceback: the exception and its message."""
+    try:
+        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return "unknown error"
+    return lines[-1] if lines else "unknown error"

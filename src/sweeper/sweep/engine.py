@@ -51,7 +51,7 @@ def base_config(cfg, spec: SweepSpec, target: str | None) -> dict:
     from omegaconf import OmegaConf
 
     tree = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("sweep", "ray", "mlflow", "trainable", "hydra"):
+    for key in ("sweep", "ray", "mlflow", "trainable", "hydra", "fit"):
         tree.pop(key, None)
     if target:
         return tree
@@ -143,6 +143,8 @@ def run_sweep(cfg, out_dir: str) -> float | None:
                 remaining_seconds,
                 tracker,
             )
+            if not records:
+                break
             best = pick_best(records, spec.metric, spec.mode)
             if best is not None:
                 current = trial_config(
@@ -163,7 +165,10 @@ def run_sweep(cfg, out_dir: str) -> float | None:
             {}, out, status="KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
         )
         raise
-    summary = outputs.write_all(out, spec, state, base)
+    from omegaconf import OmegaConf
+
+    fit_cfg = OmegaConf.to_container(cfg.fit, resolve=True) if "fit" in cfg else {}
+    summary = outputs.write_all(out, spec, state, base, fit_cfg)
     tracker.finish(summary, out)
     return summary["best"]["value"] if summary.get("best") else None
 
@@ -213,11 +218,12 @@ def run_stage(
     grid = search == "grid" or is_pure_grid(space)
     planned = grid_size(space) if grid else stage.num_samples
     if remaining_trials is not None and planned > remaining_trials:
-        if grid:
-            raise ConfigError(
-                f"sweep stage '{stage.name}': its grid of {planned} exceeds the "
-                f"remaining sweep.max_trials ({remaining_trials})"
+        if grid:  # a grid cannot be cut short fairly: the stage does not start
+            print(
+                f"[{stage.name}] skipped: its grid of {planned} trials exceeds the "
+                f"{remaining_trials} left under sweep.max_trials"
             )
+            return [], []
         planned = remaining_trials
     ctx = stage_context(spec, stage, base, target, storage=str(out / "ray"))
     time_attr, max_t = time_axis(spec, target)

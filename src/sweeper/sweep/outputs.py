@@ -116,6 +116,7 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
         "lr",
         "total_batch_size",
         "tokens_per_s",
+        "wall_time",
         "final",
     ]
     if metric not in columns:
@@ -126,7 +127,9 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
         writer.writerows(reports)
 
 
-def write_all(out: Path, spec: SweepSpec, state: SweepState, base: dict) -> dict:
+def write_all(
+    out: Path, spec: SweepSpec, state: SweepState, base: dict, fit_cfg: dict | None = None
+) -> dict:
     from sweeper.sweep.engine import reproduce_overrides
     from sweeper.sweep.plots import plot_learning_curves, plot_stage_lr
 
@@ -173,7 +176,7 @@ def write_all(out: Path, spec: SweepSpec, state: SweepState, base: dict) -> dict
     for stage in state.stages:
         plots.append(plot_stage_lr(out / f"stage_{stage['name']}.png", stage["records"], spec))
     summary["plots"] = [p.name for p in plots if p]
-    summary["fit"] = _fit(out, reports, spec)
+    summary["fit"] = _fit(out, reports, spec, fit_cfg or {})
     write_json_atomic(out / "summary.json", summary)
     _print_summary(summary, spec, out)
     return summary
@@ -196,37 +199,45 @@ def _count(records: list[dict]) -> dict[str, int]:
     return counts
 
 
-def _fit(out: Path, reports: list[dict], spec: SweepSpec) -> dict | None:
-    """Loss against compute over every report of every trial (the frontier fit)."""
-    try:
-        from sweeper.scaling import fit_all, plot_all
-    except ImportError:
-        return None
+def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict) -> dict | None:
+    """Loss against compute over every report of every trial (the frontier), plus the
+    parametric law, IsoFLOP optima and LR-vs-compute where the sweep's grid allows."""
+    from sweeper.scaling import fit_all, plot_all
+    from sweeper.scaling.summary import format_summary
+
     points = [
         {
             "N": r.get("params"),
             "D": r.get("tokens"),
             "C": r.get("flops"),
             "loss": r.get(spec.metric),
-            "final": r.get("final"),
+            "final": bool(r.get("final")),
+            "budget": r.get("budget"),
+            "lr": r.get("peak_lr"),
+            "batch_size": r.get("total_batch_size"),
         }
         for r in reports
         if r.get("status") != "diverged" and r.get(spec.metric) is not None
     ]
+    conventions = {"params": "total", "flops": "per_token_with_attention", "loss_unit": spec.metric}
     try:
         result = fit_all(
             points,
-            conventions={
-                "params": "total",
-                "flops": "per_token_with_attention",
-                "loss_unit": spec.metric,
-            },
+            target_flops=fit_cfg.get("target_flops"),
+            bootstrap=int(fit_cfg.get("bootstrap") or 0),
+            conventions=conventions,
         )
         write_json_atomic(out / "fit.json", result)
-        plot_all(result, points, out)
+        plots = plot_all(result, points, out)
     except Exception as error:  # a fit that can't be made must not lose the sweep
         return {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
-    return {"file": "fit.json", "warnings": result.get("warnings", [])}
+    print("\nloss against compute (fit.json):")
+    print(format_summary(result))
+    return {
+        "file": "fit.json",
+        "plots": [Path(p).name for p in plots],
+        "warnings": result.get("warnings", []),
+    }
 
 
 def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:

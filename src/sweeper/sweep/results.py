@@ -18,6 +18,7 @@ REPORT_COLUMNS = (
     "lr",
     "tokens_per_s",
     "mfu",
+    "wall_time",
 )
 
 
@@ -59,6 +60,9 @@ def collect_results(results, stage: str, metric: str, base: dict, ctx: TrialCont
                 "path": str(result.path),
             }
         )
+        trainer_cfg = effective.get("trainer", {})
+        optimizer_cfg = effective.get("optimizer", {})
+        peak_lr = optimizer_cfg.get("lr" if optimizer_cfg.get("name") == "adamw" else "matrix_lr")
         frame = result.metrics_dataframe
         if frame is None:
             continue
@@ -72,7 +76,10 @@ def collect_results(results, stage: str, metric: str, base: dict, ctx: TrialCont
                         "status": status,
                         **{c: row.get(c) for c in REPORT_COLUMNS},
                         metric: row.get(metric),
-                        "total_batch_size": effective.get("trainer", {}).get("total_batch_size"),
+                        "total_batch_size": trainer_cfg.get("total_batch_size"),
+                        "peak_lr": peak_lr,
+                        # the compute budget of an IsoFLOP grid point, on final reports only
+                        "budget": trainer_cfg.get("budget_flops") if i == len(rows) - 1 else None,
                         "final": i == len(rows) - 1,
                     }
                 )

@@ -11,15 +11,14 @@ import contextlib
 import functools
 import importlib
 import math
-import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sweeper.checkpoint import load_latest_state, save_state
 from sweeper.sweep.space import to_builtin
 from sweeper.sweep.stages import apply_params, follow_batch_size, get_dotted
-
-STATE_FILE = "training_state.pt"
 
 
 @dataclass(frozen=True)
@@ -78,13 +77,12 @@ def run_trial(config: dict, base: dict, ctx: TrialContext) -> None:
 
     def report(metrics: dict, state=None) -> None:
         metrics, diverged = penalise(metrics, ctx.metric, ctx.penalty)
+        metrics["wall_time"] = time.time()  # orders reports across trials (bench/bench_search.py)
         if state is None or diverged:
             tune.report(metrics)
         else:
             with tempfile.TemporaryDirectory() as folder:
-                import torch
-
-                torch.save(state(), os.path.join(folder, STATE_FILE))
+                save_state(folder, state())
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
         if diverged and ctx.target:
             raise Diverged
@@ -118,7 +116,7 @@ def run_trial(config: dict, base: dict, ctx: TrialContext) -> None:
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:  # a paused (Hyperband/BOHB) or retried trial
         with checkpoint.as_directory() as folder:
-            resume_state = torch.load(os.path.join(folder, STATE_FILE), weights_only=False)
+            resume_state = load_latest_state(folder)
     train(run_cfg, report, resume_state=resume_state, verbose=False)
 
 

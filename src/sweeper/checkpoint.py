@@ -1,0 +1,48 @@
+"""Training-state files that survive a kill at any moment.
+
+A save writes a temporary file in the same directory, fsyncs it and renames it over the
+target (atomic on POSIX): a kill mid-save leaves the previous file whole. A load that
+finds the newest checkpoint unreadable falls back to the previous one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STATE_FILE = "training_state.pt"
+
+
+def save_state(folder: str | Path, state: dict) -> Path:
+    import torch
+
+    path = Path(folder) / STATE_FILE
+    tmp = path.with_name(f".{STATE_FILE}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_state(folder: str | Path) -> dict:
+    import torch
+
+    return torch.load(Path(folder) / STATE_FILE, weights_only=False)
+
+
+def load_latest_state(checkpoint_dir: str | Path) -> dict | None:
+    """The state in `checkpoint_dir`, or, if that one is corrupt, in the newest readable
+    sibling checkpoint (Ray Tune names them checkpoint_000NNN in the trial's folder)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    candidates = [checkpoint_dir] + sorted(
+        (p for p in checkpoint_dir.parent.glob("checkpoint_*") if p != checkpoint_dir),
+        reverse=True,
+    )
+    for folder in candidates:
+        try:
+            return load_state(folder)
+        except Exception as error:  # truncated or corrupt: try the previous checkpoint
+            print(f"checkpoint {folder} is unreadable ({type(error).__name__}): trying older")
+    return None

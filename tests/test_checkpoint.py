@@ -1,0 +1,52 @@
+"""Checkpoint files survive kills: atomic saves, fallback past a corrupt newest one."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from sweeper.checkpoint import STATE_FILE, load_latest_state, load_state, save_state
+
+from .conftest import REPO
+
+
+def test_save_is_atomic_and_loads_back(tmp_path):
+    state = {"step": 3, "w": torch.arange(5.0)}
+    save_state(tmp_path, state)
+    loaded = load_state(tmp_path)
+    assert loaded["step"] == 3 and torch.equal(loaded["w"], state["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]  # no temp file left
+
+
+def test_a_kill_during_a_save_leaves_the_previous_state_loadable(tmp_path):
+    save_state(tmp_path, {"step": 1})
+    # a child process starts saving a large state and is SIGKILLed mid-write
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[2]);"
+        "from sweeper.checkpoint import save_state;"
+        "save_state(sys.argv[1], {'step': 2, 'big': torch.zeros(200_000_000)})"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(REPO / "src")])
+    tmp_file = tmp_path / f".{STATE_FILE}.tmp"
+    deadline = time.monotonic() + 60
+    while not (tmp_file.exists() and tmp_file.stat().st_size > 0):  # the write has begun
+        assert proc.poll() is None and time.monotonic() < deadline, "never caught mid-save"
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert tmp_file.stat().st_size < 800_000_000  # it really was cut off mid-write
+    assert load_state(tmp_path)["step"] == 1
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    old, new = tmp_path / "checkpoint_000001", tmp_path / "checkpoint_000002"
+    old.mkdir()
+    new.mkdir()
+    save_state(old, {"step": 1})
+    (new / STATE_FILE).write_bytes(b"truncated garbage")
+    assert load_latest_state(new)["step"] == 1
+    save_state(new, {"step": 2})
+    assert load_latest_state(new)["step"] == 2
