@@ -28,6 +28,8 @@ def run_job(cfg) -> float | None:
             return run_sweep(cfg, out_dir)
         except ConfigError as error:  # found inside the job (an unreachable MLflow server)
             fail(str(error))
+        except KeyboardInterrupt:
+            sys.exit(130)  # the engine said where the state is and how to resume
     if cfg.trainer.workers > 1:
         result = run_ddp(cfg, out_dir)
     else:

@@ -97,6 +97,10 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     base = base_config(cfg, spec, target)
     if not target:
         load_run_config(base)  # the budget written in must still make a valid run
+    from sweeper.tracking import make_tracker
+
+    tracker = make_tracker(cfg, spec, out)  # before Ray: an unreachable server fails fast
+    start_ray(cfg.ray)
     state = SweepState.load(out) if spec.resume else None
     if spec.resume and state is None:
         print(f"sweep.resume=true but no sweep state in {out}: starting a new sweep")
@@ -104,10 +108,6 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     if state.name != spec.name:
         raise ConfigError(f"run dir {out} holds sweep '{state.name}', not '{spec.name}'")
 
-    from sweeper.tracking import make_tracker
-
-    tracker = make_tracker(cfg, spec, out)  # before Ray: an unreachable server fails fast
-    start_ray(cfg.ray)
     started = time.time() - state.elapsed
     baseline_job = None
     if spec.baseline and state.baseline is None:
@@ -161,6 +161,12 @@ def run_sweep(cfg, out_dir: str) -> float | None:
             tracker.log_baseline(state.baseline)
     except BaseException as error:
         # Ctrl+C or a crash: close the tracker's runs honestly, keep the state on disk
+        if isinstance(error, KeyboardInterrupt):
+            print(
+                f"sweep interrupted: finished stages and trials are saved in {out}; "
+                "continue it with the same command plus sweep.resume=true "
+                f"hydra.run.dir={out}"
+            )
         tracker.finish(
             {}, out, status="KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
         )
@@ -297,6 +303,10 @@ def run_stage(
             run_config=run_config,
         )
     results = tuner.fit()
+    if results.num_terminated + results.num_errors < len(results):
+        # Tune returns normally on Ctrl+C, with trials left running or pending: this
+        # stage is not finished, and must not be frozen as if it were
+        raise KeyboardInterrupt
     return collect_results(results, stage.name, spec.metric, base, ctx)
 
 

@@ -44,6 +44,28 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
         ) from None
 
 
+def free_port(host: str, preferred: int, tries: int = 50) -> int:
+    """`preferred` if nothing listens there, else the next free port: a second sweep on the
+    same machine gets its own dashboard instead of failing."""
+    for port in range(preferred, preferred + tries):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+                return port
+            except OSError:
+                continue
+    return preferred
+
+
+def wants_token(error: BaseException | None) -> bool:
+    """Whether Ray's connection error (or one it was raised from) is a refused auth token."""
+    while error is not None:
+        if type(error).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
     """Sweeps keep the driver's output to their own progress lines (trial output stays in
     Ray's logs); a single DDP run shows rank 0's progress (log_to_driver=True)."""
@@ -53,6 +75,7 @@ def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
         return
     common = dict(logging_level=logging.WARNING, log_to_driver=log_to_driver)
     address = ray_cfg.get("address")
+    host = ray_cfg.get("dashboard_host") or "127.0.0.1"
     if address:
         probe(str(address))
     try:
@@ -63,13 +86,13 @@ def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
                 num_cpus=ray_cfg.get("num_cpus"),
                 num_gpus=ray_cfg.get("num_gpus"),
                 include_dashboard=True,
-                dashboard_host=ray_cfg.get("dashboard_host", "127.0.0.1"),
-                dashboard_port=ray_cfg.get("dashboard_port", 8265),
+                dashboard_host=host,
+                dashboard_port=free_port(host, int(ray_cfg.get("dashboard_port") or 8265)),
                 **common,
             )
     except (ConnectionError, RuntimeError, ValueError) as error:
         hint = ""
-        if type(error.__cause__).__name__ == "AuthenticationError":
+        if wants_token(error):
             # `ray start` clusters use token auth; an explicit address does not turn it on
             hint = "; the cluster wants a token: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"
         raise ConfigError(

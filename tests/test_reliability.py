@@ -1,0 +1,160 @@
+"""Crash safety: a killed or interrupted driver resumes without losing or repeating work;
+failing trials are retried a bounded number of times; many short trials lose nothing."""
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+PLANNED = 8
+SWEEP = [
+    "+sweep=lr",
+    "trainable._target_=tests.reliability_functions.counted",
+    "sweep.stages.0.search=tpe",
+    "sweep.stages.0.scheduler=fifo",
+    f"sweep.stages.0.num_samples={PLANNED}",
+    "sweep.baseline=false",
+    "sweep.concurrency=2",
+    "mlflow.enabled=false",
+]
+
+
+def _env(tmp_path: Path, **extra) -> dict:
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src")]),
+        COUNT_FILE=str(tmp_path / "count.txt"),
+        RAY_USAGE_STATS_ENABLED="0",
+        **extra,
+    )
+
+
+def _executions(tmp_path: Path) -> collections.Counter:
+    path = tmp_path / "count.txt"
+    lines = path.read_text().split("\n") if path.exists() else []
+    return collections.Counter(tuple(line.split()) for line in lines if line.strip())
+
+
+def _finished(counts: collections.Counter) -> set[str]:
+    return {trial for trial, step in counts if step == "3"}
+
+
+def _start(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "sweeper", *SWEEP, f"hydra.run.dir={tmp_path}/run", *extra]
+    return subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        env=_env(tmp_path, TRIAL_SLEEP="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_finished_trials(tmp_path: Path, proc: subprocess.Popen, n: int) -> None:
+    deadline = time.monotonic() + 180
+    while len(_finished(_executions(tmp_path))) < n:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "the sweep made no progress"
+        time.sleep(0.2)
+
+
+def _resume_and_check(tmp_path: Path, finished_before: set[str]) -> None:
+    proc = _start(tmp_path, "sweep.resume=true")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    counts = _executions(tmp_path)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
+    records = state["stages"][0]["records"]
+    assert summary["trials"] == PLANNED == len({r["trial_id"] for r in records})
+    assert all(r["status"] == "completed" for r in records), records
+    # no trial that had finished before the interruption ran again, not even one step
+    for trial in finished_before:
+        assert [counts[(trial, str(s))] for s in (1, 2, 3)] == [1, 1, 1], trial
+    # the best config is the best over all finished trials
+    assert summary["best"]["value"] == min(r["metric"] for r in records)
+
+
+def test_driver_killed_mid_sweep_resumes_without_rerunning_finished_trials(tmp_path):
+    proc = _start(tmp_path)
+    _wait_for_finished_trials(tmp_path, proc, 3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished = _finished(_executions(tmp_path))
+    time.sleep(2)  # Ray's processes share the driver's fate: nothing runs on after it
+    assert _finished(_executions(tmp_path)) == finished
+    _resume_and_check(tmp_path, finished)
+
+
+def test_ctrl_c_stops_cleanly_and_resume_loses_nothing(tmp_path):
+    proc = _start(tmp_path)
+    _wait_for_finished_trials(tmp_path, proc, 3)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert "interrupted" in out and "sweep.resume=true" in out, out[-2000:]
+    finished = _finished(_executions(tmp_path))
+    _resume_and_check(tmp_path, finished)
+
+
+def test_a_failing_trial_is_retried_from_checkpoint_and_a_buggy_one_is_not_retried_forever(
+    tmp_path,
+):
+    common = [
+        sys.executable,
+        "-m",
+        "sweeper",
+        "+sweep=lr",
+        "sweep.stages.0.search=random",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.0.num_samples=2",
+        "sweep.baseline=false",
+        "sweep.max_failures=2",
+        "mlflow.enabled=false",
+    ]
+    env = _env(tmp_path, MARKER_DIR=str(tmp_path))
+    ok = subprocess.run(
+        [
+            *common,
+            "trainable._target_=tests.reliability_functions.fails_once",
+            f"hydra.run.dir={tmp_path}/a",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    records = json.loads((tmp_path / "a" / "sweep_state.json").read_text())["stages"][0]["records"]
+    assert [r["status"] for r in records] == ["completed", "completed"]
+    assert all(r["metric"] == 3.0 for r in records)
+    start = time.monotonic()
+    bad = subprocess.run(
+        [
+            *common,
+            "trainable._target_=tests.reliability_functions.always_fails",
+            f"hydra.run.dir={tmp_path}/b",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert time.monotonic() - start < 120
+    state = json.loads((tmp_path / "b" / "sweep_state.json").read_text())
+    assert [r["status"] for r in state["stages"][0]["records"]] == ["failed", "failed"]
+    assert "ValueError: a bug in user code" in bad.stdout  # the failure report names the error
+    assert "error.txt" in bad.stdout  # ... and where the full error is
