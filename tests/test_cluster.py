@@ -1,0 +1,227 @@
+"""Sweeps on Ray clusters of several nodes, all on this machine: a head plus two worker
+nodes (`ray.cluster_utils.Cluster`), a cluster started with `ray start` that a sweep joins
+through `ray.address`, and an address where no cluster answers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from sweeper.cli import compose
+from sweeper.config import ConfigError
+from sweeper.sweep.engine import run_sweep
+
+from .conftest import REPO, run_cli
+from .test_sweep import TINY_SWEEP
+
+pytestmark = pytest.mark.slow
+
+# worker nodes get their own loopback addresses, so Ray Tune's `node_ip` of each trial says
+# which node ran it, as on a cluster of several machines (Linux routes all of 127/8 to lo)
+WORKER_IPS = ("127.0.0.2", "127.0.0.3")
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"ray start exited with {process.returncode}")
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout}s")
+
+
+def trial_results(run_dir: Path) -> dict[str, list[dict]]:
+    """Every trial's reports (Ray Tune's result.json), by trial dir, from the run dir."""
+    return {
+        str(path.parent.relative_to(run_dir / "ray")): [
+            json.loads(line) for line in path.read_text().splitlines() if line.strip()
+        ]
+        for path in sorted((run_dir / "ray").glob("stage*/*/result.json"))
+    }
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    """A head and two worker nodes, one CPU each: three trials at once need all three."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("worker nodes on 127.0.0.2/3 need Linux's loopback")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    # Cluster writes its address where `ray.init(address="auto")` looks: put back what was there
+    marker = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    saved = marker.read_text() if marker.is_file() else None
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(REPO / "src")]))
+        env.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "include_dashboard": False,
+                "dashboard_port": free_port(),
+                "dashboard_agent_listen_port": free_port(),
+            },
+        )
+        try:
+            for ip in WORKER_IPS:
+                cluster.add_node(num_cpus=1, node_ip_address=ip)
+            cluster.wait_for_nodes()
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            if saved is not None:
+                marker.write_text(saved)
+
+
+def test_trials_run_on_several_nodes_and_write_to_one_run_dir(three_nodes, tmp_path, capsys):
+    import ray
+
+    cfg = compose(
+        [
+            *TINY_SWEEP,
+            "sweep.baseline=false",
+            "sweep.stages.0.num_samples=4",
+            "sweep.stages.0.scheduler=fifo",  # every trial runs its whole budget
+            "sweep.concurrency=3",
+            "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+            f"ray.address={three_nodes.address}",
+            "mlflow.enabled=false",
+        ]
+    )
+    run_sweep(cfg, str(tmp_path))  # start_ray joins the cluster: no ray.init here
+    assert f"ray: joined {three_nodes.address} with 3 CPUs" in capsys.readouterr().out
+    nodes = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
+    assert len(nodes) == 3 and set(WORKER_IPS) <= nodes
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [stage["trials"] for stage in summary["stages"]] == [4, 1]
+    results = trial_results(tmp_path)
+    assert len(results) == 5  # every trial of both stages, wherever it ran, in this run dir
+    where = {trial: reports[-1]["node_ip"] for trial, reports in results.items()}
+    lr_nodes = {ip for trial, ip in where.items() if trial.startswith("stage0_lr/")}
+    print(f"trial -> node: {where}")
+    assert set(where.values()) <= nodes
+    assert len(lr_nodes) >= 2 and lr_nodes & set(WORKER_IPS), where
+    for trial, reports in results.items():
+        assert reports[-1]["status"] == "completed", trial
+        # the checkpoints a trial wrote on its node are in the shared run dir as well
+        assert list((tmp_path / "ray" / trial).glob("checkpoint_*")), trial
+
+
+def test_a_sweep_joins_a_cluster_started_with_ray_start(tmp_path, monkeypatch):
+    port = free_port()
+    # Ray's unix sockets live under the temp dir: it must be short (pytest's tmp_path is not)
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    # `ray start` clusters use token auth; the driver joins with RAY_AUTH_MODE + RAY_AUTH_TOKEN
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    head_log = tmp_path / "ray_start.log"
+    with head_log.open("w") as log:
+        head = subprocess.Popen(
+            [
+                RAY,
+                "start",
+                "--head",
+                f"--port={port}",
+                "--num-cpus=2",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+                f"--temp-dir={temp}",
+                # every port of this cluster its own, beside other Ray clusters of the machine
+                f"--dashboard-port={free_port()}",
+                f"--dashboard-agent-listen-port={free_port()}",
+                f"--ray-client-server-port={free_port()}",
+                "--block",  # ends, with every process it started, at SIGTERM
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_for_port(port, 60, head)
+        run_dir = tmp_path / "run"
+        proc = run_cli(
+            [
+                *TINY_SWEEP,
+                "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+                f"ray.address=127.0.0.1:{port}",
+                "mlflow.enabled=false",
+                f"hydra.run.dir={run_dir}",
+            ],
+            cwd=tmp_path,
+            timeout=150,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert f"ray: joined 127.0.0.1:{port} with 2 CPUs" in proc.stdout, proc.stdout
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert [stage["trials"] for stage in summary["stages"]] == [2, 1]
+        results = trial_results(run_dir)
+        assert len(results) == 3
+        # the trials' processes were workers of that cluster: their logs are in its temp dir
+        logs = {p.name for p in Path(temp).glob("session_*/logs/worker-*")}
+        for trial, reports in results.items():
+            pid = reports[-1]["pid"]
+            assert any(name.endswith(f"-{pid}.out") for name in logs), (trial, pid)
+        # and the driver did not start a cluster of its own
+        assert len(list(Path(temp).glob("session_2*"))) == 1
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("scheme", ["", "ray://"])
+def test_an_address_where_no_cluster_answers_fails_in_one_line(tmp_path, scheme):
+    address = f"{scheme}127.0.0.1:{free_port()}"  # closed again: nothing listens there
+    started = time.monotonic()
+    proc = run_cli(
+        ["+sweep=smoke", f"ray.address={address}", "mlflow.enabled=false"], cwd=tmp_path, timeout=60
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    assert f"ray.address={address}" in lines[0] and "Traceback" not in proc.stdout
+    assert elapsed < 30, f"{elapsed:.1f}s"
+
+
+def test_the_probe_refuses_closed_ports_and_leaves_other_addresses_to_ray():
+    from sweeper.sweep.ray_cluster import endpoint, probe
+
+    assert endpoint("10.0.0.5:6379") == ("10.0.0.5", 6379)
+    assert endpoint("ray://head:10001") == ("head", 10001)
+    assert endpoint("[::1]:6379") == ("::1", 6379)
+    assert endpoint("auto") is None and endpoint("local") is None
+    probe("auto")  # Ray resolves it
+    with pytest.raises(ConfigError, match=r"ray.address=127.0.0.1:\d+: no Ray cluster answers"):
+        probe(f"127.0.0.1:{free_port()}", timeout=2)
