@@ -8,8 +8,11 @@ summary, reports.csv, plots and the loss-vs-compute fit in the run dir.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -302,12 +305,35 @@ def run_stage(
             ),
             run_config=run_config,
         )
-    results = tuner.fit()
-    if results.num_terminated + results.num_errors < len(results):
-        # Tune returns normally on Ctrl+C, with trials left running or pending: this
-        # stage is not finished, and must not be frozen as if it were
+    with interrupt_watch() as interrupted:
+        results = tuner.fit()
+    if interrupted():
+        # Tune returns normally on Ctrl+C (after saving its state): this stage is not
+        # finished and must not be frozen as if it were
         raise KeyboardInterrupt
-    return collect_results(results, stage.name, spec.metric, base, ctx)
+    can_prune = scheduler_name != "fifo" or bool(spec.max_seconds or spec.max_flops)
+    return collect_results(results, stage.name, spec.metric, base, ctx, can_prune)
+
+
+@contextlib.contextmanager
+def interrupt_watch():
+    """Tells whether Tune caught a Ctrl+C during the block. Tune swaps in its own SIGINT
+    handler and puts the previous one back only when it is interrupted (ray/tune/tune.py,
+    _setup_signal_catching), so finding our sentinel back in place means an interrupt."""
+
+    def sentinel(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    previous = signal.signal(signal.SIGINT, sentinel)
+    state = {"interrupted": False}
+    try:
+        yield lambda: state["interrupted"]
+    finally:
+        state["interrupted"] = signal.getsignal(signal.SIGINT) is sentinel
+        signal.signal(signal.SIGINT, previous)
 
 
 def reproduce_overrides(final: dict) -> list[str]:

@@ -22,25 +22,29 @@ REPORT_COLUMNS = (
 )
 
 
-def trial_status(metrics: dict, error: Any) -> str:
-    """completed | pruned | diverged | failed, from the trial's last report."""
+def trial_status(metrics: dict, error: Any, can_prune: bool = True) -> str:
+    """completed | pruned | diverged | failed, from the trial's last report. sweeper's
+    own training reports its status; a user's function that reports none counts as
+    completed when it returned by itself (Ray's `done`) or when nothing could stop it."""
     if error is not None:
         return "failed"
     status = metrics.get("status")
     if status in ("completed", "diverged"):
         return status
-    if status is None and metrics.get("done"):
-        return "completed"  # a user's function that returned by itself
+    if status is None and (metrics.get("done") or not can_prune):
+        return "completed"
     return "pruned"  # stopped by the scheduler (or a cap) before its budget
 
 
-def collect_results(results, stage: str, metric: str, base: dict, ctx: TrialContext):
+def collect_results(
+    results, stage: str, metric: str, base: dict, ctx: TrialContext, can_prune: bool = True
+):
     records, reports = [], []
     for result in results:
         metrics = to_builtin(dict(result.metrics or {}))
         params = to_builtin({k: v for k, v in (result.config or {}).items()})
         trial_id = metrics.get("trial_id") or str(result.path).rsplit("/", 1)[-1]
-        status = trial_status(metrics, result.error)
+        status = trial_status(metrics, result.error, can_prune)
         effective = trial_config(params, base, ctx)
         value = metrics.get(metric)
         records.append(

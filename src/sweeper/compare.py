@@ -1,0 +1,200 @@
+"""`python -m sweeper.compare [SWEEP]`: a sweep's trials as MLflow has them, best first.
+
+SWEEP is a sweep name (its latest run), the MLflow run id of a sweep, or a sweep's run dir
+(default: the latest sweep in the store). The store is MLflow's default (sqlite:///mlflow.db
+in the working directory), the one a run dir recorded, or --tracking-uri. Columns: stage,
+trial, status, the metric, tokens, and every parameter whose value differs across trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from sweeper.cli import fail
+from sweeper.config import ConfigError
+
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m sweeper.compare",
+        description="Compare a sweep's trials from MLflow, sorted by the sweep's metric.",
+    )
+    parser.add_argument(
+        "sweep", nargs="?", help="sweep name, sweep run id or run dir (default: the latest)"
+    )
+    parser.add_argument("--tracking-uri", help="MLflow store (default: sqlite:///mlflow.db)")
+    parser.add_argument("--experiment", help="only this MLflow experiment (default: all)")
+    args = parser.parse_args(argv)
+    try:
+        print(compare(args.sweep, args.tracking_uri, args.experiment))
+    except ConfigError as error:
+        fail(str(error))
+
+
+def compare(sweep: str | None, tracking_uri: str | None, experiment: str | None) -> str:
+    run_dir = Path(sweep) if sweep and Path(sweep).is_dir() else None
+    recorded = _recorded(run_dir) if run_dir else {}
+    client, uri = _client(tracking_uri or recorded.get("tracking_uri"))
+    experiments = _experiments(client, experiment)
+    parent = _find_sweep(client, experiments, sweep, run_dir, recorded.get("run_id"))
+    children = _children(client, parent)
+    return _render(parent, children, uri)
+
+
+def _recorded(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "mlflow_run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _client(tracking_uri: str | None):
+    from mlflow import MlflowClient
+
+    from sweeper.tracking.mlflow_store import (
+        check_reachable,
+        quick_http_calls,
+        resolve_tracking_uri,
+        sqlite_path,
+    )
+
+    uri = resolve_tracking_uri(tracking_uri)
+    path = sqlite_path(uri)
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(
+            f"no MLflow store at {path}: run a sweep in this directory first, "
+            "or pass --tracking-uri"
+        )
+    check_reachable(uri, hint="is it running? (or pass another --tracking-uri)")
+    quick_http_calls()
+    return MlflowClient(uri), uri
+
+
+def _experiments(client, name: str | None) -> list[str]:
+    try:
+        if name:
+            found = client.get_experiment_by_name(name)
+            if found is None:
+                raise ConfigError(f"no MLflow experiment '{name}'")
+            return [found.experiment_id]
+        return [e.experiment_id for e in client.search_experiments()]
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(f"cannot read the MLflow store: {_line(error)}") from None
+
+
+def _find_sweep(client, experiments, sweep, run_dir, recorded_id):
+    from sweeper.tracking.mlflow_queue import quote
+
+    try:
+        if recorded_id:
+            return client.get_run(recorded_id)
+        if run_dir is not None:
+            where = f"tags.run_dir = {quote(str(run_dir.resolve()))}"
+        elif sweep and RUN_ID.fullmatch(sweep):
+            run = client.get_run(sweep)
+            parent = run.data.tags.get("mlflow.parentRunId")
+            return (
+                client.get_run(parent) if run.data.tags.get("role") != "sweep" and parent else run
+            )
+        elif sweep:
+            where = f"tags.sweep = {quote(sweep)}"
+        else:
+            where = ""
+        clauses = " and ".join(c for c in ("tags.role = 'sweep'", where) if c)
+        found = client.search_runs(
+            experiments, clauses, order_by=["attributes.start_time DESC"], max_results=1
+        )
+    except Exception as error:
+        raise ConfigError(f"cannot read the MLflow store: {_line(error)}") from None
+    if not found:
+        what = f"sweep '{sweep}'" if sweep else "sweep"
+        raise ConfigError(f"no {what} in the MLflow store (name, run id or run dir)")
+    return found[0]
+
+
+def _children(client, parent) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs(
+            [parent.info.experiment_id],
+            f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+            max_results=1000,
+            page_token=token,
+        )
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _render(parent, children: list, uri: str) -> str:
+    params, tags = parent.data.params, parent.data.tags
+    metric, mode = params.get("metric", "val_bpb"), params.get("mode", "min")
+    trials = [r for r in children if r.data.tags.get("role", "trial") == "trial"]
+    baselines = [r for r in children if r.data.tags.get("role") == "baseline"]
+    keys = sorted({k for r in trials for k in r.data.params})
+    varied = [k for k in keys if len({r.data.params.get(k) for r in trials}) > 1]
+
+    def order(run):
+        value = run.data.metrics.get(metric)
+        return (value is None, 0.0 if value is None else (value if mode == "min" else -value))
+
+    header = ["stage", "trial", "status", metric, "tokens", *varied]
+    rows = [
+        [
+            r.data.tags.get("stage", "-"),
+            r.data.tags.get("trial_id", r.info.run_name),
+            r.data.tags.get("status", r.info.status.lower()),
+            _number(r.data.metrics.get(metric), ".4f"),
+            _number(r.data.metrics.get("tokens"), ",.0f"),
+            *(_param(r.data.params.get(k)) for k in varied),
+        ]
+        for r in sorted(trials, key=order)
+    ]
+    lines = [
+        f"sweep '{tags.get('sweep', '?')}' run {parent.info.run_id} "
+        f"({tags.get('status', parent.info.status.lower())}), {len(trials)} trials, "
+        f"sorted by {metric} ({mode}) | {uri}"
+    ]
+    if rows:
+        widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            lines.append("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
+    else:
+        lines.append("no trials logged yet")
+    for run in baselines:
+        value = _number(run.data.metrics.get(metric), ".4f")
+        lines.append(f"baseline (unmodified config): {metric} {value}")
+    return "\n".join(lines)
+
+
+def _number(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _param(value: str | None) -> str:
+    if value is None:
+        return "-"
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return value if number.is_integer() and "e" not in value.lower() else f"{number:.4g}"
+
+
+def _line(error: BaseException) -> str:
+    from sweeper.tracking.mlflow_queue import short_error
+
+    return short_error(error)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""The MLflow calls of a sweep, sent by one background thread so that a slow or dead
+tracking server never holds up training.
+
+The tracker turns each event into an *op*: a JSON-able dict that names its run by a local
+key ("sweep", "lr/3f2a1_00000", "baseline"), since the MLflow run may not exist yet. The
+worker applies the ops in order. A call that fails for a transient reason (connection
+refused, timeout, 5xx) stays at the head of the queue and is retried with backoff (1 s,
+2 s, ... 15 s); meanwhile nothing else is tried, so a dead server costs one quick failed
+call per backoff period. A call the store refuses (4xx: a bad value) is dropped with a
+warning. While the server is down the queue is mirrored to `mlflow_pending.jsonl` in the
+run dir; what is still unsent when the sweep ends stays there, and the next
+`sweep.resume=true` in that run dir sends it first.
+
+Every op is idempotent, so a retry after an ambiguous failure (a timeout after the server
+had written the batch) duplicates nothing:
+- open: the run is looked up by its tags under its parent before one is created;
+- metrics: (key, step) pairs the run already has are skipped; after a failure, or when a
+  run is reopened, the run's logged steps are read back from the store first;
+- params, tags, status and artifacts: setting the same value twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MAX_BACKOFF_S = 15.0
+CLOSE_ATTEMPTS = 2  # tries of the head call once the sweep ends, before giving up
+MAX_PARAM_LENGTH = 6000
+
+
+def is_transient(error: BaseException) -> bool:
+    """Worth retrying: no answer, a timeout, a 5xx or 429; not a 4xx or a bug here."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(error, MlflowException):
+        code = error.get_http_status_code()
+        return not (400 <= code < 500) or code in (408, 429)
+    if isinstance(error, OSError):  # requests' errors, a file being written
+        return True
+    try:
+        from sqlalchemy.exc import OperationalError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(error, OperationalError)  # "database is locked"
+
+
+def short_error(error: BaseException) -> str:
+    """One short line: what went wrong, without urllib3's nested reprs."""
+    text = str(error)
+    lowered = text.lower()
+    for needle, reason in (
+        ("refused", "connection refused"),
+        ("remotedisconnected", "connection lost"),
+        ("connection aborted", "connection lost"),
+        ("connection reset", "connection lost"),
+        ("timed out", "timed out"),
+        ("timeout", "timed out"),
+        ("name or service not known", "unknown host"),
+    ):
+        if needle in lowered:
+            return reason
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[0][:200] if lines else "") or type(error).__name__
+
+
+def chunks(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def quote(value: str) -> str:
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class OpQueue:
+    def __init__(self, client, experiment_id: str, pending_path: Path, where: str = "", say=print):
+        self.client, self.experiment_id, self.where = client, experiment_id, where
+        self.pending_path = Path(pending_path)
+        self.say = say
+        self.ops: collections.deque[dict] = collections.deque()
+        self.cond = threading.Condition()
+        self.run_ids: dict[str, str] = {}
+        self.seen: dict[str, dict[str, set[int]]] = {}  # run key -> metric -> logged steps
+        self.checked: dict[str, set[str]] = {}  # suspect run -> metrics read back since
+        self.sent = self.dropped = self.skipped = 0
+        self.failures = 0  # consecutive failed tries of the head op
+        self.retry_at = 0.0
+        self.down_since: float | None = None
+        self.last_error = ""
+        self.drop_errors: list[str] = []
+        self.closing = False
+        self.close_failures = 0
+        self.thread: threading.Thread | None = None
+
+    # --- the driver's side -----------------------------------------------------------
+    def load_pending(self) -> int:
+        """Ops left in the pending file by an earlier driver go first."""
+        if not self.pending_path.is_file():
+            return 0
+        count = 0
+        with open(self.pending_path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a killed driver
+                    continue
+                if "runs" in item:
+                    self.run_ids.update(item["runs"])
+                    continue
+                self.ops.append(item)
+                count += 1
+        for key in self.run_ids:
+            self.suspect(key)
+        return count
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._work, name="mlflow-log", daemon=True)
+        self.thread.start()
+
+    def put(self, op: dict) -> None:
+        with self.cond:
+            self.ops.append(op)
+            if self.down_since is not None:  # keep the mirror complete while down
+                self._append_pending(op)
+            self.cond.notify_all()
+
+    def close(self, timeout: float = 120.0) -> int:
+        """Sends what is queued (a dead server gets CLOSE_ATTEMPTS quick tries), then stops
+        the worker. Returns how many ops are left: written to the pending file."""
+        with self.cond:
+            self.closing = True
+            self.retry_at = 0.0  # try again now, not after the backoff
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout)
+        with self.cond:
+            left = len(self.ops)
+            if left:
+                self._write_pending()
+            elif self.pending_path.is_file():
+                self.pending_path.unlink()
+            return left
+
+    def apply_now(self, op: dict) -> None:
+        """Applies one op on the calling thread (before the worker starts); raises."""
+        self._apply(op)
+
+    def run_id(self, key: str) -> str | None:
+        return self.run_ids.get(key)
+
+    # --- the worker ------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                while not self.ops and not self.closing:
+                    self.cond.wait()
+                if not self.ops:
+                    return
+                wait = self.retry_at - time.monotonic()
+                if wait > 0:
+                    self.cond.wait(wait)
+                    continue
+                op = self.ops[0]
+            error = None
+            try:
+                self._apply(op)
+            except Exception as exc:
+                error = exc
+            with self.cond:
+                if error is None or not is_transient(error):
+                    self.ops.popleft()
+                    if error is None:
+                        self.sent += 1
+                    else:
+                        self._drop(op, error)
+                    if self.down_since is not None:
+                        self._recovered()
+                    self.failures = 0
+                    continue
+                self._failed(op, error)
+                if self.closing:
+                    self.close_failures += 1
+                    if self.close_failures >= CLOSE_ATTEMPTS:
+                        return
+
+    def _failed(self, op: dict, error: Exception) -> None:
+        self.failures += 1
+        self.last_error = short_error(error)
+        backoff = min(2.0 ** (self.failures - 1), MAX_BACKOFF_S)
+        self.retry_at = time.monotonic() + (min(backoff, 0.5) if self.closing else backoff)
+        if op.get("run"):
+            self.suspect(op["run"])
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            self.say(
+                f"[mlflow] logging to {self.where or 'MLflow'} failed ({self.last_error}): "
+                f"training goes on; the calls are kept, retried, and mirrored to "
+                f"{self.pending_path}"
+            )
+        self._write_pending()
+
+    def _recovered(self) -> None:
+        seconds = time.monotonic() - (self.down_since or time.monotonic())
+        self.down_since = None
+        self.say(f"[mlflow] logging works again after {seconds:.0f}s; sending the kept calls")
+        if self.pending_path.is_file():
+            self.pending_path.unlink()
+
+    def _drop(self, op: dict, error: Exception) -> None:
+        self.dropped += 1
+        message = f"{op.get('op')} {op.get('run')}: {short_error(error)}"
+        self.drop_errors.append(message)
+        if self.dropped <= 3:
+            self.say(f"[mlflow] a call was refused and dropped: {message}")
+
+    def suspect(self, key: str) -> None:
+        """The run's logged steps must be read back from the store before the next batch."""
+        self.checked[key] = set()
+
+    # --- the pending file (callers hold self.cond) ------------------------------------
+    def _write_pending(self) -> None:
+        tmp = self.pending_path.with_name(f".{self.pending_path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"runs": self.run_ids}) + "\n")
+            for op in self.ops:
+                f.write(json.dumps(op) + "\n")
+        os.replace(tmp, self.pending_path)
+
+    def _append_pending(self, op: dict) -> None:
+        with open(self.pending_path, "a") as f:
+            f.write(json.dumps(op) + "\n")
+
+    # --- the calls -------------------------------------------------------------------
+    def _apply(self, op: dict) -> None:
+        getattr(self, "_op_" + op["op"])(op)
+
+    def _id(self, key: str) -> str:
+        run_id = self.run_ids.get(key)
+        if run_id is None:
+            raise KeyError(f"run '{key}' was never opened")
+        return run_id
+
+    def _op_open(self, op: dict) -> None:
+        """Find the run (by its tags, under its parent) or create it; log what it lacks."""
+        from mlflow.entities import Param, RunStatus, RunTag
+
+        key, client = op["run"], self.client
+        parent = self._id(op["parent"]) if op.get("parent") else None
+        match = dict(op.get("match") or {})
+        clauses = [f"tags.`{k}` = {quote(v)}" for k, v in sorted(match.items())]
+        if parent:
+            clauses.append(f"tags.`mlflow.parentRunId` = {quote(parent)}")
+        found = []
+        if not op.get("create"):
+            found = client.search_runs(
+                [self.experiment_id],
+                filter_string=" and ".join(clauses),
+                order_by=["attributes.start_time DESC"],
+                max_results=1,
+            )
+        tags = dict(op.get("tags") or {})
+        if parent:
+            tags["mlflow.parentRunId"] = parent
+        params = {k: str(v)[:MAX_PARAM_LENGTH] for k, v in (op.get("params") or {}).items()}
+        if found:
+            run = found[0]
+            run_id = run.info.run_id
+            if run.info.status != RunStatus.to_string(RunStatus.RUNNING):
+                client.update_run(run_id, status="RUNNING")
+            params = {k: v for k, v in params.items() if k not in run.data.params}
+            self.suspect(key)  # it may hold metric steps from an earlier driver
+        else:
+            run = client.create_run(
+                self.experiment_id, run_name=op.get("name"), tags={**tags, **match}
+            )
+            run_id = run.info.run_id
+            self.seen[key] = {}
+            self.checked.pop(key, None)
+        for part in chunks([Param(k, v) for k, v in params.items()], 100):
+            client.log_batch(run_id, params=part)
+        if found:  # a new run got its tags at creation
+            for part in chunks([RunTag(k, str(v)) for k, v in tags.items()], 100):
+                client.log_batch(run_id, tags=part)
+        for name, text in (op.get("text") or {}).items():
+            client.log_text(run_id, text, name)
+        self.run_ids[key] = run_id
+
+    def _op_metrics(self, op: dict) -> None:
+        from mlflow.entities import Metric
+
+        key = op["run"]
+        run_id = self._id(key)
+        seen = self.seen.setdefault(key, {})
+        checked = self.checked.get(key)
+        batch, batch_keys = [], set()
+        for name, value, step, timestamp in op["metrics"]:
+            if checked is not None and name not in checked:
+                history = self.client.get_metric_history(run_id, name)
+                seen.setdefault(name, set()).update(m.step for m in history)
+                checked.add(name)
+            if int(step) in seen.setdefault(name, set()) or (name, int(step)) in batch_keys:
+                self.skipped += 1
+                continue
+            batch_keys.add((name, int(step)))
+            batch.append(Metric(name, float(value), int(timestamp), int(step)))
+        for part in chunks(batch, 1000):
+            self.client.log_batch(run_id, metrics=part)
+        for metric in batch:
+            seen[metric.key].add(metric.step)
+
+    def _op_tags(self, op: dict) -> None:
+        from mlflow.entities import RunTag
+
+        tags = [RunTag(k, str(v)) for k, v in op["tags"].items()]
+        run_id = op.get("run_id") or self._id(op["run"])
+        for part in chunks(tags, 100):
+            self.client.log_batch(run_id, tags=part)
+
+    def _op_end(self, op: dict) -> None:
+        if op.get("tags"):
+            self._op_tags(op)
+        self.client.set_terminated(self._id(op["run"]), op["status"], op.get("end_time"))
+
+    def _op_close_children(self, op: dict) -> None:
+        """Ends the children still RUNNING (left so by a driver that was killed): with their
+        status from the sweep state when it has them."""
+        parent = self._id(op["run"])
+        token = None
+        while True:
+            page = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=f"tags.`mlflow.parentRunId` = {quote(parent)} "
+                "and attributes.status = 'RUNNING'",
+                max_results=1000,
+                page_token=token,
+            )
+            for run in page:
+                tags = run.data.tags
+                key = f"{tags.get('stage')}/{tags.get('trial_id')}"
+                status, run_status = op["statuses"].get(key, op["default"])
+                self._op_tags({"run": None, "run_id": run.info.run_id, "tags": {"status": status}})
+                self.client.set_terminated(run.info.run_id, run_status)
+            token = page.token
+            if not token:
+                return
+
+    def _op_artifacts(self, op: dict) -> None:
+        run_id = self._id(op["run"])
+        for path, folder in op["files"]:
+            if os.path.isfile(path):  # a file gone since (a cleaned run dir): nothing to send
+                self.client.log_artifact(run_id, path, folder)
+
+    def stats(self) -> dict[str, Any]:
+        with self.cond:
+            return {
+                "sent": self.sent,
+                "left": len(self.ops),
+                "dropped": self.dropped,
+                "skipped": self.skipped,
+                "last_error": self.last_error,
+            }

@@ -1,0 +1,98 @@
+"""Where MLflow runs go, and whether that place answers: shared by the tracker and
+`python -m sweeper.compare`. Imports neither Ray nor (until needed) MLflow."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+from sweeper.config import ConfigError
+
+PROBE_TIMEOUT_S = 3.0
+
+# MLflow's REST client retries a refused connection 7 times with exponential backoff
+# (about 4 minutes per call) and waits 120 s for an answer. The sweep's own queue retries
+# instead, so each call gets one quick try. A value the user set wins.
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+}
+
+
+def quick_http_calls() -> None:
+    for name, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def resolve_tracking_uri(uri: str | None) -> str:
+    """`uri`, or MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the
+    working directory), with a relative SQLite path made absolute so it names one file."""
+    if not uri:
+        import mlflow
+
+        uri = mlflow.get_tracking_uri()
+    uri = str(uri)
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix) :].startswith("/"):
+        path = uri[len(prefix) :]
+        if path and path != ":memory:":
+            uri = prefix + os.path.abspath(path)
+    return uri
+
+
+def is_http(uri: str) -> bool:
+    return urlparse(uri).scheme in ("http", "https")
+
+
+def sqlite_path(uri: str) -> str | None:
+    prefix = "sqlite:///"
+    return uri[len(prefix) :] if uri.startswith(prefix) else None
+
+
+SWEEP_HINT = "start it, or set mlflow.tracking_uri to another store, or mlflow.enabled=false"
+
+
+def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT_S, hint: str = SWEEP_HINT) -> None:
+    """A tracking server that does not answer within `timeout` is a ConfigError (one line).
+    Any HTTP answer counts: an auth error shows up in the first real call instead."""
+    if not is_http(uri):
+        return
+    import requests
+
+    try:
+        requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+    except requests.RequestException as error:
+        reason = type(error).__name__
+        if isinstance(error, requests.ConnectionError) and "refused" in str(error).lower():
+            reason = "connection refused"
+        raise ConfigError(
+            f"MLflow tracking server {uri} is unreachable ({reason}): {hint}"
+        ) from None
+
+
+def check_config(cfg) -> None:
+    """The fail-fast check of `cfg.mlflow` before anything runs or is written."""
+    mlflow_cfg = cfg.get("mlflow") or {}
+    uri = mlflow_cfg.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+    if mlflow_cfg.get("enabled", True) and uri:
+        check_reachable(str(uri))
+
+
+def get_or_create_experiment(client, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        try:
+            return client.create_experiment(name)
+        except MlflowException:  # created meanwhile by another sweep
+            experiment = client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+    if experiment.lifecycle_stage != "active":
+        raise ConfigError(
+            f"MLflow experiment '{name}' is deleted: restore it, or set mlflow.experiment=NAME"
+        )
+    return experiment.experiment_id

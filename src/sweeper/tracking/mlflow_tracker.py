@@ -1,0 +1,371 @@
+"""MLflow tracking of a sweep, from the Ray driver.
+
+One parent run per sweep (tag run_dir: the Hydra run dir) and one child run per trial
+(tags stage, trial_id, ...; mlflow.parentRunId), plus a child run for the baseline. A Tune
+callback per stage turns trial events into queued MLflow calls (`mlflow_queue`); no Ray
+worker talks to MLflow and no global active run is used.
+
+Run states: completed -> FINISHED, pruned -> KILLED, diverged and failed -> FAILED (the
+`status` tag tells diverged from failed); trials still open when the sweep is interrupted
+end KILLED with status `interrupted`. The same trial (paused and resumed by Hyperband/BOHB,
+retried after a failure, restored by `sweep.resume=true`) keeps its one run: it is found
+again by its tags, and steps it already has are not logged twice.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import re
+import subprocess
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from sweeper.config import ConfigError
+from sweeper.paths import PACKAGE_DIR
+from sweeper.sweep.results import trial_status
+from sweeper.sweep.space import to_builtin
+from sweeper.sweep.spec import flatten, flatten_params
+from sweeper.sweep.state import STATE_NAME, write_json_atomic
+from sweeper.sweep.trainable import trial_config
+from sweeper.tracking.mlflow_callback import LIVE, MlflowCallback, trial_key
+from sweeper.tracking.mlflow_queue import OpQueue
+from sweeper.tracking.mlflow_store import (
+    check_reachable,
+    get_or_create_experiment,
+    quick_http_calls,
+    resolve_tracking_uri,
+)
+
+METRICS = ("train_loss", "val_bpb", "lr", "tokens", "flops", "tokens_per_s", "mfu")
+RUN_STATUS = {
+    "completed": "FINISHED",
+    "pruned": "KILLED",
+    "interrupted": "KILLED",
+    "diverged": "FAILED",
+    "failed": "FAILED",
+}
+PENDING_NAME = "mlflow_pending.jsonl"
+RUN_FILE = "mlflow_run.json"  # the parent run of the sweep in this run dir
+PARENT = "sweep"
+PARENT_FILES = ("summary.json", "reports.csv", "fit.json")
+
+
+class MlflowTracker:
+    def __init__(self, cfg, spec, out_dir):
+        from mlflow import MlflowClient
+
+        from sweeper.sweep.engine import base_config, trainable_target
+
+        mlflow_cfg = cfg.get("mlflow") or {}
+        self.uri = resolve_tracking_uri(mlflow_cfg.get("tracking_uri"))
+        check_reachable(self.uri)
+        quick_http_calls()
+        self.spec, self.out = spec, Path(out_dir).resolve()
+        self.base = base_config(cfg, spec, trainable_target(cfg))
+        self.commit, dirty = git_commit()
+        self.common = {"sweep": spec.name, "run_dir": str(self.out), "git_commit": self.commit}
+        self.experiment = str(mlflow_cfg.get("experiment") or "sweeper")
+        try:
+            client = MlflowClient(self.uri)  # a fresh SQLite file is migrated here, once
+            experiment_id = get_or_create_experiment(client, self.experiment)
+            self.queue = OpQueue(client, experiment_id, self.out / PENDING_NAME, self.uri)
+            kept = self.queue.load_pending()
+            self.queue.apply_now(self._parent_op(dirty))
+        except ConfigError:
+            raise
+        except Exception as error:
+            message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise ConfigError(
+                f"MLflow store {self.uri}: {message or type(error).__name__}"
+            ) from None
+        self.parent_id = self.queue.run_id(PARENT)
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(
+            self.out / RUN_FILE,
+            {
+                "tracking_uri": self.uri,
+                "experiment": self.experiment,
+                "experiment_id": experiment_id,
+                "run_id": self.parent_id,
+            },
+        )
+        self.open: set[str] = set()
+        self.retries: dict[str, int] = {}
+        self.finished = False
+        self.queue.start()
+        LIVE[str(self.out)] = self
+        atexit.register(self._at_exit)
+        print(
+            f"[mlflow] sweep run {self.parent_id} in {self.uri} (experiment '{self.experiment}')"
+            + (f"; {kept} calls kept from an earlier run are sent first" if kept else ""),
+            flush=True,
+        )
+
+    # --- the engine's interface --------------------------------------------------------
+    def stage_callbacks(self, stage: str, base: dict, ctx: Any, search: str, scheduler: str):
+        return [MlflowCallback(str(self.out), stage, base, ctx, search, scheduler)]
+
+    def log_baseline(self, baseline: dict) -> None:
+        status = baseline.get("status") or "completed"
+        tags = {**self.common, "role": "baseline", "stage": "baseline", "status": status}
+        if baseline.get("error"):
+            tags["error"] = str(baseline["error"])[:500]
+        self.queue.put(self._open_op("baseline", "baseline", {"role": "baseline"}, tags, self.base))
+        values = {self.spec.metric: baseline.get("value"), **baseline}
+        self._metrics("baseline", values, step=0)
+        self._end("baseline", status)
+
+    def finish(self, summary: dict, out_dir: Any, status: str = "FINISHED") -> None:
+        if self.finished:
+            return
+        self.finished = True
+        for key in sorted(self.open):
+            self._end(key, "pruned" if status == "FINISHED" else "interrupted")
+        out = Path(out_dir)
+        metric = self.spec.metric
+        best, baseline = summary.get("best") or {}, summary.get("baseline") or {}
+        values = {
+            f"best_{metric}": best.get("value"),
+            f"baseline_{metric}": baseline.get("value"),
+            "improvement": summary.get("improvement"),
+            "trials": summary.get("trials"),
+            "total_flops": summary.get("total_flops"),
+            "elapsed_s": summary.get("elapsed_s"),
+        }
+        # a resumed sweep that ran more trials logs its new results as a new step
+        self._metrics(PARENT, values, step=int(summary.get("trials") or 0))
+        files = [out / name for name in PARENT_FILES] + sorted(out.glob("*.png"))
+        files = [[str(path), None] for path in files if path.is_file()]
+        if files:
+            self.queue.put({"op": "artifacts", "run": PARENT, "files": files})
+        # runs an earlier, killed driver left RUNNING: their outcome is in the sweep state
+        default = "interrupted" if status != "FINISHED" else "pruned"
+        statuses = {
+            key: [value, RUN_STATUS[value]] for key, value in recorded_statuses(out).items()
+        }
+        self.queue.put(
+            {
+                "op": "close_children",
+                "run": PARENT,
+                "statuses": statuses,
+                "default": [default, RUN_STATUS[default]],
+            }
+        )
+        parent_status = {"FINISHED": "completed", "KILLED": "interrupted"}.get(status, "failed")
+        if best:
+            self.queue.put({"op": "tags", "run": PARENT, "tags": {"best": json.dumps(best)[:5000]}})
+        self.queue.put(
+            {
+                "op": "end",
+                "run": PARENT,
+                "status": status,
+                "end_time": now_ms(),
+                "tags": {"status": parent_status},
+            }
+        )
+        left = self.queue.close()
+        LIVE.pop(str(self.out), None)
+        stats = self.queue.stats()
+        if left:
+            print(
+                f"[mlflow] {left} MLflow calls could not be sent to {self.uri} "
+                f"({stats['last_error']}); kept in {self.queue.pending_path}: the next "
+                "`sweep.resume=true` in this run dir sends them",
+                flush=True,
+            )
+        if stats["dropped"]:
+            print(f"[mlflow] {stats['dropped']} MLflow calls were refused by the store")
+        print(
+            f"[mlflow] sweep run {self.parent_id} in {self.uri}: "
+            f"python -m sweeper.compare {self.out}",
+            flush=True,
+        )
+
+    # --- trial events (from MlflowCallback, on the driver's thread) -----------------------
+    def trial_started(self, cb: MlflowCallback, trial) -> None:
+        key = trial_key(cb.stage, trial)
+        if key in self.open:  # a paused trial resumed by Hyperband/BOHB: same run
+            return
+        self.open.add(key)
+        params = to_builtin(dict(trial.config or {}))
+        tags = {
+            **self.common,
+            "role": "trial",
+            "search": cb.search,
+            "scheduler": cb.scheduler,
+            "status": "running",
+            "sampled": ", ".join(sorted(params)),
+        }
+        match = {"role": "trial", "stage": cb.stage, "trial_id": trial.trial_id}
+        config = trial_config(params, cb.base, cb.ctx)
+        self.queue.put(self._open_op(key, f"{cb.stage}-{trial.trial_id}", match, tags, config))
+
+    def trial_result(self, cb: MlflowCallback, trial, result: dict) -> None:
+        key = trial_key(cb.stage, trial)
+        if key not in self.open:
+            self.trial_started(cb, trial)
+        result = to_builtin(dict(result))
+        step = result.get("step")
+        if isinstance(step, bool) or not isinstance(step, int | float):
+            step = result.get("training_iteration") or 0
+        self._metrics(key, result, step=int(step))
+
+    def trial_ended(self, cb: MlflowCallback, trial, status: str, error: str = "") -> None:
+        key = trial_key(cb.stage, trial)
+        if key not in self.open:
+            self.trial_started(cb, trial)
+        self._end(key, status, {"error": error[:500]} if error else {})
+
+    def trial_retried(self, cb: MlflowCallback, trial) -> None:
+        key = trial_key(cb.stage, trial)
+        self.retries[key] = self.retries.get(key, 0) + 1
+        self.queue.put({"op": "tags", "run": key, "tags": {"retries": self.retries[key]}})
+
+    def stage_ended(self, cb: MlflowCallback, trials) -> None:
+        """Trials Tune left running, paused or pending (Ctrl+C) end as interrupted; a
+        resumed stage reopens them."""
+        for trial in trials:
+            if trial_key(cb.stage, trial) in self.open:
+                status = "interrupted"
+                if trial.status == "TERMINATED":
+                    status = trial_status(trial.last_result or {}, None)
+                self.trial_ended(cb, trial, status)
+
+    # --- ops -----------------------------------------------------------------------------
+    def _open_op(self, key: str, name: str, match: dict, tags: dict, config: dict) -> dict:
+        return {
+            "op": "open",
+            "run": key,
+            "parent": PARENT,
+            "name": name,
+            "match": match,
+            "tags": {**tags, **match},
+            "params": {k: param_value(v) for k, v in flatten(config).items()},
+            "text": {"config.yaml": config_yaml(config)},
+        }
+
+    def _metrics(self, key: str, values: dict, step: int) -> None:
+        """A trial run gets the training metrics; the sweep and baseline runs every number
+        they are given."""
+        names = values if key in (PARENT, "baseline") else (*METRICS, self.spec.metric)
+        rows = []
+        for name in dict.fromkeys(names):
+            value = values.get(name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or name == "value":
+                continue
+            if math.isfinite(value):  # NaN/inf (a diverged run) would not plot anyway
+                rows.append([name, float(value), step, now_ms()])
+        if rows:
+            self.queue.put({"op": "metrics", "run": key, "metrics": rows})
+
+    def _end(self, key: str, status: str, tags: dict | None = None) -> None:
+        self.open.discard(key)
+        self.queue.put(
+            {
+                "op": "end",
+                "run": key,
+                "status": RUN_STATUS[status],
+                "end_time": now_ms(),
+                "tags": {"status": status, **(tags or {})},
+            }
+        )
+
+    def _parent_op(self, dirty: bool) -> dict:
+        spec = self.spec
+        tags = {**self.common, "role": "sweep", "status": "running", "git_dirty": str(dirty)}
+        if self.commit != "unknown":
+            tags["mlflow.source.git.commit"] = self.commit
+        settings = asdict(spec)
+        settings.pop("stages"), settings.pop("resume")
+        params = {k: param_value(v) for k, v in flatten(settings).items()}
+        for stage in spec.stages:
+            prefix = "stage." + re.sub(r"[^\w\-./ ]", "_", stage.name)
+            params[f"{prefix}.search"] = spec.stage_search(stage)
+            params[f"{prefix}.scheduler"] = spec.stage_scheduler(stage)
+            params[f"{prefix}.num_samples"] = str(stage.num_samples)
+            params[f"{prefix}.lr_rule"] = stage.lr_rule
+            params[f"{prefix}.space"] = json.dumps(to_builtin(flatten_params(stage.params)))
+        match = {"role": "sweep", "run_dir": str(self.out)}
+        return {
+            "op": "open",
+            "run": PARENT,
+            "parent": None,
+            # a new sweep in a reused run dir gets a new run; sweep.resume=true finds its own
+            "create": not spec.resume,
+            "name": run_name(spec.name, self.out),
+            "match": match,
+            "tags": {**tags, **match},
+            "params": params,
+        }
+
+    def _at_exit(self) -> None:
+        if not self.finished:  # the sweep died outside the engine's own handling
+            self.finish({}, self.out, status="FAILED")
+
+
+# --- helpers ------------------------------------------------------------------------------
+def recorded_statuses(out: Path) -> dict[str, str]:
+    """stage/trial_id -> status of every trial in the finished stages of the sweep state."""
+    try:
+        state = json.loads((out / STATE_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {
+        f"{stage['name']}/{record['trial_id']}": record["status"]
+        for stage in state.get("stages", [])
+        for record in stage.get("records", [])
+        if record.get("status") in RUN_STATUS
+    }
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def param_value(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def config_yaml(config: dict) -> str:
+    import yaml
+
+    try:
+        return yaml.safe_dump(to_builtin(config), sort_keys=False, default_flow_style=False)
+    except yaml.YAMLError:
+        return json.dumps(config, indent=2, default=str)
+
+
+def run_name(sweep: str, out: Path) -> str:
+    """smoke-2026-11-22_04-25-12 for Hydra's dated run dirs, smoke-my_sweep otherwise."""
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", out.parent.name):
+        return f"{sweep}-{out.parent.name}_{out.name}"
+    return f"{sweep}-{out.name}"
+
+
+def git_commit() -> tuple[str, bool]:
+    """HEAD of the repository sweeper's code is in ("unknown" outside one), and whether
+    tracked files differ from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=PACKAGE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        if head.returncode != 0:
+            return "unknown", False
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=PACKAGE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return head.stdout.strip(), bool(status.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", False
