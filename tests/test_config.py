@@ -105,3 +105,60 @@ def test_single_run_writes_result_json(tmp_path):
     assert result["status"] == "completed" and result["steps"] == 4
     assert result["mfu"] is None and result["device"] == "cpu" and result["workers"] == 1
     assert "val bpb" in proc.stdout  # progress was printed
+
+
+def _assert_clean_failure(proc, tmp_path, names, keep=()):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep), "nothing may be written"
+
+
+def test_corrupt_shard_is_named_before_anything_runs(tmp_path):
+    import numpy as np
+
+    data = tmp_path / "data"
+    data.mkdir()
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = [20240520, 1, 5000]  # claims 5000 tokens ...
+    (data / "train_000.bin").write_bytes(header.tobytes() + np.zeros(10, np.uint16).tobytes())
+    proc = run_cli(["data=shards", f"data.path={data}/*.bin"], cwd=tmp_path, timeout=60)
+    _assert_clean_failure(proc, tmp_path, "train_000.bin", keep=["data"])
+
+
+def test_sweep_file_with_a_syntax_error_is_one_line(tmp_path):
+    mine = tmp_path / "mine" / "sweep"
+    mine.mkdir(parents=True)
+    (mine / "broken.yaml").write_text("sweep:\n  name: broken\n  stages: [\n")
+    proc = run_cli(
+        [f"hydra.searchpath=[file://{tmp_path}/mine]", "+sweep=broken"], cwd=tmp_path, timeout=60
+    )
+    _assert_clean_failure(proc, tmp_path, "broken", keep=["mine"])
+
+
+def test_a_users_own_sweep_file_is_found_through_the_search_path(tmp_path):
+    from sweeper.cli import compose as compose_api
+
+    mine = tmp_path / "sweep"
+    mine.mkdir()
+    (mine / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - /sweep_base@sweep: default\n"
+        "sweep:\n  name: mine\n  budget: {tokens_per_trial: 1000}\n"
+        "  stages:\n    - name: wd\n      params:\n"
+        "        optimizer: {weight_decay: {uniform: [0.0, 0.2]}}\n"
+    )
+    cfg = compose_api([f"hydra.searchpath=[file://{tmp_path}]", "+sweep=mine"])
+    assert cfg.sweep.name == "mine" and cfg.sweep.stages[0].params.optimizer.weight_decay
+
+
+def test_unreachable_ray_address_is_one_line_within_seconds(tmp_path):
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    proc = run_cli(["+sweep=smoke", f"ray.address=127.0.0.1:{port}"], cwd=tmp_path, timeout=60)
+    assert time.monotonic() - start < 30
+    _assert_clean_failure(proc, tmp_path, "ray.address")

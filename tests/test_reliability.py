@@ -170,3 +170,31 @@ def test_a_failing_trial_is_retried_from_checkpoint_and_a_buggy_one_is_not_retri
     assert [r["status"] for r in state["stages"][0]["records"]] == ["failed", "failed"]
     assert "ValueError: a bug in user code" in bad.stdout  # the failure report names the error
     assert "error.txt" in bad.stdout  # ... and where the full error is
+
+
+def test_load_100_one_second_trials_complete_with_no_lost_result(tmp_path):
+    args = [
+        sys.executable,
+        "-m",
+        "sweeper",
+        *SWEEP,
+        "sweep.stages.0.search=random",
+        "sweep.stages.0.num_samples=100",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    proc = subprocess.run(
+        args,
+        cwd=tmp_path,
+        env=_env(tmp_path, TRIAL_SLEEP="0.33"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
+    records = state["stages"][0]["records"]
+    assert len(records) == 100 and all(r["status"] == "completed" for r in records)
+    counts = _executions(tmp_path)
+    assert len({trial for trial, _ in counts}) == 100 and set(counts.values()) == {1}
+    reports = state["stages"][0]["reports"]
+    assert len(reports) == 300  # every report of every trial reached the driver

@@ -67,7 +67,15 @@ def run_ddp(cfg, out_dir: str) -> dict:
 
 def validate(overrides: list[str]) -> None:
     cfg = compose(overrides)
-    load_run_config(cfg)
+    run = load_run_config(cfg)
+    if run.data.name == "shards":
+        from sweeper.data import check_shards
+
+        check_shards(run.data)
+    if cfg.get("ray", {}).get("address") and ("sweep" in cfg or run.trainer.workers > 1):
+        from sweeper.sweep.ray_cluster import probe
+
+        probe(str(cfg.ray.address))  # an unreachable cluster: one line, nothing written
     if "sweep" in cfg:
         from sweeper.sweep.engine import validate_sweep
         from sweeper.tracking.mlflow_store import check_config

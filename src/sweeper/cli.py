@@ -14,6 +14,7 @@ EXIT_BAD_INPUT = 2
 
 def compose(overrides: Sequence[str]):
     """Compose conf/ with Hydra's compose API (no run dir, no files written)."""
+    import yaml
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -26,6 +27,11 @@ def compose(overrides: Sequence[str]):
             return hydra_compose("config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         raise ConfigError(one_line(error)) from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{mark.name}, line {mark.line + 1}" if mark else "a config file"
+        problem = getattr(error, "problem", None) or one_line(error)
+        raise ConfigError(f"YAML syntax error in {where}: {problem}") from None
 
 
 def one_line(error: BaseException) -> str:

@@ -91,6 +91,14 @@ def read_shard(path: str) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
+def check_shards(cfg: DataConfig) -> None:
+    """Open every shard's header (memory-mapped: no data is read), so a corrupt file is
+    reported before anything runs."""
+    for pattern in (cfg.path, cfg.val_path):
+        for path in sorted(glob.glob(pattern)) if pattern else []:
+            read_shard(path)
+
+
 def load_shards(cfg: DataConfig, min_tokens: int) -> TokenData:
     train_files = sorted(glob.glob(cfg.path))
     val_files = sorted(glob.glob(cfg.val_path)) if cfg.val_path else []
