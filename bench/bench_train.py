@@ -56,20 +56,20 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def plain_tokens_per_s(cfg, steps: int) -> float:
+def plain_tokens_per_s(cfg, steps: int, compile_model: bool) -> float:
     device = resolve_device(cfg.trainer.device)
     dtype = resolve_dtype(cfg.trainer.dtype, device)
     m, t = cfg.model, cfg.trainer
     torch.manual_seed(0)
     model = PlainGPT(m.vocab_size, m.width, m.depth, m.width // m.head_dim, m.seq_len).to(device)
-    if device.type == "cuda":
-        model = torch.compile(model)
+    if compile_model:
+        model = torch.compile(model, dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=None)
     sampler = BatchSampler(load_data(cfg.data, m.seq_len).train, t.device_batch_size, m.seq_len, 0)
     accum = cfg.grad_accum_steps
     start = None
-    for step in range(steps + 2):  # two warm-up steps, untimed
-        if step == 2:
+    for step in range(steps + 1):  # the first step (compilation, warm-up) is not timed
+        if step == 1:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -87,8 +87,8 @@ def plain_tokens_per_s(cfg, steps: int) -> float:
 
 def sweeper_tokens_per_s(cfg_dict: dict, steps: int) -> tuple[float, float | None]:
     trainer = cfg_dict["trainer"]
-    # two warm-up steps are excluded by timing from the first log line on
-    trainer.update(max_steps=steps + 2, budget_tokens=None, eval_every=10**6, log_every=2)
+    # the loop's own tokens/s leaves out its first step (compilation, warm-up)
+    trainer.update(max_steps=steps + 1, budget_tokens=None, eval_every=10**6, log_every=10**6)
     result = train(cfg_dict, verbose=False)
     return result["tokens_per_s"], result["mfu"]
 
@@ -98,9 +98,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model", default="small")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (trainer=gpu ...)")
     args = parser.parse_args()
-    composed = compose([f"model={args.model}", *args.overrides])
+    extra = ["trainer.compile=true"] if args.compile else ["trainer.compile=false"]
+    composed = compose([f"model={args.model}", *extra, *args.overrides])
     cfg = load_run_config(composed)
     from omegaconf import OmegaConf
 
@@ -111,7 +113,9 @@ def main() -> None:
         )
         ours.append(tok_s)
         mfus.append(mfu)
-        plain.append(plain_tokens_per_s(cfg, args.steps))
+        plain.append(
+            plain_tokens_per_s(cfg, args.steps, args.compile or cfg.trainer.compile == "true")
+        )
         print(f"run {i + 1}: sweeper {ours[-1]:,.0f} tok/s | plain {plain[-1]:,.0f} tok/s")
     med_ours, med_plain = statistics.median(ours), statistics.median(plain)
     print(f"model={args.model} threads={torch.get_num_threads()} device={cfg.trainer.device}")

@@ -85,7 +85,8 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * shape.d_model, shape.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2
+        h = F.relu(self.c_fc(x))
+        return self.c_proj(h * h)  # ReLU^2 (h * h: half the CPU time of h.square()'s backward)
 
 
 class Block(nn.Module):

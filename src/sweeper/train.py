@@ -181,10 +181,13 @@ def train(
         loss_trace.append(train_loss)
         step += 1
         window_tokens += tokens_per_step
-        if step == 1:
+        if step == start_step + 1:
             # long-lived objects are made by now; freezing them spares the GC ~0.5 s pauses
             gc.collect()
             gc.freeze()
+            if step < total_steps:
+                # throughput excludes this first step: compilation and allocator warm-up
+                window_tokens, window_start = 0, time.perf_counter()
         # 4) divergence fast-fail: a NaN or exploded loss ends the run, not the process
         if not math.isfinite(train_loss) or train_loss > max_loss:
             status = "diverged"
@@ -196,7 +199,7 @@ def train(
             elapsed = now - window_start
             train_seconds += elapsed
             tok_s = window_tokens / max(elapsed, 1e-9)
-            eta = (total_steps - step) * train_seconds / max(step - start_step, 1)
+            eta = (total_steps - step) * train_seconds / max(step - start_step - 1, 1)
             mfu = flops_per_token * tok_s / peak if peak else None
             say(
                 f"step {step:5d}/{total_steps} | loss {train_loss:.4f} | lr x{lrm:.3f} | "
@@ -238,7 +241,8 @@ def train(
 
     # --- result --------------------------------------------------------------------------
     tokens = step * tokens_per_step
-    overall_tok_s = (step - start_step) * tokens_per_step / max(train_seconds, 1e-9)
+    timed_steps = max(step - start_step - 1, 1)  # the first step is not timed
+    overall_tok_s = timed_steps * tokens_per_step / max(train_seconds, 1e-9)
     return {
         "status": status,
         "val_bpb": val_bpb,
