@@ -22,8 +22,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = [
-    "+sweep=lr", "model=tiny", "trainer.device_batch_size=8", "trainer.total_batch_size=1024",
-    "trainer.eval_tokens=8192", "sweep.baseline=false", "mlflow.enabled=false",
+    "+sweep=lr",
+    "model=tiny",
+    "trainer.device_batch_size=8",
+    "trainer.total_batch_size=1024",
+    "trainer.eval_tokens=8192",
+    "sweep.baseline=false",
+    "mlflow.enabled=false",
     "sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.001,0.3]",
     "sweep.stages.0.params.optimizer.embedding_lr.log_uniform=[0.01,3.0]",
 ]
@@ -36,9 +41,17 @@ METHODS = {
 
 def run(method: str, seed: int, samples: int, tokens: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        args = [sys.executable, "-m", "sweeper", *COMMON, *METHODS[method],
-                f"sweep.seed={seed}", f"sweep.stages.0.num_samples={samples}",
-                f"sweep.budget.tokens_per_trial={tokens}", f"hydra.run.dir={tmp}/run"]
+        args = [
+            sys.executable,
+            "-m",
+            "sweeper",
+            *COMMON,
+            *METHODS[method],
+            f"sweep.seed={seed}",
+            f"sweep.stages.0.num_samples={samples}",
+            f"sweep.budget.tokens_per_trial={tokens}",
+            f"hydra.run.dir={tmp}/run",
+        ]
         env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
         proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp)
         if proc.returncode != 0:
@@ -51,8 +64,14 @@ def compute_to_reach(reports: list[dict], target: float) -> tuple[float | None, 
     """(FLOPs spent when a completed trial first reaches `target` (None: never), total
     FLOPs, best completed value)."""
     spent, last, reached = 0.0, {}, None
-    best = min((float(r["val_bpb"]) for r in reports
-                if r["final"] == "True" and r["status"] == "completed"), default=float("inf"))
+    best = min(
+        (
+            float(r["val_bpb"])
+            for r in reports
+            if r["final"] == "True" and r["status"] == "completed"
+        ),
+        default=float("inf"),
+    )
     for r in sorted(reports, key=lambda r: float(r["wall_time"])):
         flops = float(r["flops"])
         spent += flops - last.get(r["trial_id"], 0.0)
@@ -75,16 +94,22 @@ def main() -> None:
         _, random_total, target = compute_to_reach(random, float("-inf"))
         line = f"seed {seed}: random best {target:.4f} with {random_total:.3g} FLOPs"
         for method in ("asha", "bohb"):
-            reached, total, best = compute_to_reach(run(method, seed, args.samples, args.tokens), target)
+            reached, total, best = compute_to_reach(
+                run(method, seed, args.samples, args.tokens), target
+            )
             ratio = reached / random_total if reached is not None else float("inf")
             ratios[method].append(ratio)
-            line += (f" | {method}: best {best:.4f}, total {total / random_total:.2f}x, "
-                     f"reached at {'never' if reached is None else f'{ratio:.2f}x'}")
+            line += (
+                f" | {method}: best {best:.4f}, total {total / random_total:.2f}x, "
+                f"reached at {'never' if reached is None else f'{ratio:.2f}x'}"
+            )
         print(line, flush=True)
     for method, values in ratios.items():
-        print(f"{method}: median compute to reach random search's best = "
-              f"{statistics.median(values):.2f}x of random's ({args.seeds} seeds: "
-              f"{', '.join('never' if v == float('inf') else f'{v:.2f}' for v in values)})")
+        print(
+            f"{method}: median compute to reach random search's best = "
+            f"{statistics.median(values):.2f}x of random's ({args.seeds} seeds: "
+            f"{', '.join('never' if v == float('inf') else f'{v:.2f}' for v in values)})"
+        )
 
 
 if __name__ == "__main__":

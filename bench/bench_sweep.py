@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def one_sweep(trials: int, seconds: float, concurrency: int) -> dict:
+def one_sweep(trials: int, seconds: float, concurrency: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "reports.jsonl"
         env = dict(
@@ -46,6 +46,7 @@ def one_sweep(trials: int, seconds: float, concurrency: int) -> dict:
             f"sweep.concurrency={concurrency}",
             f"ray.num_cpus={concurrency}",
             f"hydra.run.dir={tmp}/run",
+            *extra,
         ]
         start = time.perf_counter()
         proc = subprocess.run(args, env=env, capture_output=True, text=True, cwd=tmp)
@@ -70,10 +71,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="extra overrides, e.g. mlflow.enabled=false")
     args = parser.parse_args()
     runs = []
     for i in range(args.repeats):
-        run = one_sweep(args.trials, args.seconds, args.concurrency)
+        run = one_sweep(args.trials, args.seconds, args.concurrency, args.overrides)
         runs.append(run)
         print(
             f"run {i + 1}: {run['trials']} trials | sweep {run['sweep']:.1f}s "

@@ -73,8 +73,7 @@ def plain_tokens_per_s(cfg, steps: int, compile_model: bool) -> float:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-        for _ in range(accum):
-            x, y = sampler.next(device)
+        for x, y in sampler.step_batches(step, accum, device):
             with autocast_context(device, dtype):
                 loss = model(x, y)
             (loss / accum).backward()

@@ -95,10 +95,10 @@ def test_driver_killed_mid_sweep_resumes_without_rerunning_finished_trials(tmp_p
     before = _ray_processes()
     proc = _start(tmp_path)
     _wait_for_finished_trials(tmp_path, proc, 3)
-    # trials finished by now have had a second for the driver to record them; one that
-    # finishes in the last second may be lost with the driver, and rightly runs again
+    # trials finished by now have had 2 s for the driver to record them (it saves its state
+    # once a second); one that finishes in the last seconds may be lost with the driver
     finished = _finished(_executions(tmp_path))
-    time.sleep(1.0)
+    time.sleep(2.0)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30  # Ray's processes share the driver's fate
