@@ -67,6 +67,33 @@ def wants_token(error: BaseException | None) -> bool:
     return False
 
 
+def start_local(ray_cfg, host: str, common: dict):
+    """A local cluster with its dashboard on the first free port from ray.dashboard_port.
+    Another cluster starting at the same moment can take a port between the check and
+    Ray's bind (Ray then raises a bare Exception): try the next ports, then go on
+    without a dashboard rather than fail the sweep."""
+    import ray
+
+    port = int(ray_cfg.get("dashboard_port") or 8265)
+    for attempt in range(4):
+        port = free_port(host, port)
+        try:
+            return ray.init(
+                num_cpus=ray_cfg.get("num_cpus"),
+                num_gpus=ray_cfg.get("num_gpus"),
+                include_dashboard=attempt < 3,
+                dashboard_host=host,
+                dashboard_port=port,
+                **common,
+            )
+        except Exception as error:
+            if "dashboard" not in str(error) or attempt == 3:
+                raise
+            ray.shutdown()
+            port += 1
+    raise RuntimeError("unreachable")
+
+
 def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
     """Sweeps keep the driver's output to their own progress lines (trial output stays in
     Ray's logs); a single DDP run shows rank 0's progress (log_to_driver=True)."""
@@ -83,14 +110,7 @@ def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
         if address:
             context = ray.init(address=address, **common)
         else:
-            context = ray.init(
-                num_cpus=ray_cfg.get("num_cpus"),
-                num_gpus=ray_cfg.get("num_gpus"),
-                include_dashboard=True,
-                dashboard_host=host,
-                dashboard_port=free_port(host, int(ray_cfg.get("dashboard_port") or 8265)),
-                **common,
-            )
+            context = start_local(ray_cfg, host, common)
     except (ConnectionError, RuntimeError, ValueError) as error:
         hint = ""
         if wants_token(error):
