@@ -85,7 +85,13 @@ def compute_to_reach(reports: list[dict], target: float) -> tuple[float | None, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=16, help="random search's trials")
+    parser.add_argument(
+        "--budget-samples",
+        type=int,
+        default=48,
+        help="trials ASHA/BOHB may draw; compute is counted until they reach",
+    )
     parser.add_argument("--tokens", type=int, default=65536)
     args = parser.parse_args()
     ratios: dict[str, list[float]] = {"asha": [], "bohb": []}
@@ -94,9 +100,8 @@ def main() -> None:
         _, random_total, target = compute_to_reach(random, float("-inf"))
         line = f"seed {seed}: random best {target:.4f} with {random_total:.3g} FLOPs"
         for method in ("asha", "bohb"):
-            reached, total, best = compute_to_reach(
-                run(method, seed, args.samples, args.tokens), target
-            )
+            reports = run(method, seed, args.budget_samples, args.tokens)
+            reached, total, best = compute_to_reach(reports, target)
             ratio = reached / random_total if reached is not None else float("inf")
             ratios[method].append(ratio)
             line += (

@@ -185,7 +185,13 @@ def ray_session():
     # Ray workers cannot import this test module (pytest put tests/ on the driver's path
     # only), so ship the trainable by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     yield ray
     ray.shutdown()
     cloudpickle.unregister_pickle_by_value(sys.modules[__name__])

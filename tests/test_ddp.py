@@ -22,7 +22,7 @@ def ray_cluster():
     import ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

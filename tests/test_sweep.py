@@ -21,6 +21,7 @@ TINY_SWEEP = [
     "trainer.eval_tokens=1024",
     "trainer.total_batch_size=512",
     "sweep.baseline=false",
+    "mlflow.enabled=false",  # tracking has its own tests (test_tracking.py)
 ]
 
 
@@ -30,7 +31,7 @@ def ray_cluster():
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src")])
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -24,6 +24,8 @@ class MlflowCallback(tune.Callback):
 
     def _call(self, method: str, *args) -> None:
         tracker = LIVE.get(self.run_dir)
+        if tracker is None and len(LIVE) == 1:  # a stage restored from a moved run dir
+            (tracker,) = LIVE.values()
         if tracker is None or tracker.finished:
             return
         try:
@@ -38,7 +40,7 @@ class MlflowCallback(tune.Callback):
         self._call("trial_result", trial, result)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        self._call("trial_ended", trial, trial_status(trial.last_result or {}, None))
+        self._call("trial_ended", trial, final_status(trial))
 
     def on_trial_error(self, iteration, trials, trial, **info):
         self._call("trial_ended", trial, "failed", error_line(trial))
@@ -48,6 +50,14 @@ class MlflowCallback(tune.Callback):
 
     def on_experiment_end(self, trials, **info):
         self._call("stage_ended", trials)
+
+
+def final_status(trial) -> str:
+    """completed | pruned | diverged, or interrupted: a trial Tune stopped on Ctrl+C (or
+    at the sweep's time cap) has no `done` in its last result; a scheduler's stop sets it."""
+    result = trial.last_result or {}
+    status = trial_status(result, None)
+    return "interrupted" if status == "pruned" and not result.get("done") else status
 
 
 def trial_key(stage: str, trial) -> str:

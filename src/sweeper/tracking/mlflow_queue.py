@@ -92,6 +92,7 @@ class OpQueue:
         self.failures = 0  # consecutive failed tries of the head op
         self.retry_at = 0.0
         self.down_since: float | None = None
+        self.mirroring = False  # the pending file mirrors the queue until it is drained
         self.last_error = ""
         self.drop_errors: list[str] = []
         self.closing = False
@@ -119,6 +120,7 @@ class OpQueue:
                 count += 1
         for key in self.run_ids:
             self.suspect(key)
+        self.mirroring = count > 0  # the file goes once they are sent
         return count
 
     def start(self) -> None:
@@ -128,7 +130,7 @@ class OpQueue:
     def put(self, op: dict) -> None:
         with self.cond:
             self.ops.append(op)
-            if self.down_since is not None:  # keep the mirror complete while down
+            if self.mirroring:  # a driver killed now still leaves every unsent call
                 self._append_pending(op)
             self.cond.notify_all()
 
@@ -183,6 +185,9 @@ class OpQueue:
                         self._drop(op, error)
                     if self.down_since is not None:
                         self._recovered()
+                    if self.mirroring and not self.ops:
+                        self.mirroring = False
+                        self.pending_path.unlink(missing_ok=True)
                     self.failures = 0
                     continue
                 self._failed(op, error)
@@ -211,8 +216,6 @@ class OpQueue:
         seconds = time.monotonic() - (self.down_since or time.monotonic())
         self.down_since = None
         self.say(f"[mlflow] logging works again after {seconds:.0f}s; sending the kept calls")
-        if self.pending_path.is_file():
-            self.pending_path.unlink()
 
     def _drop(self, op: dict, error: Exception) -> None:
         self.dropped += 1
@@ -227,6 +230,7 @@ class OpQueue:
 
     # --- the pending file (callers hold self.cond) ------------------------------------
     def _write_pending(self) -> None:
+        self.mirroring = True
         tmp = self.pending_path.with_name(f".{self.pending_path.name}.tmp")
         with open(tmp, "w") as f:
             f.write(json.dumps({"runs": self.run_ids}) + "\n")

@@ -26,16 +26,16 @@ from typing import Any
 
 from sweeper.config import ConfigError
 from sweeper.paths import PACKAGE_DIR
-from sweeper.sweep.results import trial_status
 from sweeper.sweep.space import to_builtin
 from sweeper.sweep.spec import flatten, flatten_params
 from sweeper.sweep.state import STATE_NAME, write_json_atomic
 from sweeper.sweep.trainable import trial_config
-from sweeper.tracking.mlflow_callback import LIVE, MlflowCallback, trial_key
-from sweeper.tracking.mlflow_queue import OpQueue
+from sweeper.tracking.mlflow_callback import LIVE, MlflowCallback, final_status, trial_key
+from sweeper.tracking.mlflow_queue import OpQueue, short_error
 from sweeper.tracking.mlflow_store import (
     check_reachable,
     get_or_create_experiment,
+    is_http,
     quick_http_calls,
     resolve_tracking_uri,
 )
@@ -78,10 +78,7 @@ class MlflowTracker:
         except ConfigError:
             raise
         except Exception as error:
-            message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            raise ConfigError(
-                f"MLflow store {self.uri}: {message or type(error).__name__}"
-            ) from None
+            raise ConfigError(f"MLflow store {self.uri}: {short_error(error)}") from None
         self.parent_id = self.queue.run_id(PARENT)
         self.out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(
@@ -95,6 +92,7 @@ class MlflowTracker:
         )
         self.open: set[str] = set()
         self.retries: dict[str, int] = {}
+        self.ended: dict[str, str] = {}  # run key -> the status it was ended with
         self.finished = False
         self.queue.start()
         LIVE[str(self.out)] = self
@@ -142,16 +140,19 @@ class MlflowTracker:
         files = [[str(path), None] for path in files if path.is_file()]
         if files:
             self.queue.put({"op": "artifacts", "run": PARENT, "files": files})
-        # runs an earlier, killed driver left RUNNING: their outcome is in the sweep state
+        # the sweep state has the last word on a trial's status (a stage stopped by the
+        # sweep's time cap: interrupted here, pruned there); runs an earlier, killed driver
+        # left RUNNING get their status from it too
+        recorded = recorded_statuses(out)
+        for key, value in recorded.items():
+            if key in self.ended and self.ended[key] != value:
+                self._end(key, value)
         default = "interrupted" if status != "FINISHED" else "pruned"
-        statuses = {
-            key: [value, RUN_STATUS[value]] for key, value in recorded_statuses(out).items()
-        }
         self.queue.put(
             {
                 "op": "close_children",
                 "run": PARENT,
-                "statuses": statuses,
+                "statuses": {key: [value, RUN_STATUS[value]] for key, value in recorded.items()},
                 "default": [default, RUN_STATUS[default]],
             }
         )
@@ -179,9 +180,10 @@ class MlflowTracker:
             )
         if stats["dropped"]:
             print(f"[mlflow] {stats['dropped']} MLflow calls were refused by the store")
+        ui = "" if is_http(self.uri) else f"; mlflow ui --backend-store-uri {self.uri}"
         print(
-            f"[mlflow] sweep run {self.parent_id} in {self.uri}: "
-            f"python -m sweeper.compare {self.out}",
+            f"[mlflow] sweep run {self.parent_id} in {self.uri}: compare its trials with "
+            f"python -m sweeper.compare {self.out}{ui}",
             flush=True,
         )
 
@@ -230,10 +232,7 @@ class MlflowTracker:
         resumed stage reopens them."""
         for trial in trials:
             if trial_key(cb.stage, trial) in self.open:
-                status = "interrupted"
-                if trial.status == "TERMINATED":
-                    status = trial_status(trial.last_result or {}, None)
-                self.trial_ended(cb, trial, status)
+                self.trial_ended(cb, trial, final_status(trial))
 
     # --- ops -----------------------------------------------------------------------------
     def _open_op(self, key: str, name: str, match: dict, tags: dict, config: dict) -> dict:
@@ -244,14 +243,14 @@ class MlflowTracker:
             "name": name,
             "match": match,
             "tags": {**tags, **match},
-            "params": {k: param_value(v) for k, v in flatten(config).items()},
+            "params": {param_key(k): param_value(v) for k, v in flatten(config).items()},
             "text": {"config.yaml": config_yaml(config)},
         }
 
     def _metrics(self, key: str, values: dict, step: int) -> None:
         """A trial run gets the training metrics; the sweep and baseline runs every number
         they are given."""
-        names = values if key in (PARENT, "baseline") else (*METRICS, self.spec.metric)
+        names = values if key in (PARENT, "baseline") else (self.spec.metric, *METRICS)
         rows = []
         for name in dict.fromkeys(names):
             value = values.get(name)
@@ -264,11 +263,12 @@ class MlflowTracker:
 
     def _end(self, key: str, status: str, tags: dict | None = None) -> None:
         self.open.discard(key)
+        self.ended[key] = status
         self.queue.put(
             {
                 "op": "end",
                 "run": key,
-                "status": RUN_STATUS[status],
+                "status": RUN_STATUS.get(status, "FAILED"),
                 "end_time": now_ms(),
                 "tags": {"status": status, **(tags or {})},
             }
@@ -281,9 +281,9 @@ class MlflowTracker:
             tags["mlflow.source.git.commit"] = self.commit
         settings = asdict(spec)
         settings.pop("stages"), settings.pop("resume")
-        params = {k: param_value(v) for k, v in flatten(settings).items()}
+        params = {param_key(k): param_value(v) for k, v in flatten(settings).items()}
         for stage in spec.stages:
-            prefix = "stage." + re.sub(r"[^\w\-./ ]", "_", stage.name)
+            prefix = param_key(f"stage.{stage.name}")
             params[f"{prefix}.search"] = spec.stage_search(stage)
             params[f"{prefix}.scheduler"] = spec.stage_scheduler(stage)
             params[f"{prefix}.num_samples"] = str(stage.num_samples)
@@ -324,6 +324,11 @@ def recorded_statuses(out: Path) -> dict[str, str]:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def param_key(key: str) -> str:
+    """MLflow accepts letters, digits and `_-./ :` in names (and at most 250 of them)."""
+    return re.sub(r"[^\w\-./ :]", "_", str(key))[:250]
 
 
 def param_value(value: Any) -> str:

@@ -1,0 +1,145 @@
+"""`python -m sweeper.compare`: a sweep's trials from MLflow, best first."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from sweeper.compare import compare, main
+
+from .conftest import run_cli
+
+
+def make_store(folder) -> tuple[str, dict]:
+    """Two sweeps as the tracker logs them: 'smoke' (3 trials and a baseline), then 'lr'."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{folder}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("sweeper")
+    ids = {}
+    for name, trials in (
+        ("smoke", [("a_0", 0.02, 1.30, "completed"), ("a_1", 0.01, 1.20, "completed")]),
+        ("lr", [("b_0", 0.03, 1.50, "pruned"), ("b_1", 0.005, 1.10, "completed")]),
+    ):
+        run_dir = folder / f"run_{name}"
+        parent = client.create_run(
+            experiment,
+            run_name=f"{name}-run",
+            tags={"role": "sweep", "sweep": name, "run_dir": str(run_dir), "status": "completed"},
+        )
+        pid = ids[name] = parent.info.run_id
+        client.log_param(pid, "metric", "val_bpb")
+        client.log_param(pid, "mode", "min")
+        run_dir.mkdir()
+        (run_dir / "mlflow_run.json").write_text(json.dumps({"tracking_uri": uri, "run_id": pid}))
+        for trial_id, lr, value, status in trials:
+            child = client.create_run(
+                experiment,
+                run_name=trial_id,
+                tags={
+                    "mlflow.parentRunId": pid,
+                    "role": "trial",
+                    "stage": "lr",
+                    "trial_id": trial_id,
+                    "status": status,
+                },
+            ).info.run_id
+            client.log_param(child, "optimizer.matrix_lr", str(lr))
+            client.log_param(child, "model.depth", "2")  # the same in every trial: not shown
+            client.log_metric(child, "val_bpb", value + 1.0, step=1)
+            client.log_metric(child, "val_bpb", value, step=2)
+            client.log_metric(child, "tokens", 8192, step=2)
+            client.set_terminated(child, "KILLED" if status == "pruned" else "FINISHED")
+        baseline = client.create_run(
+            experiment, tags={"mlflow.parentRunId": pid, "role": "baseline", "stage": "baseline"}
+        ).info.run_id
+        client.log_metric(baseline, "val_bpb", 1.75)
+        client.set_terminated(pid)
+        time.sleep(0.01)  # distinct start times: 'lr' is the latest sweep
+    return uri, ids
+
+
+def table_rows(text: str) -> list[list[str]]:
+    return [line.split() for line in text.splitlines()[2:] if not line.startswith("baseline")]
+
+
+def test_a_sweep_by_name_run_id_or_run_dir_sorted_by_its_metric(tmp_path):
+    uri, ids = make_store(tmp_path)
+    text = compare("smoke", uri, None)
+    assert text.splitlines()[0].startswith(f"sweep 'smoke' run {ids['smoke']} (completed)")
+    header = text.splitlines()[1].split()
+    assert header == ["stage", "trial", "status", "val_bpb", "tokens", "optimizer.matrix_lr"]
+    assert table_rows(text) == [
+        ["lr", "a_1", "completed", "1.2000", "8,192", "0.01"],
+        ["lr", "a_0", "completed", "1.3000", "8,192", "0.02"],
+    ]
+    assert "baseline (unmodified config): val_bpb 1.7500" in text
+    assert compare(ids["smoke"], uri, None) == text
+    assert compare(str(tmp_path / "run_smoke"), None, None) == text  # its recorded store
+    latest = compare(None, uri, None)
+    assert latest.startswith("sweep 'lr'") and [r[1] for r in table_rows(latest)] == ["b_1", "b_0"]
+
+
+def test_the_default_store_is_mlflow_db_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    make_store(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    main(["smoke"])
+    assert "a_1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", ["unknown sweep", "no store", "dead server"])
+def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    if case == "unknown sweep":
+        make_store(tmp_path)
+        capsys.readouterr()  # MLflow's own lines about creating the store
+        argv, expected = ["nosuch"], "no sweep 'nosuch'"
+    elif case == "no store":
+        argv, expected = [], "no MLflow store at"
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv, expected = ["--tracking-uri", f"http://127.0.0.1:{port}"], "unreachable"
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and time.monotonic() - started < 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert not (tmp_path / "mlflow.db").exists() or case == "unknown sweep"  # none created
+
+
+@pytest.mark.slow
+def test_a_smoke_sweep_then_compare_in_the_same_directory(tmp_path):
+    tiny = [
+        "sweep.budget.tokens_per_trial=8192",
+        "sweep.reports_per_trial=2",
+        "sweep.stages.0.num_samples=1",
+        "trainer.eval_tokens=1024",
+        "trainer.total_batch_size=512",
+        "sweep.baseline=false",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512,1024]",
+        "ray.num_cpus=2",
+    ]
+    proc = run_cli(["+sweep=smoke", *tiny], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "mlflow.db").is_file()
+    proc = run_cli([], cwd=tmp_path, timeout=60, module="sweeper.compare")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("sweep 'smoke' run ") and "(completed), 3 trials" in lines[0]
+    header = lines[1].split()
+    assert header[:5] == ["stage", "trial", "status", "val_bpb", "tokens"]
+    assert "trainer.total_batch_size" in header  # varied across trials; model.depth did not
+    assert "model.depth" not in header
+    rows = [line.split() for line in lines[2:]]
+    assert sorted(r[0] for r in rows) == ["batch_size", "batch_size", "lr"]
+    values = [float(r[3]) for r in rows if r[3] != "-"]
+    assert values == sorted(values) and len(values) == 3

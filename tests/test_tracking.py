@@ -1,0 +1,573 @@
+"""MLflow tracking of sweeps: run structure, one run per trial through pauses, retries and
+resumes, no lost or duplicated metric step, and a dead tracking server costing seconds."""
+
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from .conftest import REPO, run_cli
+
+TINY_SWEEP = [
+    "+sweep=smoke",
+    "sweep.budget.tokens_per_trial=8192",
+    "sweep.reports_per_trial=4",
+    "trainer.eval_tokens=1024",
+    "trainer.total_batch_size=512",
+    "sweep.baseline=false",
+    "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+]
+# a user's function: seconds per sweep, with knobs in the config's `probe` section
+CURVE = ["trainable._target_=tests.tracking_functions.curve", "sweep.stages.0.scheduler=fifo"]
+STATUSES = {"completed", "pruned", "diverged", "failed"}
+RUN_STATUS = {"completed": "FINISHED", "pruned": "KILLED", "diverged": "FAILED", "failed": "FAILED"}
+
+
+# --- fixtures and helpers ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src")])
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(root: Path, port: int) -> subprocess.Popen:
+    """`mlflow server` on a loopback port, its SQLite file and artifacts under `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    env = dict(
+        os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", MLFLOW_DISABLE_TELEMETRY="true"
+    )
+    with open(root / "server.log", "a") as log:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1"),
+                *("--port", str(port), "--workers", "1"),
+                *("--backend-store-uri", f"sqlite:///{root}/mlflow.db"),
+                *("--artifacts-destination", str(root / "artifacts")),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its uvicorn worker dies with it
+        )
+    import requests
+
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (root / "server.log").read_text()[-2000:]
+        try:
+            requests.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc
+        except requests.RequestException:
+            time.sleep(0.2)
+    stop_server(proc)
+    raise AssertionError("mlflow server did not start")
+
+
+def stop_server(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(15)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    port = free_port()
+    proc = start_server(tmp_path_factory.mktemp("server"), port)
+    yield f"http://127.0.0.1:{port}"
+    stop_server(proc)
+
+
+def sweep(run_dir: Path, *overrides: str) -> dict:
+    from sweeper.cli import compose
+    from sweeper.sweep.engine import run_sweep
+
+    run_sweep(compose([*TINY_SWEEP, *overrides]), str(run_dir))
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def logged(uri: str, run_dir: Path):
+    """(client, the sweep's parent runs, all their children) in the store at `uri`."""
+    from mlflow import MlflowClient
+
+    client, run_dir = MlflowClient(uri), run_dir.resolve()
+    experiment = client.get_experiment_by_name("sweeper")
+    runs = client.search_runs([experiment.experiment_id], max_results=1000)
+    parents = [
+        r
+        for r in runs
+        if r.data.tags.get("role") == "sweep" and r.data.tags.get("run_dir") == str(run_dir)
+    ]
+    ids = {p.info.run_id for p in parents}
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in ids]
+    return client, parents, children
+
+
+def reported(run_dir: Path, metric: str = "val_bpb") -> dict:
+    """(stage, trial id) -> [(step, value)] in the order of reports.csv."""
+    rows = collections.defaultdict(list)
+    with open(run_dir / "reports.csv") as f:
+        for row in csv.DictReader(f):
+            if row[metric] not in ("", None):
+                rows[(row["stage"], row["trial_id"])].append(
+                    (int(float(row["step"])), float(row[metric]))
+                )
+    return rows
+
+
+def assert_histories_match(client, children, run_dir: Path, metric: str = "val_bpb") -> None:
+    """Every trial's metric history in MLflow holds each reported step exactly once, with
+    the value first reported for it (a trial retried from scratch reports steps again)."""
+    reports = reported(run_dir, metric)
+    trials = [c for c in children if c.data.tags.get("role") == "trial"]
+    assert {(c.data.tags["stage"], c.data.tags["trial_id"]) for c in trials} == set(reports)
+    for child in trials:
+        key = (child.data.tags["stage"], child.data.tags["trial_id"])
+        history = client.get_metric_history(child.info.run_id, metric)
+        steps = [m.step for m in history]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))  # nothing twice
+        first = {}
+        for step, value in reports[key]:
+            first.setdefault(step, value)
+        assert sorted(steps) == sorted(first), key  # nothing lost
+        for m in history:
+            assert m.value == pytest.approx(first[m.step]), (key, m.step)
+
+
+def assert_one_run_per_trial_none_running(parents, children, run_dir: Path) -> None:
+    assert len(parents) == 1
+    state = json.loads((run_dir / "sweep_state.json").read_text())
+    records = {(s["name"], r["trial_id"]): r for s in state["stages"] for r in s["records"]}
+    keys = [
+        (c.data.tags["stage"], c.data.tags["trial_id"])
+        for c in children
+        if c.data.tags.get("role") == "trial"
+    ]
+    assert sorted(keys) == sorted(records)  # exactly one run per trial
+    for child in children:
+        assert child.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+        status = child.data.tags["status"]
+        assert status in STATUSES
+        assert child.info.status == RUN_STATUS[status]
+        key = (child.data.tags.get("stage"), child.data.tags.get("trial_id"))
+        if key in records:
+            assert status == records[key]["status"]
+    assert parents[0].info.status == "FINISHED"
+
+
+# --- the engine with the tracker, on Ray ------------------------------------------------
+@pytest.mark.slow
+def test_a_real_sweep_on_a_tracking_server_has_a_parent_and_a_child_per_trial(
+    ray_cluster, mlflow_server, tmp_path
+):
+    run_dir = tmp_path / "run"
+    summary = sweep(run_dir, f"mlflow.tracking_uri={mlflow_server}")
+    client, parents, children = logged(mlflow_server, run_dir)
+    assert_one_run_per_trial_none_running(parents, children, run_dir)
+    assert len(children) == summary["trials"] == 3
+    parent = parents[0]
+    assert parent.data.tags["sweep"] == "smoke" and parent.data.tags["git_commit"]
+    assert parent.data.params["stage.lr.search"] == "random"
+    assert parent.data.params["stage.lr.scheduler"] == "asha"
+    assert parent.data.params["stage.batch_size.scheduler"] == "fifo"
+    assert parent.data.metrics["best_val_bpb"] == pytest.approx(summary["best"]["value"])
+    assert json.loads((run_dir / "mlflow_run.json").read_text())["run_id"] == parent.info.run_id
+    parent_files = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"summary.json", "reports.csv", "learning_curves.png", "fit.json"} <= parent_files
+
+    state = json.loads((run_dir / "sweep_state.json").read_text())
+    records = {r["trial_id"]: r for s in state["stages"] for r in s["records"]}
+    for child in children:
+        tags, params = child.data.tags, child.data.params
+        assert {"sweep", "stage", "search", "scheduler", "trial_id", "git_commit"} <= set(tags)
+        assert tags["git_commit"] == parent.data.tags["git_commit"]
+        record = records[tags["trial_id"]]
+        # the trial's whole resolved config, flattened: not only the sampled values
+        assert params["model.depth"] == "2" and params["model.seq_len"] == "64"
+        assert float(params["trainer.budget_tokens"]) == 8192
+        for key, value in record["params"].items():
+            assert float(params[key]) == pytest.approx(value)
+        assert len(params) > 30
+        config_file = client.download_artifacts(child.info.run_id, "config.yaml", str(tmp_path))
+        assert "matrix_lr" in Path(config_file).read_text()
+        assert {"val_bpb", "train_loss", "lr", "tokens", "flops"} <= set(child.data.metrics)
+    assert_histories_match(client, children, run_dir)
+    for metric in ("train_loss", "tokens"):
+        history = client.get_metric_history(children[0].info.run_id, metric)
+        assert len(history) == len({m.step for m in history}) > 0
+
+
+@pytest.mark.slow
+def test_the_default_store_is_mlflow_db_in_the_working_directory(
+    ray_cluster, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "run"
+    sweep(run_dir, "sweep.stages.0.num_samples=1")
+    assert (tmp_path / "mlflow.db").is_file()
+    client, parents, children = logged(f"sqlite:///{tmp_path}/mlflow.db", run_dir)
+    assert_one_run_per_trial_none_running(parents, children, run_dir)
+    assert len(children) == 2
+    assert_histories_match(client, children, run_dir)
+
+
+@pytest.mark.slow
+def test_concurrent_trials_lose_no_metric_step(ray_cluster, mlflow_server, tmp_path):
+    run_dir = tmp_path / "run"
+    sweep(
+        run_dir,
+        *CURVE,
+        f"mlflow.tracking_uri={mlflow_server}",
+        "sweep.stages.0.num_samples=4",
+        "sweep.concurrency=2",
+        "+probe.reports=40",  # 40 results per trial, two trials reporting at once
+    )
+    client, parents, children = logged(mlflow_server, run_dir)
+    assert_one_run_per_trial_none_running(parents, children, run_dir)
+    assert len(children) == 5
+    assert_histories_match(client, children, run_dir)
+    assert all(len(v) == 40 for v in reported(run_dir).values())
+
+
+@pytest.mark.slow
+def test_a_resumed_sweep_reuses_its_parent_run_and_trial_runs(ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    sweep(run_dir, *CURVE)
+    first = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
+    sweep(run_dir, *CURVE, "sweep.resume=true")
+    assert json.loads((run_dir / "mlflow_run.json").read_text())["run_id"] == first
+    client, parents, children = logged(f"sqlite:///{tmp_path}/mlflow.db", run_dir)
+    assert_one_run_per_trial_none_running(parents, children, run_dir)
+    assert parents[0].info.run_id == first and len(children) == 3
+    assert_histories_match(client, children, run_dir)
+    # a new sweep (no resume) in the same run dir is a new parent run
+    sweep(run_dir, *CURVE)
+    _, parents, _ = logged(f"sqlite:///{tmp_path}/mlflow.db", run_dir)
+    assert len(parents) == 2
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_no_run_running_and_resume_continues_the_same_runs(ray_cluster, tmp_path):
+    """Ctrl+C ends every run KILLED; `sweep.resume=true` (also after a SIGKILL left the runs
+    RUNNING) continues the parent and each trial's run: restarted trials report their first
+    steps again, which are logged once."""
+    overrides = [
+        *TINY_SWEEP,
+        *CURVE,
+        *("+probe.reports=8", "+probe.sleep=0.5", f"+probe.dir={tmp_path}"),
+    ]
+    run_dir = tmp_path / "run"
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src")]),
+        RAY_USAGE_STATS_ENABLED="0",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sweeper", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)  # Ctrl+C, with two trials half done
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    client, parents, children = logged(f"sqlite:///{tmp_path}/mlflow.db", run_dir)
+    assert len(parents) == 1 and parents[0].info.status == "KILLED"
+    assert len(children) == 2
+    for child in children:
+        assert child.info.status == "KILLED" and child.data.tags["status"] == "interrupted"
+    for run in parents + children:  # as a driver killed with SIGKILL would leave them
+        client.update_run(run.info.run_id, status="RUNNING")
+
+    from sweeper.cli import compose
+    from sweeper.sweep.engine import run_sweep
+
+    os.chdir(tmp_path)  # the same store as the interrupted driver's
+    try:
+        run_sweep(compose([*overrides, "sweep.resume=true"]), str(run_dir))
+    finally:
+        os.chdir(REPO)
+    client, parents, children = logged(f"sqlite:///{tmp_path}/mlflow.db", run_dir)
+    assert_one_run_per_trial_none_running(parents, children, run_dir)
+    assert len(children) == 3
+    assert_histories_match(client, children, run_dir)
+
+
+@pytest.mark.slow
+def test_a_retried_trial_keeps_one_run(ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    sweep(
+        run_dir,
+        "trainable._target_=tests.tracking_functions.fails_once",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.max_failures=1",
+        f"+probe.dir={tmp_path}",
+    )
+    assert (tmp_path / "failed_once").is_file()
+    client, parents, children = logged(f"sqlite:///{tmp_path}/mlflow.db", run_dir)
+    assert_one_run_per_trial_none_running(parents, children, run_dir)
+    retried = [c for c in children if c.data.tags.get("retries") == "1"]
+    assert len(retried) == 1 and retried[0].data.tags["status"] == "completed"
+    steps = reported(run_dir)[("lr", retried[0].data.tags["trial_id"])]
+    assert [s for s, _ in steps] == [1, 2, 1, 2, 3, 4]  # Ray's record has the retry's repeats
+    assert_histories_match(client, children, run_dir)
+
+
+# --- a dead tracking server ------------------------------------------------------------------
+@pytest.mark.slow
+def test_an_unreachable_server_is_one_line_within_seconds(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    proc = run_cli(["+sweep=smoke", f"mlflow.tracking_uri={uri}"], cwd=tmp_path, timeout=60)
+    wall = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and uri in lines[0], proc.stderr
+    assert wall < 20
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.slow
+def test_a_server_dying_mid_sweep_costs_seconds_and_keeps_the_calls(
+    ray_cluster, tmp_path, capsys, monkeypatch
+):
+    from sweeper.tracking.mlflow_tracker import MlflowTracker
+
+    finishing = []  # seconds the tracker's finish() took: the stall a dead server causes
+    original_finish = MlflowTracker.finish
+
+    def timed_finish(self, *args, **kwargs):
+        started = time.monotonic()
+        original_finish(self, *args, **kwargs)
+        finishing.append(time.monotonic() - started)
+
+    monkeypatch.setattr(MlflowTracker, "finish", timed_finish)
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_server(tmp_path / "server", port)
+    run_dir = tmp_path / "run"
+    overrides = [
+        *CURVE,
+        f"mlflow.tracking_uri={uri}",
+        *("+probe.reports=6", "+probe.sleep=0.3", f"+probe.dir={tmp_path}"),
+    ]
+
+    def kill_at_first_report():
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(server.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_at_first_report, daemon=True)
+    killer.start()
+    try:
+        started = time.monotonic()
+        sweep(run_dir, *overrides)
+        wall = time.monotonic() - started
+        killer.join(5)
+        assert server.poll() is not None  # it died mid-sweep
+        output = capsys.readouterr().out
+        # training (3 trials of ~2 s) went on: seconds, where MLflow's own retries of
+        # a refused connection take about 4 minutes per call
+        assert wall < 60 and finishing[0] < 10, (wall, finishing)
+        print(f"dead server: sweep {wall:.1f}s, finish() {finishing[0]:.1f}s")
+        pending = run_dir / "mlflow_pending.jsonl"
+        kept = len(pending.read_text().splitlines()) - 1  # a header line, then one per call
+        assert kept > 0
+        assert f"{kept} MLflow calls could not be sent" in output and str(pending) in output
+
+        # the server is back (same port, same database): the next resume sends the rest
+        server = start_server(tmp_path / "server", port)
+        sweep(run_dir, *overrides, "sweep.resume=true")
+        assert not pending.exists()
+        client, parents, children = logged(uri, run_dir)
+        assert_one_run_per_trial_none_running(parents, children, run_dir)
+        assert_histories_match(client, children, run_dir)
+    finally:
+        stop_server(server, signal.SIGKILL)
+
+
+# --- the logging queue against a flaky store (no Ray) ---------------------------------------
+class Flaky:
+    """An MlflowClient whose calls fail while `down`; with `ambiguous`, a log_batch fails
+    AFTER it was written (a timeout on the answer), so a blind retry would duplicate it."""
+
+    def __init__(self, client):
+        self.client, self.down, self.ambiguous, self.calls = client, False, 0, 0
+
+    def __getattr__(self, name):
+        from mlflow.exceptions import MlflowException
+
+        call = getattr(self.client, name)
+
+        def wrapped(*args, **kwargs):
+            self.calls += 1
+            if self.down:
+                raise MlflowException("API request failed: Connection refused")
+            result = call(*args, **kwargs)
+            if name == "log_batch" and self.ambiguous and kwargs.get("metrics"):
+                self.ambiguous -= 1
+                raise MlflowException("API request failed with timeout exception")
+            return result
+
+        return wrapped
+
+
+def test_the_queue_retries_without_losing_or_duplicating_steps(tmp_path):
+    from mlflow import MlflowClient
+
+    from sweeper.tracking.mlflow_queue import OpQueue
+
+    real = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = real.create_experiment("sweeper")
+    flaky = Flaky(real)
+    messages = []
+    queue = OpQueue(flaky, experiment, tmp_path / "pending.jsonl", say=messages.append)
+    queue.apply_now({"op": "open", "run": "sweep", "name": "p", "match": {"role": "sweep"}})
+    queue.start()
+    queue.put({"op": "open", "run": "t", "parent": "sweep", "match": {"trial_id": "t"}})
+
+    def report(step):
+        queue.put({"op": "metrics", "run": "t", "metrics": [["val_bpb", step / 10, step, 0]]})
+
+    def wait_idle():
+        deadline = time.monotonic() + 30
+        while queue.stats()["left"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    report(1)
+    flaky.ambiguous = 2  # steps 2 and 3 are written, but their calls report a failure
+    report(2)
+    report(3)
+    wait_idle()  # each retried after a second's backoff, and skipped: already there
+    flaky.down = True  # the server dies: steps 4..6 wait in the queue
+    for step in (4, 5, 6):
+        report(step)
+    time.sleep(1.2)
+    assert (tmp_path / "pending.jsonl").is_file()  # mirrored while down
+    assert any("failed (connection refused)" in m for m in messages)
+    flaky.down = False  # back: the queue drains (at once, when it is closed)
+    report(3)  # a retried trial reporting a step again
+    report(7)
+    queue.put({"op": "end", "run": "t", "status": "FINISHED", "tags": {"status": "completed"}})
+    assert queue.close() == 0
+    run_id = queue.run_id("t")
+    history = real.get_metric_history(run_id, "val_bpb")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6, 7]
+    assert real.get_run(run_id).info.status == "FINISHED"
+    assert not (tmp_path / "pending.jsonl").exists()
+
+
+def test_calls_a_dead_server_never_took_are_kept_and_sent_by_the_next_driver(tmp_path):
+    from mlflow import MlflowClient
+
+    from sweeper.tracking.mlflow_queue import OpQueue
+
+    real = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = real.create_experiment("sweeper")
+    flaky = Flaky(real)
+    pending = tmp_path / "pending.jsonl"
+    queue = OpQueue(flaky, experiment, pending, say=lambda m: None)
+    queue.apply_now({"op": "open", "run": "sweep", "name": "p", "match": {"role": "sweep"}})
+    queue.start()
+    queue.put({"op": "open", "run": "t", "parent": "sweep", "match": {"trial_id": "t"}})
+    queue.put({"op": "metrics", "run": "t", "metrics": [["val_bpb", 1.0, 1, 0]]})
+    time.sleep(0.3)
+    flaky.down = True
+    queue.put({"op": "metrics", "run": "t", "metrics": [["val_bpb", 0.5, 2, 0]]})
+    queue.put({"op": "end", "run": "t", "status": "FINISHED"})
+    started = time.monotonic()
+    assert queue.close() == 2  # two quick tries, then kept
+    assert time.monotonic() - started < 5
+    assert pending.is_file()
+
+    again = OpQueue(real, experiment, pending, say=lambda m: None)
+    assert again.load_pending() == 2
+    again.start()
+    assert again.close() == 0 and not pending.exists()
+    run_id = again.run_id("t")
+    assert [m.step for m in real.get_metric_history(run_id, "val_bpb")] == [1, 2]
+    assert real.get_run(run_id).info.status == "FINISHED"
+
+
+# --- the tracker's trial bookkeeping, with stand-in Tune trials (no Ray) ---------------------
+def test_paused_resumed_and_restarted_trials_keep_one_run(tmp_path, monkeypatch):
+    from sweeper.cli import compose
+    from sweeper.sweep.engine import base_config, stage_context, validate_sweep
+    from sweeper.tracking import make_tracker
+
+    monkeypatch.chdir(tmp_path)
+    cfg = compose([*TINY_SWEEP, "sweep.stages.0.scheduler=hyperband"])
+    spec = validate_sweep(cfg)
+    tracker = make_tracker(cfg, spec, tmp_path / "run")
+    base = base_config(cfg, spec, None)
+    ctx = stage_context(spec, spec.stages[0], base, None)
+    (callback,) = tracker.stage_callbacks("lr", base, ctx, "random", "hyperband")
+    trial = SimpleNamespace(
+        trial_id="abc_00000", config={"optimizer.matrix_lr": 0.02}, last_result={}, status=""
+    )
+    callback.on_trial_start(0, [], trial)
+    callback.on_trial_result(0, [], trial, {"val_bpb": 3.0, "step": 5})
+    callback.on_trial_start(0, [], trial)  # paused by Hyperband, then resumed
+    callback.on_trial_result(0, [], trial, {"val_bpb": 2.5, "step": 10})
+    callback.on_trial_recover(0, [], trial)  # failed, retried from its checkpoint
+    callback.on_trial_result(0, [], trial, {"val_bpb": 2.5, "step": 10})
+    callback.on_trial_result(0, [], trial, {"val_bpb": 2.0, "step": 15, "status": "completed"})
+    trial.last_result = {"status": "completed", "done": True}
+    callback.on_trial_complete(0, [], trial)
+    other = SimpleNamespace(trial_id="abc_00001", config={"optimizer.matrix_lr": 0.01})
+    other.last_result, other.status = {"status": "running"}, "PAUSED"
+    callback.on_trial_start(0, [], other)
+    callback.on_experiment_end([trial, other])  # Ctrl+C with `other` paused
+    tracker.finish({"trials": 2, "best": {"value": 2.0}}, tmp_path / "run")
+
+    client, parents, children = logged(
+        f"sqlite:///{tmp_path}/mlflow.db", (tmp_path / "run").resolve()
+    )
+    assert len(parents) == 1 and len(children) == 2
+    runs = {c.data.tags["trial_id"]: c for c in children}
+    done = runs["abc_00000"]
+    assert done.info.status == "FINISHED" and done.data.tags["status"] == "completed"
+    assert done.data.tags["retries"] == "1" and done.data.params["optimizer.matrix_lr"] == "0.02"
+    assert done.data.params["model.depth"] == "2"
+    history = client.get_metric_history(done.info.run_id, "val_bpb")
+    assert [(m.step, m.value) for m in history] == [(5, 3.0), (10, 2.5), (15, 2.0)]
+    paused = runs["abc_00001"]
+    assert paused.info.status == "KILLED" and paused.data.tags["status"] == "interrupted"
+    assert parents[0].data.metrics["best_val_bpb"] == 2.0

@@ -1,0 +1,44 @@
+"""Users' functions for the MLflow tracking tests (`trainable._target_=tests.tracking_functions.X`).
+
+They read their knobs from a `probe` section the test adds to the config
+(`+probe.reports=6 +probe.sleep=0.2 +probe.dir=/tmp/...`): Ray's workers are started once
+per test module, so environment variables set by a single test would not reach them.
+"""
+
+import math
+import os
+import time
+
+
+def _probe(config: dict) -> dict:
+    return {"reports": 4, "sleep": 0.0, "dir": None, **(config.get("probe") or {})}
+
+
+def curve(config: dict, report) -> None:
+    """A learning curve whose floor depends on the LR (lowest at 0.01); `probe.sleep`
+    seconds per report; writes `started` in `probe.dir` at its first report."""
+    probe = _probe(config)
+    lr = config["optimizer"]["matrix_lr"]
+    for step in range(1, int(probe["reports"]) + 1):
+        time.sleep(float(probe["sleep"]))
+        value = 1.0 + (math.log10(lr) + 2.0) ** 2 + 1.0 / step
+        report({"val_bpb": value, "step": step * 10, "tokens": step * 100, "lr": lr})
+        if probe["dir"] and step == 1:
+            open(os.path.join(probe["dir"], "started"), "a").close()
+
+
+def fails_once(config: dict, report) -> None:
+    """The first trial to get here fails after two reports; its retry (from scratch: a
+    user's function has no checkpoint) reports every step again and completes."""
+    probe = _probe(config)
+    marker = os.path.join(probe["dir"], "failed_once")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        first = True
+    except FileExistsError:
+        first = False
+    lr = config["optimizer"]["matrix_lr"]
+    for step in range(1, int(probe["reports"]) + 1):
+        report({"val_bpb": 2.0 + lr + 1.0 / step, "step": step, "tokens": step * 100})
+        if first and step == 2:
+            raise RuntimeError("a failure on the first attempt (a test of retries)")
