@@ -39,7 +39,7 @@ METHODS = {
 }
 
 
-def run(method: str, seed: int, samples: int, tokens: int) -> list[dict]:
+def run(method: str, seed: int, samples: int, tokens: int, extra: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         args = [
             sys.executable,
@@ -51,6 +51,7 @@ def run(method: str, seed: int, samples: int, tokens: int) -> list[dict]:
             f"sweep.stages.0.num_samples={samples}",
             f"sweep.budget.tokens_per_trial={tokens}",
             f"hydra.run.dir={tmp}/run",
+            *extra,
         ]
         env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
         proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp)
@@ -93,14 +94,21 @@ def main() -> None:
         help="trials ASHA/BOHB may draw; compute is counted until they reach",
     )
     parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--methods", default="asha,bohb", help="compared to random search")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="extra overrides for every method, e.g. sweep.grace_fraction=0.111",
+    )
     args = parser.parse_args()
-    ratios: dict[str, list[float]] = {"asha": [], "bohb": []}
+    methods = args.methods.split(",")
+    ratios: dict[str, list[float]] = {method: [] for method in methods}
     for seed in range(args.seeds):
-        random = run("random", seed, args.samples, args.tokens)
+        random = run("random", seed, args.samples, args.tokens, args.overrides)
         _, random_total, target = compute_to_reach(random, float("-inf"))
         line = f"seed {seed}: random best {target:.4f} with {random_total:.3g} FLOPs"
-        for method in ("asha", "bohb"):
-            reports = run(method, seed, args.budget_samples, args.tokens)
+        for method in methods:
+            reports = run(method, seed, args.budget_samples, args.tokens, args.overrides)
             reached, total, best = compute_to_reach(reports, target)
             ratio = reached / random_total if reached is not None else float("inf")
             ratios[method].append(ratio)

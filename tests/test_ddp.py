@@ -57,11 +57,12 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(ray_cluster, tmp_pa
     assert two["val_bpb"] == pytest.approx(one["val_bpb"], rel=1e-4)
 
 
-@pytest.mark.skip(
-    reason="hangs on this 2-core CI machine when Ray Train/agent state of an earlier cluster "
-    "lingers (passed once in 360 s); see the closing note of the first landing"
-)
-def test_a_two_rank_trial_inside_a_sweep_reports_to_the_scheduler(ray_cluster, tmp_path):
+def test_two_rank_trials_inside_a_sweep_report_to_asha_and_one_mlflow_run(ray_cluster, tmp_path):
+    """Two DDP trials one after the other on a 2-CPU cluster: the first one's worker group
+    must not outlive it (Tune kills a finished trial before Ray Train cleans up)."""
+    from mlflow import MlflowClient
+
+    db = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = compose(
         [
             "+sweep=smoke",
@@ -73,15 +74,49 @@ def test_a_two_rank_trial_inside_a_sweep_reports_to_the_scheduler(ray_cluster, t
             "sweep.baseline=false",
             "sweep.stages.0.num_samples=1",
             "sweep.stages.1.params.trainer.total_batch_size.grid=[1024]",
-            "mlflow.enabled=false",
+            f"mlflow.tracking_uri={db}",
         ]
     )
-    run_sweep(cfg, str(tmp_path))
-    state = json.loads((tmp_path / "sweep_state.json").read_text())
-    reports = state["stages"][0]["reports"]
-    assert len(reports) >= 4  # every evaluation of rank 0 reached Tune (and so ASHA)
-    assert [r["status"] for r in state["stages"][0]["records"]] == ["completed"]
-    assert reports[-1]["tokens"] == 8192
+    run_sweep(cfg, str(tmp_path / "run"))
+    state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
+    for stage in state["stages"]:
+        assert [r["status"] for r in stage["records"]] == ["completed"]
+        steps = [r["step"] for r in stage["reports"]]
+        assert steps == [2, 4, 6, 8]  # every evaluation of rank 0 reached Tune (and ASHA)
+        assert stage["reports"][-1]["tokens"] == 8192
+    client = MlflowClient(db)
+    experiment = client.get_experiment_by_name("sweeper")
+    runs = client.search_runs([experiment.experiment_id])
+    trials = [r for r in runs if r.data.tags.get("role") == "trial"]
+    assert len(trials) == 2 and {r.info.status for r in trials} == {"FINISHED"}
+    for run in trials:
+        history = client.get_metric_history(run.info.run_id, "val_bpb")
+        assert sorted(m.step for m in history) == [2, 4, 6, 8]  # one run, each step once
+
+
+def test_only_placement_groups_of_dead_actors_count_as_orphans(ray_cluster):
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from sweeper.distributed import orphaned_placement_groups
+
+    @ray.remote(num_cpus=0)
+    class Creator:  # stands in for Ray Train's controller, killed with its Tune trial
+        def make(self):
+            group = placement_group([{"CPU": 1}])
+            ray.get(group.ready())
+            return group.id.hex()
+
+    creator = Creator.remote()
+    orphan = ray.get(creator.make.remote())
+    driver_group = placement_group([{"CPU": 1}])  # like Tune's trial groups: never touched
+    ray.get(driver_group.ready())
+    assert orphaned_placement_groups() == []  # its creator is alive
+    ray.kill(creator)
+    deadline = time.monotonic() + 30
+    while not (found := orphaned_placement_groups()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [group.id.hex() for group in found] == [orphan]
 
 
 @pytest.mark.parametrize("loop", [rank1_hangs, rank1_dies], ids=["hangs", "dies"])

@@ -423,6 +423,100 @@ def test_a_server_dying_mid_sweep_costs_seconds_and_keeps_the_calls(
         stop_server(server, signal.SIGKILL)
 
 
+@pytest.mark.slow
+def test_a_server_stopped_for_30_s_and_restarted_loses_and_repeats_no_step(ray_cluster, tmp_path):
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_server(tmp_path / "server", port)
+    run_dir = tmp_path / "run"
+    # 2 + 1 trials of 20 reports x 2 s: about 80 s of sweep, the server away for 30 of them
+    overrides = [
+        *CURVE,
+        f"mlflow.tracking_uri={uri}",
+        "sweep.stages.0.num_samples=2",
+        "sweep.concurrency=2",
+        *("+probe.reports=20", "+probe.sleep=2", f"+probe.dir={tmp_path}"),
+    ]
+    outage = {}
+
+    def stop_then_restart():
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop_server(server, signal.SIGKILL)
+        outage["stopped"] = time.monotonic()
+        time.sleep(30)
+        outage["server"] = start_server(tmp_path / "server", port)
+        outage["back"] = time.monotonic()
+
+    chaos = threading.Thread(target=stop_then_restart, daemon=True)
+    chaos.start()
+    try:
+        started = time.monotonic()
+        sweep(run_dir, *overrides)
+        wall = time.monotonic() - started
+        chaos.join(120)
+        assert outage["back"] - outage["stopped"] >= 30
+        # the server was back before the sweep ended, and the queue caught up by itself
+        assert not (run_dir / "mlflow_pending.jsonl").exists()
+        client, parents, children = logged(uri, run_dir)
+        assert_one_run_per_trial_none_running(parents, children, run_dir)
+        assert_histories_match(client, children, run_dir)
+        assert all(len(v) == 20 for v in reported(run_dir).values()) and len(children) == 3
+        # two rounds of 40 s trials: the outage added no stall (Ray start-up and the
+        # end-of-sweep fit and plots are the rest)
+        assert wall < 80 + 45, wall
+    finally:
+        stop_server(outage.get("server", server), signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_divergence_injected_at_step_k_ends_that_trial_only(ray_cluster, tmp_path):
+    """`trainer.nan_at_step=k` poisons the real trainer's loss at step k: that trial ends
+    at the report of step k as diverged, with its reason on its MLflow run and a finite
+    penalty for the searcher and scheduler; its neighbour trains exactly as it would alone."""
+    from sweeper.cli import compose
+    from sweeper.train import train
+
+    run_dir = tmp_path / "run"
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    sweep(
+        run_dir,
+        f"mlflow.tracking_uri={db}",
+        "sweep.stages.0.search=grid",
+        "sweep.stages.0.scheduler=asha",
+        "~sweep.stages.0.params.optimizer.matrix_lr",
+        "+sweep.stages.0.params.trainer.nan_at_step.grid=[3,1000]",
+        "sweep.concurrency=2",
+    )
+    state = json.loads((run_dir / "sweep_state.json").read_text())
+    records = {r["params"]["trainer.nan_at_step"]: r for r in state["stages"][0]["records"]}
+    assert records[3]["status"] == "diverged" and "step 3" in records[3]["reason"]
+    assert records[1000]["status"] == "completed"
+    rows = reported(run_dir)
+    steps = {
+        records[k]["trial_id"]: [s for s, _ in rows[("lr", records[k]["trial_id"])]]
+        for k in (3, 1000)
+    }
+    # 16 steps, a report every 4: the diverged trial's last report is step 3 itself
+    assert steps[records[1000]["trial_id"]] == [4, 8, 12, 16]
+    assert steps[records[3]["trial_id"]] == [3]
+    assert rows[("lr", records[3]["trial_id"])][-1][1] == pytest.approx(8.0)  # log2(256)
+
+    client, parents, children = logged(db, run_dir)
+    assert_one_run_per_trial_none_running(parents, children, run_dir)
+    runs = {c.data.tags["trial_id"]: c for c in children}
+    diverged = runs[records[3]["trial_id"]]
+    assert diverged.info.status == "FAILED" and diverged.data.tags["status"] == "diverged"
+    assert "step 3" in diverged.data.tags["reason"] and "nan" in diverged.data.tags["reason"]
+
+    alone = compose([*TINY_SWEEP, "trainer.budget_tokens=8192", "trainer.num_evals=4"])
+    config = {k: alone[k] for k in ("model", "optimizer", "scheduler", "data", "trainer")}
+    config["trainer"] = {**config["trainer"], "threads": 1, "checkpoint_every_eval": True}
+    result = train(config, verbose=False)
+    assert records[1000]["metric"] == pytest.approx(result["val_bpb"], rel=1e-6)
+
+
 # --- the logging queue against a flaky store (no Ray) ---------------------------------------
 class Flaky:
     """An MlflowClient whose calls fail while `down`; with `ambiguous`, a log_batch fails

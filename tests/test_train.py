@@ -89,6 +89,17 @@ def test_divergence_ends_the_run_with_status_not_exception():
     assert result["status"] == "diverged"
     assert result["steps"] < 30
     assert seen[-1]["status"] == "diverged" and math.isnan(seen[-1]["val_bpb"])
+    assert "at step" in result["reason"] and seen[-1]["reason"] == result["reason"]
+
+
+def test_a_nan_injected_at_step_k_ends_the_run_at_step_k():
+    seen = []
+    cfg = tiny(trainer={"max_steps": 10, "eval_every": 4, "nan_at_step": 6})
+    result = train(cfg, seen.append, verbose=False)
+    assert result["status"] == "diverged" and result["steps"] == 6
+    assert [m["step"] for m in seen] == [4, 6]  # reported at once, not at the next eval
+    assert math.isfinite(result["loss_trace"][4]) and math.isnan(result["loss_trace"][5])
+    assert "nan at step 6" in result["reason"]
 
 
 @pytest.mark.parametrize(

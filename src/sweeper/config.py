@@ -189,6 +189,7 @@ class TrainerConfig:
     dist_timeout_s: int = 60
     threads: int | None = None
     checkpoint_every_eval: bool = False
+    nan_at_step: int | None = None  # fault injection: see conf/trainer/cpu.yaml
 
     def __post_init__(self) -> None:
         _require(
@@ -214,6 +215,7 @@ class TrainerConfig:
         _require(self.grad_clip >= 0, f"trainer.grad_clip must be >= 0, got {self.grad_clip}")
         _positive("trainer.max_loss", self.max_loss)
         _positive("trainer.threads", self.threads)
+        _positive("trainer.nan_at_step", self.nan_at_step)
         budgets = [k for k in BUDGET_KEYS if getattr(self, k) is not None]
         _require(
             len(budgets) == 1,

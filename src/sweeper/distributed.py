@@ -9,8 +9,11 @@ costs ~20 s of start-up per trial.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import tempfile
+import threading
 from typing import Any
 
 
@@ -47,6 +50,71 @@ def _worker_loop(config: dict) -> None:
             json.dump(result, f, indent=2)
 
 
+CONTROLLER_FAILURE_LIMIT = 3
+WORKER_START_TIMEOUT_S = 180
+REAP_INTERVAL_S = 2.0
+
+
+def orphaned_placement_groups() -> list:
+    """Placement groups whose creating actor died without removing them.
+
+    A Tune trial that is stopped (pruned, or at its budget, or by a cap) is killed
+    without waiting for its function to return; the TorchTrainer's controller it owns dies
+    with it, and the placement group of its workers stays reserved for the rest of the job.
+    Ray Train's own PlacementGroupCleaner should remove it, but it asks the State API,
+    which needs the dashboard (and with several local clusters on one machine it asks
+    the newest one); on a 2-CPU cluster the next DDP trial then waits forever. The GCS
+    knows each group's creator: only its private accessor exposes that field, so a change
+    in Ray's internals turns this into "nothing to remove", never an error.
+    """
+    import ray
+    from ray.util.placement_group import PlacementGroup
+
+    try:
+        from ray._private.state import state
+        from ray.core.generated import gcs_pb2
+
+        table = state._connect_and_get_accessor().get_placement_group_table()
+    except Exception:
+        return []
+    job = ray.get_runtime_context().get_job_id()  # never another job's groups
+    orphans = []
+    for raw in table:
+        info = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        by_an_actor = info.creator_actor_id.strip(b"\xff") != b""  # not the driver (nil id)
+        if (
+            by_an_actor
+            and info.creator_actor_dead
+            and info.creator_job_id.hex() == job
+            and not info.is_detached
+            and info.state != gcs_pb2.PlacementGroupTableData.REMOVED
+        ):
+            orphans.append(PlacementGroup(ray.PlacementGroupID(info.placement_group_id)))
+    return orphans
+
+
+@contextlib.contextmanager
+def placement_group_reaper(interval_s: float = REAP_INTERVAL_S):
+    """While DDP trials run, remove the placement groups of killed trials every few seconds."""
+    from ray.util import remove_placement_group
+
+    stop = threading.Event()
+
+    def reap() -> None:
+        while not stop.wait(interval_s):
+            with contextlib.suppress(Exception):  # a GCS hiccup: try again next time
+                for group in orphaned_placement_groups():
+                    remove_placement_group(group)
+
+    thread = threading.Thread(target=reap, name="placement-group-reaper", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=interval_s + 5)
+
+
 def train_ddp(
     run_cfg: dict,
     *,
@@ -76,6 +144,9 @@ def train_ddp(
         callbacks.append(TuneReportCallback())
         resume = tune.get_checkpoint()
     resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+    # Ray Train gives its workers 60 s to start; on a busy small machine, starting the
+    # Python processes that import torch can take longer. Ray passes this on to its controller.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(WORKER_START_TIMEOUT_S))
     trainer = TorchTrainer(
         loop,
         train_loop_config={
@@ -97,7 +168,11 @@ def train_ddp(
             name=name,
             storage_path=storage_path,
             callbacks=callbacks,
-            failure_config=ray.train.FailureConfig(max_failures=0),  # Tune owns retries
+            # Tune owns retries; a worker group that cannot start (its default: retried
+            # forever, 60 s at a time) fails the trial after a few tries instead
+            failure_config=ray.train.FailureConfig(
+                max_failures=0, controller_failure_limit=CONTROLLER_FAILURE_LIMIT
+            ),
         ),
         resume_from_checkpoint=resume,
     )

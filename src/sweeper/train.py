@@ -136,7 +136,7 @@ def train(
         }
 
     # --- loop ----------------------------------------------------------------------------
-    status, val_bpb, train_loss = "completed", None, float("nan")
+    status, reason, val_bpb, train_loss = "completed", None, None, float("nan")
     train_seconds, window_tokens, window_start = 0.0, 0, time.perf_counter()
     tok_s, mfu, start_step = 0.0, None, step
     while step < total_steps:
@@ -168,6 +168,8 @@ def train(
                 autocast_context(device, dtype),
             ):
                 loss = train_model(x, y)
+                if step + 1 == t.nan_at_step:  # injected fault: NaN gradients, NaN weights
+                    loss = loss * float("nan")
             (loss / accum).backward()
             loss_sum += loss.detach()
         # 3) clip and step
@@ -191,7 +193,8 @@ def train(
         # 4) divergence fast-fail: a NaN or exploded loss ends the run, not the process
         if not math.isfinite(train_loss) or train_loss > max_loss:
             status = "diverged"
-            say(f"step {step}: loss {train_loss:.4g} above {max_loss:.3g} -> diverged")
+            reason = f"train loss {train_loss:.4g} at step {step} (limit {max_loss:.3g})"
+            say(f"step {step}: diverged: {reason}")
         now = time.perf_counter()
         last = step == total_steps or status == "diverged"
         # 5) progress line
@@ -228,6 +231,8 @@ def train(
                 "mfu": mfu,
                 "status": status if last else "running",
             }
+            if reason:
+                metrics["reason"] = reason
             history.append(metrics)
             if report is not None:
                 if t.checkpoint_every_eval and status != "diverged":
@@ -245,6 +250,7 @@ def train(
     overall_tok_s = timed_steps * tokens_per_step / max(train_seconds, 1e-9)
     return {
         "status": status,
+        **({"reason": reason} if reason else {}),
         "val_bpb": val_bpb,
         "train_loss": train_loss,
         "tokens": tokens,

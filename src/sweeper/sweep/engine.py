@@ -118,47 +118,14 @@ def run_sweep(cfg, out_dir: str) -> float | None:
             base, spec, target, default_penalty(spec, base, target)
         )
 
-    try:
-        current = state.base_after_finished_stages() or base
-        for index, stage in enumerate(spec.stages):
-            if state.stage_done(stage.name):
-                print(f"[{stage.name}] finished in an earlier run: skipped")
-                continue
-            remaining_trials = None
-            if spec.max_trials is not None:
-                remaining_trials = spec.max_trials - state.trial_count()
-            remaining_seconds = None
-            if spec.max_seconds is not None:
-                remaining_seconds = spec.max_seconds - (time.time() - started)
-            if (remaining_trials is not None and remaining_trials <= 0) or (
-                remaining_seconds is not None and remaining_seconds <= 0
-            ):
-                print(f"[{stage.name}] skipped: the sweep's trial or time cap is reached")
-                break
-            records, reports = run_stage(
-                spec,
-                index,
-                current,
-                target,
-                out,
-                state,
-                remaining_trials,
-                remaining_seconds,
-                tracker,
-            )
-            if not records:
-                break
-            best = pick_best(records, spec.metric, spec.mode)
-            if best is not None:
-                current = trial_config(
-                    best["params"], current, stage_context(spec, stage, current, target)
-                )
-            state.finish_stage(stage.name, records, reports, best, current, time.time() - started)
-            outputs.print_stage_table(stage.name, records, best, spec)
-            if state.total_flops() >= (spec.max_flops or math.inf):
-                print("the sweep's FLOP cap is reached: no further stages")
-                break
+    reaper = contextlib.nullcontext()
+    if not target and int(base["trainer"]["workers"]) > 1:
+        from sweeper.distributed import placement_group_reaper
 
+        reaper = placement_group_reaper()
+    try:
+        with reaper:
+            run_stages(spec, base, target, out, state, started, tracker)
         if baseline_job is not None:
             state.set_baseline(outputs.collect_baseline(baseline_job))
             tracker.log_baseline(state.baseline)
@@ -180,6 +147,51 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     summary = outputs.write_all(out, spec, state, base, fit_cfg)
     tracker.finish(summary, out)
     return summary["best"]["value"] if summary.get("best") else None
+
+
+def run_stages(spec: SweepSpec, base: dict, target, out: Path, state, started: float, tracker):
+    """The stages in order, each starting from the best config of the ones before."""
+    from sweeper.sweep import outputs
+
+    current = state.base_after_finished_stages() or base
+    for index, stage in enumerate(spec.stages):
+        if state.stage_done(stage.name):
+            print(f"[{stage.name}] finished in an earlier run: skipped")
+            continue
+        remaining_trials = None
+        if spec.max_trials is not None:
+            remaining_trials = spec.max_trials - state.trial_count()
+        remaining_seconds = None
+        if spec.max_seconds is not None:
+            remaining_seconds = spec.max_seconds - (time.time() - started)
+        if (remaining_trials is not None and remaining_trials <= 0) or (
+            remaining_seconds is not None and remaining_seconds <= 0
+        ):
+            print(f"[{stage.name}] skipped: the sweep's trial or time cap is reached")
+            break
+        records, reports = run_stage(
+            spec,
+            index,
+            current,
+            target,
+            out,
+            state,
+            remaining_trials,
+            remaining_seconds,
+            tracker,
+        )
+        if not records:
+            break
+        best = pick_best(records, spec.metric, spec.mode)
+        if best is not None:
+            current = trial_config(
+                best["params"], current, stage_context(spec, stage, current, target)
+            )
+        state.finish_stage(stage.name, records, reports, best, current, time.time() - started)
+        outputs.print_stage_table(stage.name, records, best, spec)
+        if state.total_flops() >= (spec.max_flops or math.inf):
+            print("the sweep's FLOP cap is reached: no further stages")
+            break
 
 
 def stage_context(

@@ -61,6 +61,7 @@ def collect_results(
                 "batch_size": effective.get("trainer", {}).get("total_batch_size"),
                 "lr": metrics.get("lr"),
                 "error": str(result.error).splitlines()[0] if result.error else None,
+                "reason": metrics.get("reason") if status == "diverged" else None,
                 "path": str(result.path),
             }
         )

@@ -65,6 +65,7 @@ def penalise(metrics: dict, metric: str, penalty: float) -> tuple[dict, bool]:
         isinstance(value, float) and not math.isfinite(value)
     )
     if diverged:
+        metrics.setdefault("reason", f"{metric} was {value}")
         metrics.update({metric: penalty, "status": "diverged"})
     return metrics, diverged
 

@@ -220,7 +220,10 @@ class MlflowTracker:
         key = trial_key(cb.stage, trial)
         if key not in self.open:
             self.trial_started(cb, trial)
-        self._end(key, status, {"error": error[:500]} if error else {})
+        tags = {"error": error[:500]} if error else {}
+        if status == "diverged":  # the why of a diverged trial, on its run
+            tags["reason"] = str((trial.last_result or {}).get("reason") or "non-finite metric")
+        self._end(key, status, tags)
 
     def trial_retried(self, cb: MlflowCallback, trial) -> None:
         key = trial_key(cb.stage, trial)
