@@ -65,3 +65,21 @@ def test_softcap_bounds_logits():
         model.lm_head.weight.fill_(10.0)
     logits = model(torch.randint(0, 256, (1, 8)))
     assert logits.abs().max() <= SHAPE.softcap + 1e-4
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_hand_written_rms_norm_matches_torch_forward_and_backward(dtype, tol):
+    from sweeper.model import rms_norm
+
+    x = torch.randn(4, 8, 64, dtype=dtype) * 3
+    grad = torch.randn_like(x)
+    ours, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = rms_norm(ours)
+    y_ref = torch.nn.functional.rms_norm(ref.float(), (64,), eps=1e-6).to(dtype)
+    y.backward(grad)
+    y_ref.backward(grad)
+    assert y.dtype == dtype and torch.allclose(y.float(), y_ref.float(), atol=tol, rtol=tol)
+    assert torch.allclose(ours.grad.float(), ref.grad.float(), atol=tol, rtol=tol)
+    assert torch.autograd.gradcheck(
+        rms_norm, torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    )

@@ -38,13 +38,36 @@ class GPTShape:
         )
 
 
+class _RMSNorm(torch.autograd.Function):
+    """Parameter-free RMSNorm with its closed-form backward, computed in (at least) fp32.
+
+    Written by hand because torch 2.13 has no fused CPU kernel for F.rms_norm: its
+    composite forward + autograd backward runs about ten elementwise kernels, this runs
+    four each way and is about 2x faster on CPU (fp32 and bf16, same values to rounding).
+    On GPU, torch.compile fuses it like any other elementwise code.
+    """
+
+    EPS = 1e-6
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _RMSNorm.EPS)
+        y = xf * r
+        ctx.save_for_backward(y, r)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        # y = x * r, r = mean(x^2)^-1/2  =>  dx = r * (g - y * mean(g * y))
+        y, r = ctx.saved_tensors
+        g = grad.to(y.dtype)
+        return ((g - y * (g * y).mean(-1, keepdim=True)) * r).to(grad.dtype)
+
+
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
-    # parameter-free: no gain to tune, nothing for weight decay to touch. Written out rather
-    # than F.rms_norm: torch 2.13 has no fused CPU kernel for it, and its composite path
-    # (forward + backward) is 2-4x slower on CPU than these four ops (measured in fp32 and
-    # bf16). torch.compile fuses either form into one kernel on GPU.
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
+    # parameter-free: no gain to tune, nothing for weight decay to touch
+    return _RMSNorm.apply(x)
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> torch.Tensor:
@@ -72,9 +95,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q = self.c_q(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hs)
-        k = self.c_k(x).view(B, T, self.n_heads, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_heads, self.head_dim)
+        # one matmul for q, k, v (faster than three on CPU); the weights stay three
+        # matrices, so Muon orthogonalises each on its own
+        w_qkv = torch.cat([self.c_q.weight, self.c_k.weight, self.c_v.weight])
+        qkv = F.linear(x, w_qkv).view(B, T, 3, self.n_heads, self.head_dim)
+        q, k, v = qkv.unbind(2)  # (B, T, nh, hs) each
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k = rms_norm(q), rms_norm(k)  # QK-norm: bounded attention logits at any LR
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
