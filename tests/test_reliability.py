@@ -25,8 +25,7 @@ SWEEP = [
     f"sweep.stages.0.num_samples={PLANNED}",
     "sweep.baseline=false",
     "sweep.concurrency=2",
-    "mlflow.enabled=false",
-]
+]  # MLflow on: its default store, mlflow.db in the working directory (tmp_path)
 
 
 def _env(tmp_path: Path, **extra) -> dict:
@@ -84,6 +83,33 @@ def _resume_and_check(tmp_path: Path, finished_before: set[str]) -> None:
         assert [counts[(trial, str(s))] for s in (1, 2, 3)] == [1, 1, 1], trial
     # the best config is the best over all finished trials
     assert summary["best"]["value"] == min(r["metric"] for r in records)
+    _searcher_saw_each_result_once(tmp_path / "run", records)
+    _one_mlflow_run_per_trial_none_running(tmp_path, records)
+
+
+def _searcher_saw_each_result_once(run_dir: Path, records: list[dict]) -> None:
+    """TPE's study (Tune saves the searcher with the experiment) holds one finished trial
+    per Tune trial, with that trial's final value: none lost, none told twice."""
+    import pickle
+
+    # one file per driver session, named by its start time: the resumed driver's is newest
+    files = (run_dir / "ray" / "stage0_lr").glob("searcher-state-*.pkl")
+    with open(max(files, key=lambda f: f.name), "rb") as f:
+        state = pickle.load(f)  # OptunaSearch's attributes
+    assert {t.state.name for t in state["_ot_study"].trials} == {"COMPLETE"}
+    told = [t.value for t in state["_ot_study"].trials if t.state.name == "COMPLETE"]
+    assert sorted(told) == pytest.approx(sorted(r["metric"] for r in records))
+
+
+def _one_mlflow_run_per_trial_none_running(tmp_path: Path, records: list[dict]) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("sweeper").experiment_id])
+    trials = [r for r in runs if r.data.tags.get("role") == "trial"]
+    assert sorted(r.data.tags["trial_id"] for r in trials) == sorted(r["trial_id"] for r in records)
+    assert [r.info.status for r in runs] == ["FINISHED"] * len(runs)  # no RUNNING left
+    assert sum(r.data.tags.get("role") == "sweep" for r in runs) == 1
 
 
 def _ray_processes() -> int:
