@@ -96,6 +96,13 @@ def stop_server(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
         proc.wait(15)
 
 
+def wait_for_first_report(probe_dir: Path) -> None:
+    """Until a `tracking_functions` trial has reported once (it writes `started`)."""
+    deadline = time.monotonic() + 120
+    while not (probe_dir / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     port = free_port()
@@ -389,9 +396,7 @@ def test_a_server_dying_mid_sweep_costs_seconds_and_keeps_the_calls(
     ]
 
     def kill_at_first_report():
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_first_report(tmp_path)
         os.killpg(server.pid, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_at_first_report, daemon=True)
@@ -440,9 +445,7 @@ def test_a_server_stopped_for_30_s_and_restarted_loses_and_repeats_no_step(ray_c
     outage = {}
 
     def stop_then_restart():
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_first_report(tmp_path)
         stop_server(server, signal.SIGKILL)
         outage["stopped"] = time.monotonic()
         time.sleep(30)
