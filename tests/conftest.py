@@ -1,7 +1,9 @@
-"""Shared fixtures: a tiny preset behind every fast test (torchtitan's `debugmodel` habit)."""
+"""Shared fixtures: a tiny preset behind every fast test (torchtitan's `debugmodel` habit)
+and the local Ray cluster of the in-process sweep tests."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -53,3 +55,24 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 120, module: str = "swe
         text=True,
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def local_ray():
+    """A fresh 2-CPU Ray cluster in this process; its workers import tests.* functions."""
+    import ray
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src")])
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One cluster per test module (test_ddp.py overrides it with one per test)."""
+    with local_ray():
+        yield

@@ -1,7 +1,6 @@
 """DDP per trial through Ray Train's TorchTrainer (gloo on CPU)."""
 
 import json
-import os
 import time
 
 import pytest
@@ -11,7 +10,7 @@ from sweeper.distributed import train_ddp
 from sweeper.sweep.engine import run_sweep
 from sweeper.train import train
 
-from .conftest import REPO, tiny
+from .conftest import local_ray, tiny
 from .ddp_functions import rank1_dies, rank1_hangs
 
 pytestmark = pytest.mark.slow
@@ -21,12 +20,8 @@ pytestmark = pytest.mark.slow
 def ray_cluster():
     """A fresh cluster per test: Ray Train's controller and Ray Data's helper actors of an
     earlier test can hold the 2 CPUs for minutes after its fit() returned."""
-    import ray
-
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src")])
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 def test_two_ranks_match_one_rank_with_the_same_global_batch(ray_cluster, tmp_path):

@@ -1,7 +1,6 @@
 """Sweeps end to end on a real local Ray cluster with the real (tiny) trainable."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -9,7 +8,7 @@ import pytest
 from sweeper.cli import compose
 from sweeper.sweep.engine import run_sweep
 
-from .conftest import REPO, run_cli
+from .conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -23,17 +22,6 @@ TINY_SWEEP = [
     "sweep.baseline=false",
     "mlflow.enabled=false",  # tracking has its own tests (test_tracking.py)
 ]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src")])
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def sweep(tmp_path: Path, *overrides: str) -> dict:

@@ -36,17 +36,6 @@ RUN_STATUS = {"completed": "FINISHED", "pruned": "KILLED", "diverged": "FAILED",
 
 
 # --- fixtures and helpers ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "src")])
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
