@@ -57,6 +57,17 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 120, module: str = "swe
     )
 
 
+# a sweep of a few seconds per trial: tiny model, tiny budget, tiny eval
+TINY_SWEEP = [
+    "+sweep=smoke",
+    "sweep.budget.tokens_per_trial=8192",
+    "sweep.reports_per_trial=4",
+    "trainer.eval_tokens=1024",
+    "trainer.total_batch_size=512",
+    "sweep.baseline=false",
+]
+
+
 @contextlib.contextmanager
 def local_ray():
     """A fresh 2-CPU Ray cluster in this process; its workers import tests.* functions."""

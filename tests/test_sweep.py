@@ -8,20 +8,13 @@ import pytest
 from sweeper.cli import compose
 from sweeper.sweep.engine import run_sweep
 
+from .conftest import TINY_SWEEP as TINY
 from .conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
-# a few seconds per trial: tiny model, tiny budget, tiny eval
-TINY_SWEEP = [
-    "+sweep=smoke",
-    "sweep.budget.tokens_per_trial=8192",
-    "sweep.reports_per_trial=4",
-    "trainer.eval_tokens=1024",
-    "trainer.total_batch_size=512",
-    "sweep.baseline=false",
-    "mlflow.enabled=false",  # tracking has its own tests (test_tracking.py)
-]
+# tracking has its own tests (test_tracking.py)
+TINY_SWEEP = [*TINY, "mlflow.enabled=false"]
 
 
 def sweep(tmp_path: Path, *overrides: str) -> dict:

@@ -19,16 +19,9 @@ from types import SimpleNamespace
 import pytest
 
 from .conftest import REPO, run_cli
+from .conftest import TINY_SWEEP as TINY
 
-TINY_SWEEP = [
-    "+sweep=smoke",
-    "sweep.budget.tokens_per_trial=8192",
-    "sweep.reports_per_trial=4",
-    "trainer.eval_tokens=1024",
-    "trainer.total_batch_size=512",
-    "sweep.baseline=false",
-    "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
-]
+TINY_SWEEP = [*TINY, "sweep.stages.1.params.trainer.total_batch_size.grid=[512]"]
 # a user's function: seconds per sweep, with knobs in the config's `probe` section
 CURVE = ["trainable._target_=tests.tracking_functions.curve", "sweep.stages.0.scheduler=fifo"]
 STATUSES = {"completed", "pruned", "diverged", "failed"}
@@ -156,6 +149,14 @@ def assert_histories_match(client, children, run_dir: Path, metric: str = "val_b
             assert m.value == pytest.approx(first[m.step]), (key, m.step)
 
 
+def assert_store_holds_the_sweep(uri: str, run_dir: Path, trials: int) -> None:
+    """One parent, one run per trial (none RUNNING), every reported step logged once."""
+    client, parents, children = logged(uri, run_dir)
+    assert_one_run_per_trial_none_running(parents, children, run_dir)
+    assert len(children) == trials
+    assert_histories_match(client, children, run_dir)
+
+
 def assert_one_run_per_trial_none_running(parents, children, run_dir: Path) -> None:
     assert len(parents) == 1
     state = json.loads((run_dir / "sweep_state.json").read_text())
@@ -228,10 +229,7 @@ def test_the_default_store_is_mlflow_db_in_the_working_directory(
     run_dir = tmp_path / "run"
     sweep(run_dir, "sweep.stages.0.num_samples=1")
     assert (tmp_path / "mlflow.db").is_file()
-    client, parents, children = logged(f"sqlite:///{tmp_path}/mlflow.db", run_dir)
-    assert_one_run_per_trial_none_running(parents, children, run_dir)
-    assert len(children) == 2
-    assert_histories_match(client, children, run_dir)
+    assert_store_holds_the_sweep(f"sqlite:///{tmp_path}/mlflow.db", run_dir, 2)
 
 
 @pytest.mark.slow
@@ -245,10 +243,7 @@ def test_concurrent_trials_lose_no_metric_step(ray_cluster, mlflow_server, tmp_p
         "sweep.concurrency=2",
         "+probe.reports=40",  # 40 results per trial, two trials reporting at once
     )
-    client, parents, children = logged(mlflow_server, run_dir)
-    assert_one_run_per_trial_none_running(parents, children, run_dir)
-    assert len(children) == 5
-    assert_histories_match(client, children, run_dir)
+    assert_store_holds_the_sweep(mlflow_server, run_dir, 5)
     assert all(len(v) == 40 for v in reported(run_dir).values())
 
 
@@ -318,10 +313,7 @@ def test_ctrl_c_leaves_no_run_running_and_resume_continues_the_same_runs(ray_clu
         run_sweep(compose([*overrides, "sweep.resume=true"]), str(run_dir))
     finally:
         os.chdir(REPO)
-    client, parents, children = logged(f"sqlite:///{tmp_path}/mlflow.db", run_dir)
-    assert_one_run_per_trial_none_running(parents, children, run_dir)
-    assert len(children) == 3
-    assert_histories_match(client, children, run_dir)
+    assert_store_holds_the_sweep(f"sqlite:///{tmp_path}/mlflow.db", run_dir, 3)
 
 
 @pytest.mark.slow
