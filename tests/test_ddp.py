@@ -52,6 +52,39 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(ray_cluster, tmp_pa
     assert two["val_bpb"] == pytest.approx(one["val_bpb"], rel=1e-4)
 
 
+def test_a_two_rank_checkpoint_resumes_on_one_rank(ray_cluster, tmp_path):
+    """Rank 0 saves the unwrapped model: a 2-rank run's checkpoint at step 4 continues on
+    1 rank exactly as an uninterrupted 1-rank run (constant LR: the schedule does not
+    depend on the run length)."""
+    from sweeper.checkpoint import load_latest_state
+    from sweeper.config import load_run_config
+
+    common = {
+        "total_batch_size": 1024,
+        "device_batch_size": 8,
+        "dtype": "float32",
+        "eval_every": 2,
+        "checkpoint_every_eval": True,
+    }
+    sections = {
+        "optimizer": {"name": "adamw", "lr": 3e-3},
+        "scheduler": {"name": "constant", "warmup_ratio": 0.0, "warmdown_ratio": 0.0},
+    }
+    two = load_run_config(tiny(**sections, trainer=common | {"max_steps": 4, "workers": 2}))
+    result = train_ddp(
+        two.to_dict(), cpus_per_worker=1, storage_path=str(tmp_path), name="two", inside_tune=False
+    )
+    with result.checkpoint.as_directory() as folder:
+        state = load_latest_state(folder)
+    assert state["step"] == 4
+    one = tiny(**sections, trainer=common | {"max_steps": 8})
+    resumed = train(one, resume_state=state, verbose=False)
+    straight = train(one, verbose=False)
+    assert resumed["steps"] == 8 and len(resumed["loss_trace"]) == 8
+    assert resumed["loss_trace"] == pytest.approx(straight["loss_trace"], rel=1e-4)
+    assert resumed["val_bpb"] == pytest.approx(straight["val_bpb"], rel=1e-4)
+
+
 def test_two_rank_trials_inside_a_sweep_report_to_asha_and_one_mlflow_run(ray_cluster, tmp_path):
     """Two DDP trials one after the other on a 2-CPU cluster: the first one's worker group
     must not outlive it (Tune kills a finished trial before Ray Train cleans up)."""

@@ -194,7 +194,9 @@ def test_a_failing_trial_is_retried_from_checkpoint_and_a_buggy_one_is_not_retri
     assert time.monotonic() - start < 120
     state = json.loads((tmp_path / "b" / "sweep_state.json").read_text())
     assert [r["status"] for r in state["stages"][0]["records"]] == ["failed", "failed"]
-    assert "ValueError: a bug in user code" in bad.stdout  # the failure report names the error
+    for record in state["stages"][0]["records"]:  # the failure report names each trial,
+        assert f"trial {record['trial_id']} FAILED" in bad.stdout
+    assert "ValueError: a bug in user code" in bad.stdout  # its error
     assert "error.txt" in bad.stdout  # ... and where the full error is
 
 
