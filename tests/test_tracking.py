@@ -572,6 +572,37 @@ def test_the_queue_retries_without_losing_or_duplicating_steps(tmp_path):
     assert not (tmp_path / "pending.jsonl").exists()
 
 
+def test_a_runs_queued_metrics_go_out_as_one_call_and_other_runs_keep_their_order(tmp_path):
+    from mlflow import MlflowClient
+
+    from sweeper.tracking.mlflow_queue import OpQueue
+
+    real = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = real.create_experiment("sweeper")
+    counting = Flaky(real)
+    queue = OpQueue(counting, experiment, tmp_path / "pending.jsonl", say=lambda m: None)
+    for run in ("a", "b"):
+        queue.apply_now({"op": "open", "run": run, "name": run, "match": {"trial_id": run}})
+    counting.calls = 0
+    queue.start()
+    for step in range(1, 11):  # two trials reporting in turn, faster than the linger time
+        for run in ("a", "b"):
+            value = step / 10 if run == "a" else -step / 10
+            queue.put({"op": "metrics", "run": run, "metrics": [["val_bpb", value, step, 0]]})
+    queue.put({"op": "end", "run": "a", "status": "FINISHED"})
+    queue.put({"op": "metrics", "run": "b", "metrics": [["val_bpb", -1.1, 11, 0]]})
+    time.sleep(1.5)  # one linger period: a's ten reports, then b's eleven, go out
+    assert counting.calls == 3  # a's batch, a's end, b's batch: not 22 calls
+    assert real.get_run(queue.run_id("a")).info.status == "FINISHED"
+    queue.put({"op": "end", "run": "b", "status": "FINISHED"})
+    assert queue.close() == 0
+    for run, sign, steps in (("a", 1, 10), ("b", -1, 11)):
+        history = real.get_metric_history(queue.run_id(run), "val_bpb")
+        assert sorted((m.step, m.value) for m in history) == [
+            (s, sign * s / 10) for s in range(1, steps + 1)
+        ]
+
+
 def test_calls_a_dead_server_never_took_are_kept_and_sent_by_the_next_driver(tmp_path):
     from mlflow import MlflowClient
 
@@ -586,7 +617,7 @@ def test_calls_a_dead_server_never_took_are_kept_and_sent_by_the_next_driver(tmp
     queue.start()
     queue.put({"op": "open", "run": "t", "parent": "sweep", "match": {"trial_id": "t"}})
     queue.put({"op": "metrics", "run": "t", "metrics": [["val_bpb", 1.0, 1, 0]]})
-    time.sleep(0.3)
+    time.sleep(1.5)  # past the metrics' linger time: step 1 is sent
     flaky.down = True
     queue.put({"op": "metrics", "run": "t", "metrics": [["val_bpb", 0.5, 2, 0]]})
     queue.put({"op": "end", "run": "t", "status": "FINISHED"})

@@ -14,3 +14,18 @@ def noisy_bowl(config: dict, report) -> None:
 def explodes(config: dict, report) -> None:
     report({"val_bpb": float("nan"), "step": 1})
     raise AssertionError("a diverged trial must be ended by its report, not run on")
+
+
+def paced_reports(config: dict, report) -> None:
+    """Reports `reports` results `pace_s` apart and logs how long each report() call took."""
+    import json
+    import time
+
+    durations = []
+    for step in range(1, config["reports"] + 1):
+        time.sleep(config["pace_s"])
+        start = time.perf_counter()
+        report({"val_bpb": 1.0 + 1.0 / step, "step": step, "tokens": step * 100})
+        durations.append(time.perf_counter() - start)
+    with open(config["log"], "w") as f:
+        json.dump(durations, f)

@@ -226,6 +226,7 @@ def run_stage(
     tracker,
 ) -> tuple[list[dict], list[dict]]:
     from ray import tune
+    from ray.tune.logger import JsonLoggerCallback
 
     from sweeper.sweep.algorithms import build_scheduler, build_searcher
     from sweeper.sweep.callbacks import FlopCap, ProgressCallback
@@ -283,6 +284,7 @@ def run_stage(
         verbose=0,
         callbacks=[
             progress,
+            JsonLoggerCallback(),  # result.json: Tune's results read each trial's reports from it
             *tracker.stage_callbacks(stage.name, base, ctx, search, scheduler_name),
         ],
         stop=FlopCap(spec.max_flops, state.total_flops()) if spec.max_flops else None,

@@ -15,6 +15,11 @@ os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # with a checkpoint per report, Tune warns at every forced state snapshot: that is by design
 os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+# Tune's default per-trial loggers write every result three times (result.json, progress.csv,
+# TensorBoard events): MLflow is the sweep's tracker, and the JSON log alone feeds Tune's
+# results (engine.py adds it back). TensorBoard's logger alone cost ~2 ms of driver CPU a
+# result, and importing tensorboardX (which imports torch) ~6 s of driver start-up.
+os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
 
 # how long a "host:port" address may take to accept a TCP connection before Ray is asked:
 # ray.init retries an unreachable GCS for minutes (without end in Ray 2.60)

@@ -1,6 +1,8 @@
 """The MLflow calls of a sweep, sent by one background thread so that a slow or dead
 tracking server never holds up training.
 
+Metric ops of one run that queue up within METRICS_LINGER_S go out as one call.
+
 The tracker turns each event into an *op*: a JSON-able dict that names its run by a local
 key ("sweep", "lr/3f2a1_00000", "baseline"), since the MLflow run may not exist yet. The
 worker applies the ops in order. A call that fails for a transient reason (connection
@@ -30,6 +32,10 @@ from pathlib import Path
 from typing import Any
 
 MAX_BACKOFF_S = 15.0
+# a run's metrics wait this long at the head of the queue, so that every report that
+# arrives meanwhile goes in the same log_batch call: one SQLite transaction costs ~9 ms of
+# driver CPU whatever its size, which on 2 cores is taken from the trials (BENCHMARKS.md)
+METRICS_LINGER_S = 1.0
 CLOSE_ATTEMPTS = 2  # tries of the head call once the sweep ends, before giving up
 MAX_PARAM_LENGTH = 6000
 
@@ -128,6 +134,8 @@ class OpQueue:
         self.thread.start()
 
     def put(self, op: dict) -> None:
+        if op["op"] == "metrics":
+            op = {**op, "queued": time.time()}  # it lingers from then (METRICS_LINGER_S)
         with self.cond:
             self.ops.append(op)
             if self.mirroring:  # a driver killed now still leaves every unsent call
@@ -170,6 +178,13 @@ class OpQueue:
                 if wait > 0:
                     self.cond.wait(wait)
                     continue
+                head = self.ops[0]
+                if head["op"] == "metrics" and not self.closing and not self.failures:
+                    wait = head.get("queued", 0.0) + METRICS_LINGER_S - time.time()
+                    if wait > 0:
+                        self.cond.wait(wait)
+                        continue
+                    self._merge_head_metrics()
                 op = self.ops[0]
             error = None
             try:
@@ -195,6 +210,23 @@ class OpQueue:
                     self.close_failures += 1
                     if self.close_failures >= CLOSE_ATTEMPTS:
                         return
+
+    def _merge_head_metrics(self) -> None:
+        """Folds the head run's later metric ops into the head op. Ops of other runs keep
+        their order; nothing moves past a non-metrics op of the same run (or of no run)."""
+        head = self.ops[0]
+        run, merged, rest = head["run"], list(head["metrics"]), []
+        ops = list(self.ops)[1:]
+        for i, op in enumerate(ops):
+            if op.get("run") == run and op["op"] == "metrics":
+                merged.extend(op["metrics"])
+            elif op.get("run") in (run, None):
+                rest.extend(ops[i:])
+                break
+            else:
+                rest.append(op)
+        if len(rest) < len(ops):
+            self.ops = collections.deque([{**head, "metrics": merged}, *rest])
 
     def _failed(self, op: dict, error: Exception) -> None:
         self.failures += 1
