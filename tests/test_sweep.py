@@ -223,3 +223,35 @@ def test_training_does_not_wait_for_a_slow_driver_and_every_result_arrives_in_or
     seconds = json.loads(log.read_text())
     assert len(seconds) == 6
     assert max(seconds) < 0.1, seconds  # a synchronous hand-over waits >= 0.2 s each time
+
+
+def test_a_trial_tune_stops_ends_at_once_and_its_actor_runs_the_next_trial(ray_cluster, tmp_path):
+    """Tune stops a trial at its first result while the trial trains on (reports are handed
+    over in the background); the training must end within Tune's 2 s, or Tune refuses to
+    reuse the actor and fails the next trial ("Could not re-use actor")."""
+    from ray import tune
+    from ray.tune.logger import JsonLoggerCallback
+
+    from sweeper.sweep.trainable import TrialContext, run_trial
+
+    log = tmp_path / "steps_done.txt"
+    ctx = TrialContext(
+        metric="val_bpb",
+        penalty=8.0,
+        target="tests.user_functions.trains_long_after_its_first_report",
+    )
+    tuner = tune.Tuner(
+        tune.with_parameters(run_trial, base={"log": str(log)}, ctx=ctx),
+        param_space={},
+        tune_config=tune.TuneConfig(num_samples=2, max_concurrent_trials=1, reuse_actors=True),
+        run_config=tune.RunConfig(
+            storage_path=str(tmp_path / "ray"),
+            stop={"training_iteration": 1},
+            callbacks=[JsonLoggerCallback()],
+        ),
+    )
+    results = tuner.fit()
+    assert [r.error for r in results] == [None, None]
+    assert [r.metrics["step"] for r in results] == [1, 1]
+    steps_done = [int(line) for line in log.read_text().split()]
+    assert len(steps_done) == 2 and max(steps_done) < 1000, steps_done  # ended, not run out

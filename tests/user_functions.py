@@ -29,3 +29,19 @@ def paced_reports(config: dict, report) -> None:
         durations.append(time.perf_counter() - start)
     with open(config["log"], "w") as f:
         json.dump(durations, f)
+
+
+def trains_long_after_its_first_report(config: dict, report) -> None:
+    """Reports once, then 'trains' for 10 s in short steps; logs how many steps it did."""
+    import time
+
+    done = 0
+    try:
+        report({"val_bpb": 2.0, "step": 1, "tokens": 100})
+        while done < 1000:
+            time.sleep(0.01)
+            done += 1
+        report({"val_bpb": 1.0, "step": 2, "tokens": 200})
+    finally:
+        with open(config["log"], "a") as f:
+            f.write(f"{done}\n")

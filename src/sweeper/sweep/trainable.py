@@ -8,6 +8,7 @@ No Hydra state crosses into the worker (hydra#1126, #2772).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib
 import math
@@ -80,14 +81,15 @@ class BackgroundReporter:
     run its callbacks (scheduler, searcher, MLflow, state) and asked for the next one
     (`synchronous_result_reporting` in ray.train._internal.session): 4-12 ms a report here,
     with the training thread idle. Results reach Tune in order; at most `backlog` wait.
-    A trial that Tune stops or pauses is killed with its actor, so what is lost is the
-    training done since its last result, as before; the checkpoint Tune keeps is the one
-    reported with that result.
+    When Tune stops or pauses the trial, the training thread is ended at once (stop_thread):
+    what is lost is the training done since the result Tune decided on, and the checkpoint
+    Tune keeps is the one reported with that result.
     """
 
     def __init__(self, backlog: int = 4):
         self._queue: queue.Queue = queue.Queue(maxsize=backlog)
         self._error: BaseException | None = None
+        self._training = threading.current_thread()
         self._thread = threading.Thread(target=self._run, name="sweeper-report", daemon=True)
         self._thread.start()
 
@@ -101,7 +103,10 @@ class BackgroundReporter:
                     tune.report(metrics)
                 elif self._error is None:
                     tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
-            except BaseException as error:  # incl. SystemExit: Tune ended the trial
+            except SystemExit:  # Tune ended the trial (a scheduler's stop or pause)
+                self._error = TrialStopped()
+                stop_thread(self._training)
+            except BaseException as error:
                 self._error = error
             finally:
                 if folder:
@@ -130,6 +135,27 @@ class BackgroundReporter:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+class TrialStopped(SystemExit):
+    """Tune stopped the trial: ends its training thread as Tune's own report() would."""
+
+    def __init__(self):
+        super().__init__(0)  # code 0: Ray's runner thread ends quietly, not as an error
+
+
+def stop_thread(thread: threading.Thread) -> None:
+    """Raises TrialStopped in `thread` at its next Python instruction.
+
+    Why: when Tune stops or pauses a trial, a synchronous report() is where the training
+    thread learns it (sys.exit inside report). With the BackgroundReporter the training
+    thread is busy training instead, and Tune gives it 2 s to end before it refuses to reuse
+    the actor for the next trial and fails that trial. An asynchronous exception (CPython's
+    PyThreadState_SetAsyncExc) ends it within one torch op."""
+    if thread.is_alive() and thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(thread.ident), ctypes.py_object(TrialStopped)
+        )
 
 
 def run_trial(config: dict, base: dict, ctx: TrialContext) -> None:
