@@ -253,5 +253,8 @@ def test_a_trial_tune_stops_ends_at_once_and_its_actor_runs_the_next_trial(ray_c
     results = tuner.fit()
     assert [r.error for r in results] == [None, None]
     assert [r.metrics["step"] for r in results] == [1, 1]
+    assert results[0].metrics["pid"] == results[1].metrics["pid"]  # one actor ran both
+    # the first trial's thread ended early (its `finally` ran); the last one's actor may be
+    # torn down before its thread gets that far, as with Tune's own synchronous report()
     steps_done = [int(line) for line in log.read_text().split()]
-    assert len(steps_done) == 2 and max(steps_done) < 1000, steps_done  # ended, not run out
+    assert 1 <= len(steps_done) <= 2 and max(steps_done) < 1000, steps_done

@@ -99,10 +99,9 @@ class BackgroundReporter:
         while (item := self._queue.get()) is not None:
             metrics, folder = item
             try:
-                if self._error is None and folder is None:
-                    tune.report(metrics)
-                elif self._error is None:
-                    tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+                if self._error is None:  # after a stop or failure, only the folders go
+                    checkpoint = tune.Checkpoint.from_directory(folder) if folder else None
+                    tune.report(metrics, checkpoint=checkpoint)
             except SystemExit:  # Tune ended the trial (a scheduler's stop or pause)
                 self._error = TrialStopped()
                 stop_thread(self._training)
