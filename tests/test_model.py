@@ -83,3 +83,78 @@ def test_hand_written_rms_norm_matches_torch_forward_and_backward(dtype, tol):
     assert torch.autograd.gradcheck(
         rms_norm, torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
     )
+
+
+def _grads(fn, *inputs, seed=0):
+    """fn's value and the gradients of its inputs for a fixed random upstream gradient."""
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)))
+    return out.detach(), [t.grad for t in inputs]
+
+
+def test_hand_written_relu_squared_and_scaled_sum_match_plain_ops():
+    from sweeper.model import relu_squared, scaled_sum
+
+    x = torch.randn(4, 8, 32, dtype=torch.float64)
+    ours, ours_grads = _grads(relu_squared, x)
+    ref, ref_grads = _grads(lambda t: torch.relu(t) ** 2, x)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(ours_grads, ref_grads)
+
+    a, b = torch.tensor(0.7, dtype=torch.float64), torch.tensor(-0.3, dtype=torch.float64)
+    y = torch.randn_like(x)
+    ours, ours_grads = _grads(scaled_sum, a, x, b, y)
+    ref, ref_grads = _grads(lambda a, x, b, y: a * x + b * y, a, x, b, y)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(ours_grads, ref_grads)
+    assert ours_grads[0].shape == () and ours_grads[2].shape == ()  # scalar params stay scalar
+    assert torch.autograd.gradcheck(relu_squared, x[:1, :2].clone().requires_grad_())
+    assert torch.autograd.gradcheck(
+        scaled_sum, [t.clone().requires_grad_() for t in (a, x[:1, :2], b, y[:1, :2])]
+    )
+
+
+def test_rotary_complex_and_real_forms_agree_and_depend_only_on_relative_position():
+    from sweeper.model import rotary_table, rotate_complex, rotate_real
+
+    T, hs = 16, 8
+    rotary = rotary_table(T, hs).to(torch.complex128)
+    x = torch.randn(2, T, 2, 3, hs, dtype=torch.float64)  # (B, T, q/k, heads, head size)
+    ours, ours_grads = _grads(rotate_complex, x, rotary)
+    ref, ref_grads = _grads(rotate_real, x, rotary)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(ours_grads[0], ref_grads[0])
+    torch.testing.assert_close(ours.norm(dim=-1), x.norm(dim=-1))  # a rotation: norms kept
+
+    # the same q and k placed at positions (m, n) and (m + s, n + s): the same score
+    q, k = torch.randn(hs, dtype=torch.float64), torch.randn(hs, dtype=torch.float64)
+    at = lambda v, pos: rotate_complex(v.expand(1, T, 1, 1, hs).contiguous(), rotary)[0, pos]
+    score = lambda m, n: (at(q, m) * at(k, n)).sum()
+    torch.testing.assert_close(score(3, 1), score(12, 10))
+    assert not torch.isclose(score(3, 1), score(3, 2))
+
+
+def test_model_gives_the_same_loss_and_gradients_eagerly_and_with_the_compile_forms(
+    monkeypatch,
+):
+    """The hand-written autograd.Functions (eager) and the plain ops torch.compile sees are
+    one model: same loss, same gradients."""
+    torch.manual_seed(0)
+    model = GPT(SHAPE).double()
+    with torch.no_grad():  # non-trivial output projections and scalars
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    idx = torch.randint(0, 256, (2, 16))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(idx, idx)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager_loss, eager_grads = loss_and_grads()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    plain_loss, plain_grads = loss_and_grads()
+    torch.testing.assert_close(eager_loss, plain_loss)
+    torch.testing.assert_close(eager_grads, plain_grads)

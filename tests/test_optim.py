@@ -79,3 +79,49 @@ def test_muon_momentum_warmup():
     assert muon_momentum(0, 0.85, 0.95, 300) == pytest.approx(0.85)
     assert muon_momentum(150, 0.85, 0.95, 300) == pytest.approx(0.90)
     assert muon_momentum(1000, 0.85, 0.95, 300) == pytest.approx(0.95)
+
+
+def _muon_params(seed: int) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    # two of one shape (batched together), a tall one and a wide one
+    shapes = [(32, 32), (32, 32), (96, 32), (32, 96)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
+def test_our_muon_steps_like_torchs(ns_dtype):
+    from sweeper.muon import Muon
+
+    hyper = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="original")
+    ours_params, torch_params = _muon_params(0), _muon_params(0)
+    ours = Muon(ours_params, ns_dtype=ns_dtype, **hyper)
+    reference = torch.optim.Muon(torch_params, **hyper)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):  # momentum and Nesterov come into play from the second step
+        for a, b in zip(ours_params, torch_params, strict=True):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        ours.step()
+        reference.step()
+    start = _muon_params(0)
+    for a, b, p0 in zip(ours_params, torch_params, start, strict=True):
+        moved = (b - p0).norm()
+        assert moved > 0.01
+        # bf16: the same maths as torch's (rounding differs with the batched matmul);
+        # fp32: torch's bf16 result to within bf16's precision, i.e. the same update
+        tolerance = 0.01 if ns_dtype == torch.bfloat16 else 0.03
+        assert (a - b).norm() / moved < tolerance
+    assert ours.state_dict()["state"].keys() == reference.state_dict()["state"].keys()
+
+
+def test_newton_schulz_orthogonalises_each_matrix_of_a_batch():
+    from sweeper.muon import newton_schulz
+
+    grads = torch.randn(3, 64, 16, dtype=torch.float64)
+    ortho = newton_schulz(grads, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    singular = torch.linalg.svdvals(ortho)
+    # Muon's quintic drives every singular value into roughly [0.7, 1.2], not exactly 1
+    assert singular.min() > 0.6 and singular.max() < 1.25
+    # and each matrix keeps its own singular vectors: the same as orthogonalising alone
+    alone = newton_schulz(grads[1], (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    torch.testing.assert_close(ortho[1], alone)

@@ -2,6 +2,8 @@
 
 import copy
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -136,3 +138,37 @@ def test_resume_from_state_continues_exactly():
     resumed = train(cfg, resume_state=states[0], verbose=False)
     assert resumed["loss_trace"] == pytest.approx(full["loss_trace"], rel=1e-6)
     assert resumed["val_bpb"] == pytest.approx(full["val_bpb"], rel=1e-6)
+
+
+PAGE_FAULTS_PER_STEP = """
+import resource, sys, torch
+from sweeper.model import GPT, GPTShape
+from sweeper.runtime import keep_freed_memory_for_reuse
+if sys.argv[1] == "keep":
+    assert keep_freed_memory_for_reuse()
+torch.manual_seed(0)
+model = GPT(GPTShape(depth=2, d_model=128, head_dim=64, seq_len=128, vocab_size=256))
+idx = torch.randint(0, 256, (16, 128))
+for _ in range(2):  # warm up
+    model(idx, idx).backward()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    model(idx, idx).backward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mallopt is glibc's (Linux)")
+def test_training_steps_reuse_freed_memory_instead_of_faulting_it_back_in():
+    def faults(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", PAGE_FAULTS_PER_STEP, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return int(out.stdout.strip())
+
+    default, kept = faults("default"), faults("keep")
+    # measured here: 5,000-14,000 minor faults in 3 steps by default, 3-1,000 kept
+    assert kept * 3 < default, (kept, default)

@@ -10,6 +10,8 @@ import torch
 
 from sweeper.config import OptimizerConfig
 from sweeper.model import GPT
+from sweeper.muon import Muon
+from sweeper.runtime import bf16_is_fast
 
 
 class ChainedOptimizer:
@@ -65,8 +67,11 @@ def build_optimizer(model: GPT, cfg: OptimizerConfig) -> ChainedOptimizer:
                 ("scalar", cfg.scalar_lr),
             )
         ]
-        muon = torch.optim.Muon(
+        device = model.lm_head.weight.device
+        muon = Muon(
             [dict(name="matrix", params=groups["matrix"])],
+            # torch's bf16 Newton-Schulz where bf16 is fast; fp32 where it is emulated
+            ns_dtype=torch.bfloat16 if bf16_is_fast(device) else torch.float32,
             lr=cfg.matrix_lr,
             weight_decay=cfg.weight_decay,
             momentum=cfg.muon_momentum,

@@ -25,6 +25,7 @@ from sweeper.optim import build_optimizer
 from sweeper.runtime import (
     autocast_context,
     distributed_info,
+    keep_freed_memory_for_reuse,
     peak_flops,
     resolve_device,
     resolve_dtype,
@@ -84,6 +85,8 @@ def train(
     dtype = resolve_dtype(t.dtype, device)
     if t.threads:
         torch.set_num_threads(t.threads)
+    if device.type == "cpu":
+        keep_freed_memory_for_reuse()
     say = print if verbose and rank == 0 else (lambda *a, **k: None)
 
     torch.manual_seed(t.seed)

@@ -1,0 +1,87 @@
+"""torch.optim.Muon, with the Newton-Schulz step in a precision the machine is fast at.
+
+torch.optim.Muon runs its Newton-Schulz orthogonalisation in bf16, always. On GPUs and on
+CPUs with native bf16 (AVX512-BF16, AMX) that is the fast choice. On other CPUs bf16
+matmuls are emulated: measured on a 2-core Cascade Lake, a 256 x 1024 Gram matrix takes
+3.3 ms in bf16 against 1.1 ms in fp32, and Muon's step for the 3M-parameter `small` model
+took about 550 ms, longer than half a training step. torch's Muon has no option for this,
+so `Muon.step` below redoes its ~20 lines (same state, same hyperparameters, same
+`state_dict`), with two changes: the iteration runs in `ns_dtype`, and matrices of one
+shape go through it together as one batched matmul (modded-nanogpt does the same), which
+saves a Python round per matrix and lets the BLAS see bigger work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+
+def newton_schulz(
+    grads: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """Orthogonalise a batch of matrices (..., rows, cols) by the quintic Newton-Schulz
+    iteration of Keller Jordan's Muon (what torch.optim.Muon computes), in grads' dtype."""
+    if grads.dim() == 2:
+        return newton_schulz(grads[None], coefficients, steps, eps)[0]
+    a, b, c = coefficients
+    x = grads.mT if grads.size(-2) > grads.size(-1) else grads  # iterate on the wide side
+    # scale each matrix so its spectral norm is at most 1 (Frobenius >= spectral)
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, update, x, beta=a)
+    return x.mT if grads.size(-2) > grads.size(-1) else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch.optim.Muon's per-shape LR adjustment, for the same LR values to carry over."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon whose Newton-Schulz step runs in `ns_dtype` (bf16 is torch's fixed
+    choice) and over same-shape matrices at once. Everything else is torch's: arguments,
+    validation, momentum buffers, state_dict."""
+
+    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            self._init_group(group, params, grads, buffers)
+            if not params:
+                continue
+            momentum = group["momentum"]
+            by_shape: dict[torch.Size, list[int]] = defaultdict(list)
+            updates = []
+            for i, (grad, buf) in enumerate(zip(grads, buffers, strict=True)):
+                buf.lerp_(grad, 1 - momentum)
+                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+                by_shape[grad.shape].append(i)
+            lr, decay = group["lr"], group["weight_decay"]
+            for shape, indices in by_shape.items():
+                stacked = torch.stack([updates[i] for i in indices]).to(self.ns_dtype)
+                ortho = newton_schulz(
+                    stacked, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                )
+                step_lr = adjusted_lr(lr, group["adjust_lr_fn"], shape)
+                for i, update in zip(indices, ortho, strict=True):
+                    params[i].mul_(1 - lr * decay)
+                    params[i].add_(update, alpha=-step_lr)
+        return loss
