@@ -174,8 +174,11 @@ class CausalSelfAttention(nn.Module):
         # matrices, so Muon orthogonalises each on its own
         w_qkv = torch.cat([self.c_q.weight, self.c_k.weight, self.c_v.weight])
         qkv = F.linear(x, w_qkv).view(B, T, 3, self.n_heads, self.head_dim)
-        q, k = rotate_and_normalise(qkv[:, :, :2], rotary).unbind(2)  # (B, T, nh, hs)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, qkv[:, :, 2]))  # (B, nh, T, hs)
+        # split, not indexing: its backward writes the q/k/v gradient in one pass, where
+        # each index's backward fills a zero tensor of the full size
+        qk, v = qkv.split([2, 1], dim=2)
+        q, k = rotate_and_normalise(qk, rotary).unbind(2)  # (B, T, nh, hs)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v.squeeze(2)))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
