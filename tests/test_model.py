@@ -119,7 +119,7 @@ def test_rotary_complex_and_real_forms_agree_and_depend_only_on_relative_positio
     from sweeper.model import rotary_table, rotate_complex, rotate_real
 
     T, hs = 16, 8
-    rotary = rotary_table(T, hs).to(torch.complex128)
+    rotary = rotary_table(T, hs).double()
     x = torch.randn(2, T, 2, 3, hs, dtype=torch.float64)  # (B, T, q/k, heads, head size)
     ours, ours_grads = _grads(rotate_complex, x, rotary)
     ref, ref_grads = _grads(rotate_real, x, rotary)

@@ -126,10 +126,12 @@ def scaled_sum(a: torch.Tensor, x: torch.Tensor, b: torch.Tensor, y: torch.Tenso
 
 
 def rotary_table(seq_len: int, head_dim: int, base: float = 10000.0) -> torch.Tensor:
-    """RoPE rotations e^(i * position * frequency), complex: (T, 1, 1, head_dim/2)."""
+    """RoPE rotations as (cos, sin) of position * frequency: (T, 1, 1, head_dim/2, 2).
+    Real, not complex, so a compiled graph and DDP's buffer broadcast never meet a complex
+    tensor; `torch.view_as_complex` reads it as e^(i * angle) without a copy."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
-    return torch.polar(torch.ones_like(angles), angles)[:, None, None, :]
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)[:, None, None]
 
 
 def rotate_and_normalise(qk: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
@@ -150,12 +152,12 @@ def rotate_and_normalise(qk: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor
 
 def rotate_complex(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
     pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotary).flatten(-2)
+    return torch.view_as_real(pairs * torch.view_as_complex(rotary)).flatten(-2)
 
 
 def rotate_real(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
     x_re, x_im = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = rotary.real, rotary.imag
+    cos, sin = rotary.unbind(-1)
     return torch.stack([x_re * cos - x_im * sin, x_re * sin + x_im * cos], dim=-1).flatten(-2)
 
 
