@@ -87,7 +87,8 @@ def plain_tokens_per_s(cfg, steps: int, compile_model: bool) -> float:
 def sweeper_tokens_per_s(cfg_dict: dict, steps: int) -> tuple[float, float | None]:
     trainer = cfg_dict["trainer"]
     # the loop's own tokens/s leaves out its first step (compilation, warm-up)
-    trainer.update(max_steps=steps + 1, budget_tokens=None, eval_every=10**6, log_every=10**6)
+    trainer.update(max_steps=steps + 1, eval_every=10**6, log_every=10**6)
+    trainer.update(budget_tokens=None, budget_flops=None, tokens_per_param=None)
     result = train(cfg_dict, verbose=False)
     return result["tokens_per_s"], result["mfu"]
 

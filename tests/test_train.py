@@ -172,3 +172,30 @@ def test_training_steps_reuse_freed_memory_instead_of_faulting_it_back_in():
     default, kept = faults("default"), faults("keep")
     # measured here: 5,000-14,000 minor faults in 3 steps by default, 3-1,000 kept
     assert kept * 3 < default, (kept, default)
+
+
+def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadence(monkeypatch):
+    """A fake clock: each optimizer step takes 1 s and each evaluation 100 s, so every
+    throughput figure must be exactly total_batch_size tokens/s. (Evaluations between two
+    log lines once dropped the steps before them from the window: 2x too high.)"""
+    import sweeper.train
+
+    clock = [0.0]
+    monkeypatch.setattr(sweeper.train.time, "perf_counter", lambda: clock[0])
+    step_batches = BatchSampler.step_batches
+
+    def one_second_per_step(self, *args, **kwargs):
+        clock[0] += 1.0
+        yield from step_batches(self, *args, **kwargs)
+
+    def slow_evaluate(*args, **kwargs):
+        clock[0] += 100.0
+        return 3.0
+
+    monkeypatch.setattr(BatchSampler, "step_batches", one_second_per_step)
+    monkeypatch.setattr(sweeper.train, "evaluate", slow_evaluate)
+    cfg = tiny(trainer={"max_steps": 12, "log_every": 4, "eval_every": 3})
+    result = train(cfg, verbose=False)
+    rates = [m["tokens_per_s"] for m in result["history"] if m["step"] >= 4]
+    assert rates and all(r == pytest.approx(512) for r in rates), rates
+    assert result["tokens_per_s"] == pytest.approx(512)

@@ -181,7 +181,12 @@ class BatchSampler:
 
     def _batch(self, starts: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
         windows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
-        batch = torch.from_numpy(windows).to(device, non_blocking=True)  # (B, T+1)
+        batch = torch.from_numpy(windows)  # (B, T+1)
+        if torch.device(device).type == "cuda":
+            # from pageable memory a copy waits until the GPU has drained its queue, so the GPU
+            # idled once per micro-batch (~5% of a d12 step on an H100); pinned, it overlaps
+            batch = batch.pin_memory()
+        batch = batch.to(device, non_blocking=True)
         return batch[:, :-1], batch[:, 1:]
 
 

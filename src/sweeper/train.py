@@ -215,6 +215,7 @@ def train(
             window_tokens, window_start = 0, time.perf_counter()
         # 6) evaluate and report
         if step % eval_every == 0 or last:
+            eval_start = time.perf_counter()
             if status == "diverged":
                 val_bpb = float("nan")
             else:
@@ -242,7 +243,9 @@ def train(
                     report(metrics, state=training_state)
                 else:
                     report(metrics)
-            window_start = time.perf_counter()  # evaluation time is not training time
+            # evaluation (and checkpointing) is not training time: the window's clock skips
+            # it, and keeps the training steps before it in this log window
+            window_start += time.perf_counter() - eval_start
         if status == "diverged":
             break
     gc.unfreeze()  # a reused Ray worker must not keep this run's objects frozen

@@ -1,0 +1,19 @@
+# Sourced by bench/gpu_*.sh: PYTHONPATH (src/ + carried wheels), GPU facts, a synthetic
+# d12 token shard at $SHARD. Logs go under $OUT.
+OUT=${OUT:-/tmp/gpu_mfu}
+mkdir -p "$OUT"
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if ! python3 -c "import hydra, omegaconf" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+
+SHARD=/tmp/d12_shard.bin
+python3 - "$SHARD" <<'EOF'
+import sys, numpy as np
+# 64M random GPT-2 token ids, raw uint16 (no header); the last 1% is the validation tail
+np.random.default_rng(0).integers(0, 50257, 64 * 2**20, dtype=np.uint16).tofile(sys.argv[1])
+EOF
+
