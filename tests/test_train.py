@@ -151,11 +151,13 @@ model = GPT(GPTShape(depth=2, d_model=128, head_dim=64, seq_len=128, vocab_size=
 idx = torch.randint(0, 256, (16, 128))
 for _ in range(2):  # warm up
     model(idx, idx).backward()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+faults = []
+for _ in range(7):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     model(idx, idx).backward()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sorted(faults)[len(faults) // 2])  # the median step: one-off faults (a new thread's
+"""  # stack, a late arena) once made a 3-step total flaky
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="mallopt is glibc's (Linux)")
@@ -170,8 +172,8 @@ def test_training_steps_reuse_freed_memory_instead_of_faulting_it_back_in():
         return int(out.stdout.strip())
 
     default, kept = faults("default"), faults("keep")
-    # measured here: 5,000-14,000 minor faults in 3 steps by default, 3-1,000 kept
-    assert kept * 3 < default, (kept, default)
+    # measured on a 2-core AMD EPYC: ~1,800 minor faults per step by default, 1-2 kept
+    assert kept * 10 < default, (kept, default)
 
 
 def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadence(monkeypatch):
