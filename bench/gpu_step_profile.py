@@ -59,7 +59,8 @@ def main() -> None:
         f"wall {wall_us / 1e3:.1f} ms over 2 steps | GPU busy {gpu_us / 1e3:.1f} ms "
         f"({100 * gpu_us / wall_us:.1f}%)"
     )
-    print(events.table(sort_by="self_cpu_time_total", row_limit=20))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12))
+    print(events.table(sort_by="self_device_time_total", row_limit=30))
 
 
 if __name__ == "__main__":

@@ -67,12 +67,16 @@ class Muon(torch.optim.Muon):
             self._init_group(group, params, grads, buffers)
             if not params:
                 continue
+            # foreach ops: one C++ loop per list instead of a Python round per matrix (the
+            # host launches every step's optimizer kernels between the GPU's last backward
+            # and the loss sync, and d12 has 72 matrices)
             momentum = group["momentum"]
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)
+            updates = (
+                torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+            )
             by_shape: dict[torch.Size, list[int]] = defaultdict(list)
-            updates = []
-            for i, (grad, buf) in enumerate(zip(grads, buffers, strict=True)):
-                buf.lerp_(grad, 1 - momentum)
-                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+            for i, grad in enumerate(grads):
                 by_shape[grad.shape].append(i)
             lr, decay = group["lr"], group["weight_decay"]
             for shape, indices in by_shape.items():
@@ -80,8 +84,11 @@ class Muon(torch.optim.Muon):
                 ortho = newton_schulz(
                     stacked, group["ns_coefficients"], group["ns_steps"], group["eps"]
                 )
-                step_lr = adjusted_lr(lr, group["adjust_lr_fn"], shape)
-                for i, update in zip(indices, ortho, strict=True):
-                    params[i].mul_(1 - lr * decay)
-                    params[i].add_(update, alpha=-step_lr)
+                targets = [params[i] for i in indices]
+                torch._foreach_mul_(targets, 1 - lr * decay)
+                torch._foreach_add_(
+                    targets,
+                    list(ortho.unbind(0)),
+                    alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape),
+                )
         return loss

@@ -45,6 +45,9 @@ def build_optimizer(model: GPT, cfg: OptimizerConfig) -> ChainedOptimizer:
     # AdamW LRs were tuned at d_model 768; wider models need smaller steps (~1/sqrt(width))
     width_scale = (model.shape.d_model / 768) ** -0.5
     betas = (cfg.adam_beta1, cfg.adam_beta2)
+    device = model.lm_head.weight.device
+    # fused: one kernel for all of AdamW's parameters on a GPU; CPUs keep torch's default
+    fused = True if device.type == "cuda" else None
     if cfg.name == "adamw":
         # decay only the matrices: embeddings are sparse lookups and scalars are gains
         adam_groups = [
@@ -57,7 +60,7 @@ def build_optimizer(model: GPT, cfg: OptimizerConfig) -> ChainedOptimizer:
             dict(name="embedding", params=groups["embedding"], lr=cfg.lr, weight_decay=0.0),
             dict(name="scalar", params=groups["scalar"], lr=cfg.lr, weight_decay=0.0),
         ]
-        optimizers = [torch.optim.AdamW(adam_groups, betas=betas, eps=cfg.adam_eps)]
+        optimizers = [torch.optim.AdamW(adam_groups, betas=betas, eps=cfg.adam_eps, fused=fused)]
     else:
         adam_groups = [
             dict(name=name, params=groups[name], lr=lr * width_scale, weight_decay=0.0)
@@ -67,7 +70,6 @@ def build_optimizer(model: GPT, cfg: OptimizerConfig) -> ChainedOptimizer:
                 ("scalar", cfg.scalar_lr),
             )
         ]
-        device = model.lm_head.weight.device
         muon = Muon(
             [dict(name="matrix", params=groups["matrix"])],
             # torch's bf16 Newton-Schulz where bf16 is fast; fp32 where it is emulated
@@ -80,7 +82,8 @@ def build_optimizer(model: GPT, cfg: OptimizerConfig) -> ChainedOptimizer:
             # of nanochat / modded-nanogpt carry over unchanged
             adjust_lr_fn="original",
         )
-        optimizers = [muon, torch.optim.AdamW(adam_groups, betas=betas, eps=cfg.adam_eps)]
+        adamw = torch.optim.AdamW(adam_groups, betas=betas, eps=cfg.adam_eps, fused=fused)
+        optimizers = [muon, adamw]
     chained = ChainedOptimizer(optimizers)
     for group in chained.param_groups:
         group["initial_lr"] = group["lr"]
