@@ -1,5 +1,8 @@
 # Sourced by bench/gpu_*.sh: PYTHONPATH (src/ + carried wheels), GPU facts, a synthetic
-# d12 token shard at $SHARD. Logs go under $OUT.
+# d12 token shard at $SHARD. Logs go under $OUT. On a GPU machine without network, bring
+# the pure-Python config packages as wheels, made where pip works:
+#   pip download --no-deps -d .whl hydra-core==1.3.2 omegaconf==2.3.0
+#   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # an sdist on PyPI
 OUT=${OUT:-/tmp/gpu_mfu}
 mkdir -p "$OUT"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
