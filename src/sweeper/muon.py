@@ -67,9 +67,8 @@ class Muon(torch.optim.Muon):
             self._init_group(group, params, grads, buffers)
             if not params:
                 continue
-            # foreach ops: one C++ loop per list instead of a Python round per matrix (the
-            # host launches every step's optimizer kernels between the GPU's last backward
-            # and the loss sync, and d12 has 72 matrices)
+            # foreach ops: one C++ loop per list instead of a Python round per matrix (d12 has
+            # 72 of them; the same arithmetic as torch's per-parameter loop)
             momentum = group["momentum"]
             torch._foreach_lerp_(buffers, grads, 1 - momentum)
             updates = (
