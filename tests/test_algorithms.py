@@ -18,6 +18,7 @@ from sweeper.sweep.algorithms import (
     build_scheduler,
     build_searcher,
     check_compatible,
+    hyperband_units,
     startup_trials,
 )
 from sweeper.sweep.space import parse_space, to_builtin
@@ -145,6 +146,51 @@ def test_hyperband_counts_time_in_grace_periods():
 
 
 @pytest.mark.parametrize(
+    ("grace_fraction", "eta", "unit_fraction", "units"),
+    [
+        (0.25, 3, 1 / 3, 3),  # a quarter is not a rung that leads to the full budget
+        (1 / 3, 3, 1 / 3, 3),
+        (0.111, 3, 1 / 9, 9),  # 1/9 = 0.1111 is no shorter than the grace
+        (0.112, 3, 1 / 3, 3),  # a ninth would stop trials before the grace
+        (1 / 9, 3, 1 / 9, 9),
+        (0.1, 2, 1 / 8, 8),
+        (1.0, 3, 1.0, 1),
+        (1 / 729, 3, 1 / 729, 729),
+    ],
+)
+def test_hyperband_units_are_a_whole_power_of_eta_no_shorter_than_the_grace(
+    grace_fraction, eta, unit_fraction, units
+):
+    max_t = 65536.0
+    unit, n = hyperband_units(max_t, max_t * grace_fraction, eta)
+    assert n == units and unit == pytest.approx(max_t * unit_fraction)
+    assert unit >= max_t * grace_fraction * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("scheduler", ["hyperband", "bohb"])
+@pytest.mark.parametrize(("grace_fraction", "eta"), [(0.25, 3), (0.111, 3), (0.1, 2), (1 / 729, 3)])
+def test_every_hyperband_bracket_ends_on_the_full_budget(scheduler, grace_fraction, eta):
+    # Ray builds bracket s with first rung r0(s), then multiplies by eta s times, capped at
+    # max_t. With max_t = 4 grace units the s=1 bracket was rungs 1 and 3: its best trial
+    # stopped at three quarters of the budget and never completed.
+    built = build_scheduler(
+        scheduler,
+        metric=METRIC,
+        mode=MODE,
+        time_attr=TIME_ATTR,
+        max_t=65536,
+        grace_period=65536 * grace_fraction,
+        reduction_factor=eta,
+    )
+    max_units = built._max_t_attr
+    for s in range(built._s_max_1):
+        first = built._get_r0(s)
+        assert first >= 1
+        assert first * eta**s == max_units, (s, first)
+        assert first * built._unit >= 65536 * grace_fraction * (1 - 1e-9)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
         ({"scheduler": "median"}, "unknown scheduler 'median'"),
@@ -152,6 +198,10 @@ def test_hyperband_counts_time_in_grace_periods():
         ({"grace_period": 0}, "need 0 < grace_period <= max_t, got 0 and 9"),
         ({"grace_period": 10}, "need 0 < grace_period <= max_t"),
         ({"reduction_factor": 1}, "reduction_factor must be > 1, got 1"),
+        (
+            {"scheduler": "bohb", "reduction_factor": 2.5},
+            "scheduler 'bohb' needs a whole reduction_factor, got 2.5",
+        ),
     ],
 )
 def test_build_scheduler_refuses(kwargs, fragment):
@@ -262,6 +312,38 @@ def test_tuner_end_to_end(ray_session, tmp_path, search, scheduler):
         # BOHB fills its largest bracket first (9 slots, first rung 1 grace period), which
         # keeps ceil(9 / 3) = 3 of the 4 trials: the 4th stops after one grace period.
         assert min(r.metrics[TIME_ATTR] for r in results) == TOKENS_PER_STEP
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_hyperband_trials_end_at_a_rung_or_at_the_full_budget(ray_session, tmp_path):
+    from ray import tune
+
+    # A grace of 2 of 9 steps: 4.5 grace periods, which Ray's int() rungs made 2 and 6
+    # steps, so the s=1 bracket's best trial stopped at 6 of 9 steps. Rounded to units of
+    # 3 steps, one band is 3 trials at 3 steps (the best goes on to 9) and 2 trials of 9.
+    space = parse_space(MIXED)
+    alg, param_space = build_searcher(
+        "random", space, metric=METRIC, mode=MODE, seed=0, num_samples=5
+    )
+    sched = build_scheduler(
+        "hyperband",
+        metric=METRIC,
+        mode=MODE,
+        time_attr=TIME_ATTR,
+        max_t=STEPS * TOKENS_PER_STEP,
+        grace_period=2 * TOKENS_PER_STEP,
+    )
+    tuner = tune.Tuner(
+        quadratic_trainable,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(search_alg=alg, scheduler=sched, num_samples=3),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="rungs", verbose=0),
+    )
+    ends = sorted(r.metrics[TIME_ATTR] // TOKENS_PER_STEP for r in tuner.fit())
+    assert len(ends) == 6  # 3 samples x 2 grid values
+    assert set(ends) <= {3, STEPS}, ends
+    assert ends.count(STEPS) >= 3, ends
 
 
 def _tuner(param_space, alg, sched, tmp_path, **tune_config):

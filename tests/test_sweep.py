@@ -142,6 +142,7 @@ REFUSED = [
     (["sweep.stages.1.lr_rule=cubic"], "lr_rule"),
     (["sweep.budget.tokens_per_trial=null"], "tokens_per_trial"),
     (["sweep.mode=lowest"], "sweep.mode"),
+    (["sweep.stages.0.scheduler=hyperband", "sweep.reduction_factor=2.5"], "reduction_factor"),
     (["sweep.stages=[]"], "no stages"),
     (["trainable._target_=no.such.module.fn"], "trainable"),
 ]

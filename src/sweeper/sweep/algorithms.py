@@ -12,6 +12,7 @@ TuneConfig names one too. Ray, Optuna and hpbandster are imported lazily inside 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 from sweeper.sweep.space import Space, to_configspace, to_optuna, to_tune
@@ -138,26 +139,59 @@ def budget_key(time_attr: str) -> str:
     return f"{time_attr}_grace_units"
 
 
+def hyperband_units(max_t: float, grace_period: float, reduction_factor: int) -> tuple[float, int]:
+    """HyperBand's time unit and ``max_t`` in that unit: ``(unit, reduction_factor**k)``.
+
+    Every bracket must end on the full budget, so ``max_t`` must be a whole power of eta in
+    units: Ray computes a bracket's rungs as ``int(max_t * eta**-s) * eta**j``, and with
+    ``max_t = 4`` units (a grace period of a quarter) the s=1 bracket runs rungs 1 and 3,
+    and stops its best trial at three quarters of the budget, before it ever completes.
+    ``k`` is the largest with a unit no shorter than the grace period, so no trial stops
+    earlier than the user allowed: a quarter becomes a third at eta=3, 0.111 a ninth.
+    """
+    k = math.floor(math.log(max_t / grace_period) / math.log(reduction_factor) + 1e-9)
+    return max_t / reduction_factor**k, reduction_factor**k
+
+
 @functools.cache
 def _grace_unit_scheduler(base: type) -> type:
-    """Subclass of a HyperBand scheduler that measures time in units of the grace period.
+    """Subclass of a HyperBand scheduler that measures time in units of its smallest rung.
 
     HyperBand has no grace period: its smallest rung is 1 time unit and it opens
     log_eta(max_t) brackets, so with max_t counted in tokens (~1e9) it would open ~19
-    brackets and cut trials after a handful of tokens. Feeding it tokens / grace_period
-    makes the first rung the grace period. The key is added to the result in place because
+    brackets and cut trials after a handful of tokens. Feeding it tokens / unit (see
+    ``hyperband_units``) makes the first rung the grace period, rounded up to a rung that
+    leads to the full budget. The key is added to the result in place because
     HyperBandForBOHB's budget annotations on the same dict must reach TuneBOHB.
     """
 
     class GraceUnitScheduler(base):
-        def __init__(self, *, time_attr: str, grace_period: float, **kwargs: Any) -> None:
-            super().__init__(time_attr=budget_key(time_attr), **kwargs)
+        def __init__(
+            self,
+            *,
+            time_attr: str,
+            max_t: float,
+            grace_period: float,
+            reduction_factor: int,
+            **kwargs: Any,
+        ) -> None:
+            unit, units = hyperband_units(max_t, grace_period, reduction_factor)
+            super().__init__(
+                time_attr=budget_key(time_attr),
+                max_t=units,
+                reduction_factor=reduction_factor,
+                **kwargs,
+            )
+            # Ray's own int(max_t * eta**-s) drops to 0 where eta**-s rounds below 1/eta**s
+            # (729 * 3**-6 = 0.999...); in whole units the first rung is exact.
+            self._get_r0 = lambda s: units // reduction_factor**s
             self._source_time_attr = time_attr
-            self._grace_period = grace_period
+            self._unit = unit
 
         def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
             if self._source_time_attr in result:
-                units = result[self._source_time_attr] / self._grace_period
+                # rounded: the full budget must read as exactly `units`, not 8.999999
+                units = round(result[self._source_time_attr] / self._unit, 9)
                 result[budget_key(self._source_time_attr)] = units
             return super().on_trial_result(tune_controller, trial, result)
 
@@ -165,11 +199,19 @@ def _grace_unit_scheduler(base: type) -> type:
     return GraceUnitScheduler
 
 
-def _check_time_axis(max_t: float, grace_period: float, reduction_factor: float) -> None:
+def _check_time_axis(
+    scheduler: str, max_t: float, grace_period: float, reduction_factor: float
+) -> None:
     if not 0 < grace_period <= max_t:
         raise ValueError(f"need 0 < grace_period <= max_t, got {grace_period!r} and {max_t!r}")
     if not reduction_factor > 1:
         raise ValueError(f"reduction_factor must be > 1, got {reduction_factor!r}")
+    if scheduler in ("hyperband", "bohb") and reduction_factor != int(reduction_factor):
+        # Ray's HyperBand truncates rungs to whole units, so a fractional eta never lands
+        # on the full budget
+        raise ValueError(
+            f"scheduler {scheduler!r} needs a whole reduction_factor, got {reduction_factor!r}"
+        )
 
 
 def build_scheduler(
@@ -185,14 +227,16 @@ def build_scheduler(
     """Return the Tune trial scheduler; ``max_t`` and ``grace_period`` are in ``time_attr``.
 
     fifo runs every trial to completion (the trainable stops itself at its budget).
-    asha stops trials at rungs ``grace_period * reduction_factor**k``. hyperband/bohb do the
-    same synchronously and pause trials between rungs, so the trainable must checkpoint.
+    asha stops trials at rungs ``grace_period * reduction_factor**k``. hyperband/bohb stop
+    them synchronously and pause trials between rungs, so the trainable must checkpoint;
+    their rungs are ``max_t / reduction_factor**j``, the smallest no shorter than
+    ``grace_period`` (see ``hyperband_units``).
     Pass ``metric=None, mode=None`` to take them from ``TuneConfig`` instead.
     """
     _check_name("scheduler", scheduler, SCHEDULERS)
     if mode is not None:
         _check_mode(mode)
-    _check_time_axis(max_t, grace_period, reduction_factor)
+    _check_time_axis(scheduler, max_t, grace_period, reduction_factor)
     from ray.tune import schedulers
 
     if scheduler == "fifo":
@@ -212,6 +256,6 @@ def build_scheduler(
         grace_period=grace_period,
         metric=metric,
         mode=mode,
-        max_t=max_t / grace_period,
-        reduction_factor=reduction_factor,
+        max_t=max_t,
+        reduction_factor=int(reduction_factor),
     )

@@ -156,6 +156,13 @@ def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -
             f"{where}: lr_rule must be one of {', '.join(LR_RULES)}, got {stage.lr_rule!r}",
         )
         _check(stage.retune_factor > 1, f"{where}: retune_factor must be > 1")
+        scheduler = spec.stage_scheduler(stage)
+        _check(
+            scheduler not in ("hyperband", "bohb")
+            or spec.reduction_factor == int(spec.reduction_factor),
+            f"{where}: scheduler {scheduler!r} needs a whole sweep.reduction_factor, "
+            f"got {spec.reduction_factor}",
+        )
         if not custom_trainable:
             for key in flatten_params(stage.params):
                 _check(key in run_keys, f"{where}: unknown config key '{key}' in params")
