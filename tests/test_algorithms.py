@@ -19,6 +19,7 @@ from sweeper.sweep.algorithms import (
     build_searcher,
     check_compatible,
     hyperband_units,
+    rungs,
     startup_trials,
 )
 from sweeper.sweep.space import parse_space, to_builtin
@@ -93,6 +94,35 @@ def test_build_searcher_splits_the_space(search):
     else:
         assert set(param_space) == set(space.names) | set(space.fixed)
         assert type(alg).__name__ == "BasicVariantGenerator"
+
+
+@pytest.mark.parametrize("scheduler", ["asha", "hyperband", "bohb"])
+@pytest.mark.parametrize(("grace_fraction", "eta"), [(0.25, 3), (1 / 9, 3), (0.1, 2), (0.5, 4)])
+def test_rungs_are_where_rays_schedulers_stop_trials(scheduler, grace_fraction, eta):
+    max_t = 65536
+    built = build_scheduler(
+        scheduler,
+        metric=METRIC,
+        mode=MODE,
+        time_attr=TIME_ATTR,
+        max_t=max_t,
+        grace_period=max_t * grace_fraction,
+        reduction_factor=eta,
+    )
+    if scheduler == "asha":
+        expected = {t for t, _ in built._brackets[0]._rungs if t < max_t}
+    else:  # every bracket's rungs below the full budget, back in tokens
+        expected = {
+            built._get_r0(s) * eta**j * built._unit for s in range(built._s_max_1) for j in range(s)
+        }
+    found = rungs(scheduler, max_t, max_t * grace_fraction, eta)
+    assert found == sorted(found) and len(found) == len(expected)
+    assert found == pytest.approx(sorted(expected))
+    assert not found or found[0] >= max_t * grace_fraction * (1 - 1e-9)
+
+
+def test_fifo_has_no_rungs():
+    assert rungs("fifo", 65536, 16384, 3) == []
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ ALLOWED = [
 
 @pytest.mark.parametrize("search, scheduler", ALLOWED, ids=["-".join(p) for p in ALLOWED])
 def test_every_allowed_searcher_scheduler_pair_runs_the_real_trainable(
-    ray_cluster, tmp_path, search, scheduler
+    ray_cluster, tmp_path, capsys, search, scheduler
 ):
     summary = sweep(
         tmp_path,
@@ -53,6 +53,13 @@ def test_every_allowed_searcher_scheduler_pair_runs_the_real_trainable(
     assert set(lr_stage["statuses"]) <= {"completed", "pruned"}
     assert 0 < lr_stage["best_value"] < 8.0
     assert summary["best"]["overrides"]
+    # the default grace of a quarter: ASHA's rungs, or HyperBand's rounded to a third
+    header = next(line for line in capsys.readouterr().out.splitlines() if "[lr] " in line)
+    if scheduler == "fifo":
+        assert "rungs" not in header, header
+    else:
+        stops = "25%, 75%" if scheduler == "asha" else "33%"
+        assert f"rungs at {stops} of it" in header, header
 
 
 def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(ray_cluster, tmp_path):

@@ -153,6 +153,20 @@ def hyperband_units(max_t: float, grace_period: float, reduction_factor: int) ->
     return max_t / reduction_factor**k, reduction_factor**k
 
 
+def rungs(scheduler: str, max_t: float, grace_period: float, reduction_factor: float) -> list:
+    """Where ``scheduler`` may stop a trial, in ``time_attr`` (the full budget excluded)."""
+    if scheduler == "asha":
+        # Ray's ASHA: grace_period * eta**k for k < int(log_eta(max_t / grace_period) + 1)
+        count = int(math.log(max_t / grace_period) / math.log(reduction_factor) + 1)
+        found = [grace_period * reduction_factor**k for k in range(count)]
+        return [t for t in found if t < max_t]
+    if scheduler in ("hyperband", "bohb"):
+        eta = int(reduction_factor)
+        unit, units = hyperband_units(max_t, grace_period, eta)
+        return [unit * eta**j for j in range(round(math.log(units, eta)))]
+    return []
+
+
 @functools.cache
 def _grace_unit_scheduler(base: type) -> type:
     """Subclass of a HyperBand scheduler that measures time in units of its smallest rung.

@@ -228,7 +228,7 @@ def run_stage(
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
-    from sweeper.sweep.algorithms import build_scheduler, build_searcher
+    from sweeper.sweep.algorithms import build_scheduler, build_searcher, rungs
     from sweeper.sweep.callbacks import FlopCap, ProgressCallback
     from sweeper.sweep.results import collect_results
     from sweeper.sweep.space import grid_size, is_pure_grid
@@ -292,9 +292,11 @@ def run_stage(
         checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
     )
     experiment = out / "ray" / run_config.name
+    stops = rungs(scheduler_name, max_t, max_t * spec.grace_fraction, spec.reduction_factor)
     print(
         f"[{stage.name}] {search} search, {scheduler_name} scheduler, {planned} trials of "
         f"{max_t:.3g} {time_attr}: {', '.join(space.names)}"
+        + (f"; rungs at {', '.join(f'{t / max_t:.0%}' for t in stops)} of it" if stops else "")
     )
     if spec.resume and tune.Tuner.can_restore(str(experiment)):
         print(f"[{stage.name}] resuming the interrupted stage from {experiment}")
