@@ -14,15 +14,17 @@ from sweeper.sweep.algorithms import (
     MODEL_BASED,
     SCHEDULERS,
     SEARCHES,
+    bohb_model_points,
     budget_key,
     build_scheduler,
     build_searcher,
     check_compatible,
     hyperband_units,
+    random_start,
     rungs,
     startup_trials,
 )
-from sweeper.sweep.space import parse_space, to_builtin
+from sweeper.sweep.space import parse_space, to_builtin, to_configspace
 
 METRIC, MODE, TIME_ATTR = "val_bpb", "min", "tokens"
 TOKENS_PER_STEP, STEPS = 1000, 9
@@ -249,6 +251,35 @@ def test_build_scheduler_refuses(kwargs, fragment):
     assert fragment in str(info.value)
 
 
+# hpbandster calls old ConfigSpace, statsmodels and pandas APIs
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("params", [SAMPLED, {"optimizer.lr": {"log_uniform": [1e-3, 1.0]}}])
+def test_bohb_models_after_the_points_it_is_said_to_need(params):
+    # against hpbandster itself: one result short of bohb_model_points there is no model
+    import numpy as np
+    from hpbandster.optimizers.config_generators.bohb import BOHB
+
+    space = parse_space(params)
+    generator = BOHB(to_configspace(space, seed=0))
+
+    class Job:  # what hpbandster's new_result reads of a finished run
+        def __init__(self, config, loss):
+            self.kwargs = {"budget": 1.0, "config": config}
+            self.result = {"loss": loss}
+            self.exception, self.timestamps = None, {}
+
+    rng = np.random.default_rng(0)
+    needed = bohb_model_points(space)
+    for i in range(needed):
+        assert not generator.kde_models, f"a model after {i} results"
+        config, _ = generator.get_config(None)
+        generator.new_result(Job(config, float(rng.random())))
+    assert 1.0 in generator.kde_models
+    assert f"random until {needed} trials" in random_start("bohb", space, 48)
+    assert random_start("tpe", space, 48) == "the first 10 trials are random"
+    assert random_start("random", space, 48) is None
+
+
 @pytest.mark.parametrize(("num_samples", "expected"), [(1, 1), (4, 1), (8, 2), (30, 10), (300, 10)])
 def test_startup_trials(num_samples, expected):
     assert startup_trials(num_samples) == expected
@@ -374,6 +405,39 @@ def test_hyperband_trials_end_at_a_rung_or_at_the_full_budget(ray_session, tmp_p
     assert len(ends) == 6  # 3 samples x 2 grid values
     assert set(ends) <= {3, STEPS}, ends
     assert ends.count(STEPS) >= 3, ends
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_bohb_learns_from_every_result_that_reaches_the_full_budget(ray_session, tmp_path):
+    from ray import tune
+
+    # Tune withholds a result from the searcher when the scheduler stops its trial, and
+    # HyperBandForBOHB stops the trial whose result completes a rung: unforwarded, TuneBOHB
+    # saw 4 of 12 full-budget results. Units of 3 steps: brackets of 3 trials at 3 steps
+    # (one goes on to 9) and 2 trials of 9 steps.
+    space = parse_space({"optimizer.lr": {"log_uniform": [1e-3, 1.0]}, "model.n_layer": 1})
+    alg, param_space = build_searcher(
+        "bohb", space, metric=METRIC, mode=MODE, seed=0, num_samples=10
+    )
+    sched = build_scheduler(
+        "bohb",
+        metric=METRIC,
+        mode=MODE,
+        time_attr=TIME_ATTR,
+        max_t=STEPS * TOKENS_PER_STEP,
+        grace_period=3 * TOKENS_PER_STEP,
+    )
+    tuner = tune.Tuner(
+        quadratic_trainable,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(search_alg=alg, scheduler=sched, num_samples=10),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="bohb", verbose=0),
+    )
+    full = sum(r.metrics[TIME_ATTR] == STEPS * TOKENS_PER_STEP for r in tuner.fit())
+    learnt = alg.bohber.configs[3]  # hpbandster's record of results at the full budget
+    assert full >= 4 and len(learnt) == full
+    assert len({tuple(c) for c in learnt}) == full  # each once
 
 
 def _tuner(param_space, alg, sched, tmp_path, **tune_config):

@@ -228,7 +228,7 @@ def run_stage(
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
-    from sweeper.sweep.algorithms import build_scheduler, build_searcher, rungs
+    from sweeper.sweep.algorithms import build_scheduler, build_searcher, random_start, rungs
     from sweeper.sweep.callbacks import FlopCap, ProgressCallback
     from sweeper.sweep.results import collect_results
     from sweeper.sweep.space import grid_size, is_pure_grid
@@ -293,10 +293,14 @@ def run_stage(
     )
     experiment = out / "ray" / run_config.name
     stops = rungs(scheduler_name, max_t, max_t * spec.grace_fraction, spec.reduction_factor)
+    notes = [
+        f"rungs at {', '.join(f'{t / max_t:.0%}' for t in stops)} of it" if stops else None,
+        random_start(search, space, planned),
+    ]
     print(
         f"[{stage.name}] {search} search, {scheduler_name} scheduler, {planned} trials of "
         f"{max_t:.3g} {time_attr}: {', '.join(space.names)}"
-        + (f"; rungs at {', '.join(f'{t / max_t:.0%}' for t in stops)} of it" if stops else "")
+        + "".join(f"; {note}" for note in notes if note)
     )
     if spec.resume and tune.Tuner.can_restore(str(experiment)):
         print(f"[{stage.name}] resuming the interrupted stage from {experiment}")
