@@ -2,7 +2,8 @@
 val_bpb of a 16-trial random search, as a fraction of the random search's compute.
 
 Random search and random+ASHA share the seed, so they propose the same 16 configurations:
-the difference is only what early stopping saves. BOHB proposes its own. Compute is
+the difference is only what early stopping saves. BOHB, and `tpe_asha` (the sweeps'
+default: TPE with ASHA, not in the default --methods), propose their own. Compute is
 counted in time order over every report of every trial (wall_time), so a pruned trial
 costs what it trained before it was stopped.
 
@@ -40,6 +41,8 @@ METHODS = {
     "random": ["sweep.stages.0.search=random", "sweep.stages.0.scheduler=fifo"],
     "asha": ["sweep.stages.0.search=random", "sweep.stages.0.scheduler=asha"],
     "bohb": ["sweep.stages.0.search=bohb", "sweep.stages.0.scheduler=bohb"],
+    # the sweeps' default: TPE's first 10 trials are random, then its model proposes
+    "tpe_asha": ["sweep.stages.0.search=tpe", "sweep.stages.0.scheduler=asha"],
 }
 
 
@@ -98,7 +101,9 @@ def main() -> None:
         help="trials ASHA/BOHB may draw; compute is counted until they reach",
     )
     parser.add_argument("--tokens", type=int, default=65536)
-    parser.add_argument("--methods", default="asha,bohb", help="compared to random search")
+    parser.add_argument(
+        "--methods", default="asha,bohb", help=f"compared to random search: {', '.join(METHODS)}"
+    )
     parser.add_argument(
         "overrides",
         nargs="*",
