@@ -333,17 +333,12 @@ def quadratic_trainable(config):
             )
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize(("search", "scheduler"), ALLOWED)
-def test_tuner_end_to_end(ray_session, tmp_path, search, scheduler):
+def _fit(search, scheduler, params, grace_steps, num_samples, tmp_path, **tune_config):
+    """A real Tune run of quadratic_trainable: (searcher, Tune's results)."""
     from ray import tune
 
-    space = parse_space(SPACE_FOR_SEARCH[search])
-    check_compatible(search, scheduler, space)
-    num_samples = 1 if search == "grid" else (2 if search == "random" else 4)
     alg, param_space = build_searcher(
-        search, space, metric=METRIC, mode=MODE, seed=0, num_samples=num_samples
+        search, parse_space(params), metric=METRIC, mode=MODE, seed=0, num_samples=num_samples
     )
     sched = build_scheduler(
         scheduler,
@@ -351,17 +346,27 @@ def test_tuner_end_to_end(ray_session, tmp_path, search, scheduler):
         mode=MODE,
         time_attr=TIME_ATTR,
         max_t=STEPS * TOKENS_PER_STEP,
-        grace_period=TOKENS_PER_STEP,
+        grace_period=grace_steps * TOKENS_PER_STEP,
     )
     tuner = tune.Tuner(
         quadratic_trainable,
         param_space=param_space,
         tune_config=tune.TuneConfig(
-            search_alg=alg, scheduler=sched, num_samples=num_samples, reuse_actors=True
+            search_alg=alg, scheduler=sched, num_samples=num_samples, **tune_config
         ),
-        run_config=tune.RunConfig(storage_path=str(tmp_path), name="e2e", verbose=0),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name=scheduler, verbose=0),
     )
-    results = tuner.fit()
+    return alg, tuner.fit()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(("search", "scheduler"), ALLOWED)
+def test_tuner_end_to_end(ray_session, tmp_path, search, scheduler):
+    params = SPACE_FOR_SEARCH[search]
+    check_compatible(search, scheduler, parse_space(params))
+    num_samples = 1 if search == "grid" else (2 if search == "random" else 4)
+    _, results = _fit(search, scheduler, params, 1, num_samples, tmp_path, reuse_actors=True)
 
     assert results.num_errors == 0
     assert len(results) == 4  # random: 2 samples x 2 grid values; grid: 2 x 2 points
@@ -378,30 +383,11 @@ def test_tuner_end_to_end(ray_session, tmp_path, search, scheduler):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_hyperband_trials_end_at_a_rung_or_at_the_full_budget(ray_session, tmp_path):
-    from ray import tune
-
     # A grace of 2 of 9 steps: 4.5 grace periods, which Ray's int() rungs made 2 and 6
     # steps, so the s=1 bracket's best trial stopped at 6 of 9 steps. Rounded to units of
     # 3 steps, one band is 3 trials at 3 steps (the best goes on to 9) and 2 trials of 9.
-    space = parse_space(MIXED)
-    alg, param_space = build_searcher(
-        "random", space, metric=METRIC, mode=MODE, seed=0, num_samples=5
-    )
-    sched = build_scheduler(
-        "hyperband",
-        metric=METRIC,
-        mode=MODE,
-        time_attr=TIME_ATTR,
-        max_t=STEPS * TOKENS_PER_STEP,
-        grace_period=2 * TOKENS_PER_STEP,
-    )
-    tuner = tune.Tuner(
-        quadratic_trainable,
-        param_space=param_space,
-        tune_config=tune.TuneConfig(search_alg=alg, scheduler=sched, num_samples=3),
-        run_config=tune.RunConfig(storage_path=str(tmp_path), name="rungs", verbose=0),
-    )
-    ends = sorted(r.metrics[TIME_ATTR] // TOKENS_PER_STEP for r in tuner.fit())
+    _, results = _fit("random", "hyperband", MIXED, 2, 3, tmp_path)
+    ends = sorted(r.metrics[TIME_ATTR] // TOKENS_PER_STEP for r in results)
     assert len(ends) == 6  # 3 samples x 2 grid values
     assert set(ends) <= {3, STEPS}, ends
     assert ends.count(STEPS) >= 3, ends
@@ -410,31 +396,13 @@ def test_hyperband_trials_end_at_a_rung_or_at_the_full_budget(ray_session, tmp_p
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 def test_bohb_learns_from_every_result_that_reaches_the_full_budget(ray_session, tmp_path):
-    from ray import tune
-
     # Tune withholds a result from the searcher when the scheduler stops its trial, and
     # HyperBandForBOHB stops the trial whose result completes a rung: unforwarded, TuneBOHB
     # saw 4 of 12 full-budget results. Units of 3 steps: brackets of 3 trials at 3 steps
     # (one goes on to 9) and 2 trials of 9 steps.
-    space = parse_space({"optimizer.lr": {"log_uniform": [1e-3, 1.0]}, "model.n_layer": 1})
-    alg, param_space = build_searcher(
-        "bohb", space, metric=METRIC, mode=MODE, seed=0, num_samples=10
-    )
-    sched = build_scheduler(
-        "bohb",
-        metric=METRIC,
-        mode=MODE,
-        time_attr=TIME_ATTR,
-        max_t=STEPS * TOKENS_PER_STEP,
-        grace_period=3 * TOKENS_PER_STEP,
-    )
-    tuner = tune.Tuner(
-        quadratic_trainable,
-        param_space=param_space,
-        tune_config=tune.TuneConfig(search_alg=alg, scheduler=sched, num_samples=10),
-        run_config=tune.RunConfig(storage_path=str(tmp_path), name="bohb", verbose=0),
-    )
-    full = sum(r.metrics[TIME_ATTR] == STEPS * TOKENS_PER_STEP for r in tuner.fit())
+    params = {"optimizer.lr": {"log_uniform": [1e-3, 1.0]}, "model.n_layer": 1}
+    alg, results = _fit("bohb", "bohb", params, 3, 10, tmp_path)
+    full = sum(r.metrics[TIME_ATTR] == STEPS * TOKENS_PER_STEP for r in results)
     learnt = alg.bohber.configs[3]  # hpbandster's record of results at the full budget
     assert full >= 4 and len(learnt) == full
     assert len({tuple(c) for c in learnt}) == full  # each once
