@@ -237,6 +237,15 @@ def _grace_unit_scheduler(base: type) -> type:
     return GraceUnitScheduler
 
 
+def check_reduction_factor(scheduler: str, reduction_factor: float) -> None:
+    """Ray's HyperBand truncates rungs to whole units, so with a fractional eta its brackets
+    never land on the full budget: refuse one for hyperband/bohb (ASHA takes any eta > 1)."""
+    if scheduler in ("hyperband", "bohb") and reduction_factor != int(reduction_factor):
+        raise ValueError(
+            f"scheduler {scheduler!r} needs a whole reduction_factor, got {reduction_factor!r}"
+        )
+
+
 def _check_time_axis(
     scheduler: str, max_t: float, grace_period: float, reduction_factor: float
 ) -> None:
@@ -244,12 +253,7 @@ def _check_time_axis(
         raise ValueError(f"need 0 < grace_period <= max_t, got {grace_period!r} and {max_t!r}")
     if not reduction_factor > 1:
         raise ValueError(f"reduction_factor must be > 1, got {reduction_factor!r}")
-    if scheduler in ("hyperband", "bohb") and reduction_factor != int(reduction_factor):
-        # Ray's HyperBand truncates rungs to whole units, so a fractional eta never lands
-        # on the full budget
-        raise ValueError(
-            f"scheduler {scheduler!r} needs a whole reduction_factor, got {reduction_factor!r}"
-        )
+    check_reduction_factor(scheduler, reduction_factor)
 
 
 def build_scheduler(

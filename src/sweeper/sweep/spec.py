@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sweeper.config import ConfigError
-from sweeper.sweep.algorithms import check_compatible
+from sweeper.sweep.algorithms import check_compatible, check_reduction_factor
 from sweeper.sweep.space import Space, parse_space
 
 LR_RULES = ("none", "sqrt", "linear", "retune")
@@ -156,13 +156,6 @@ def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -
             f"{where}: lr_rule must be one of {', '.join(LR_RULES)}, got {stage.lr_rule!r}",
         )
         _check(stage.retune_factor > 1, f"{where}: retune_factor must be > 1")
-        scheduler = spec.stage_scheduler(stage)
-        _check(
-            scheduler not in ("hyperband", "bohb")
-            or spec.reduction_factor == int(spec.reduction_factor),
-            f"{where}: scheduler {scheduler!r} needs a whole sweep.reduction_factor, "
-            f"got {spec.reduction_factor}",
-        )
         if not custom_trainable:
             for key in flatten_params(stage.params):
                 _check(key in run_keys, f"{where}: unknown config key '{key}' in params")
@@ -171,6 +164,7 @@ def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -
         space = stage_space(spec, stage, frozen)
         try:
             check_compatible(spec.stage_search(stage), spec.stage_scheduler(stage), space)
+            check_reduction_factor(spec.stage_scheduler(stage), spec.reduction_factor)
         except ValueError as error:
             raise ConfigError(f"{where}: {error}") from None
 
