@@ -2,15 +2,19 @@
 
 import copy
 import math
+import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
+import torch
 
 from sweeper.config import load_run_config
 from sweeper.data import BatchSampler
-from sweeper.train import resolve_total_steps, train
+from sweeper.runtime import keep_freed_memory_for_reuse, release_freed_memory
+from sweeper.train import is_eval_step, resolve_total_steps, train
 
 from .conftest import tiny
 
@@ -92,6 +96,28 @@ def test_divergence_ends_the_run_with_status_not_exception():
     assert result["steps"] < 30
     assert seen[-1]["status"] == "diverged" and math.isnan(seen[-1]["val_bpb"])
     assert "at step" in result["reason"] and seen[-1]["reason"] == result["reason"]
+
+
+@pytest.mark.parametrize(
+    "total_steps, eval_every, expected",
+    [
+        (10, 4, [4, 8, 10]),  # 8 is half an interval before the end: kept
+        (9, 4, [4, 9]),  # 8 is one step before the end: the final evaluation replaces it
+        (25, 4, [4, 8, 12, 16, 20, 25]),  # a sweep trial: 200k tokens at 8192 a step
+        (12, 4, [4, 8, 12]),
+        (3, 5, [3]),
+    ],
+)
+def test_no_evaluation_just_before_the_final_one(total_steps, eval_every, expected):
+    steps = range(1, total_steps + 1)
+    points = [s for s in steps if s == total_steps or is_eval_step(s, total_steps, eval_every)]
+    assert points == expected
+
+
+def test_a_run_reports_at_its_evaluation_steps_and_at_the_end():
+    seen = []
+    train(tiny(trainer={"max_steps": 9, "eval_every": 4}), seen.append, verbose=False)
+    assert [m["step"] for m in seen] == [4, 9]
 
 
 def test_a_nan_injected_at_step_k_ends_the_run_at_step_k():
@@ -201,3 +227,31 @@ def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadenc
     rates = [m["tokens_per_s"] for m in result["history"] if m["step"] >= 4]
     assert rates and all(r == pytest.approx(512) for r in rates), rates
     assert result["tokens_per_s"] == pytest.approx(512)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
+def test_memory_a_finished_thread_freed_goes_back_to_the_kernel():
+    # the shape of a sweep worker: each trial trains in a new thread, whose malloc arena
+    # keeps its peak under keep_freed_memory_for_reuse (small live objects between the freed
+    # blocks stop glibc from trimming it) until release_freed_memory trims every arena
+    assert keep_freed_memory_for_reuse()
+    survivors = []
+
+    def trial():
+        activations = []
+        for _ in range(200):  # 200 x 4 MiB
+            activations.append(torch.ones(1 << 20))
+            survivors.append(torch.ones(16))
+        del activations
+
+    thread = threading.Thread(target=trial)
+    thread.start()
+    thread.join()
+    kept = _rss_bytes()
+    release_freed_memory()
+    assert kept - _rss_bytes() > 512 << 20  # most of the 800 MiB is returned

@@ -49,6 +49,13 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def keep_freed_memory_for_reuse() -> bool:
     """Stop glibc's malloc from giving freed activations back to the kernel between steps.
@@ -58,16 +65,33 @@ def keep_freed_memory_for_reuse() -> bool:
     activations' pages in again: measured 25,000 page faults and ~10% of a step for the
     `small` model on 2 cores. A fixed mmap threshold at glibc's 64-bit maximum (32 MiB) and
     a 1 GiB trim threshold keep that memory in the process for the next step; the cost is
-    that a run's memory stays at its peak. PyTorch's CPU-tuning guide gets the same effect
-    by preloading jemalloc or tcmalloc, which this needs no system package for. A no-op
-    (False) where the C library has no mallopt (musl, macOS, Windows).
+    that a run's memory stays at its peak until release_freed_memory(). PyTorch's CPU-tuning
+    guide gets the same effect by preloading jemalloc or tcmalloc, which this needs no
+    system package for. A no-op (False) where the C library has no mallopt (musl, macOS,
+    Windows).
     """
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's <malloc.h>
     return bool(mallopt(m_trim_threshold, 1 << 30) and mallopt(m_mmap_threshold, 32 << 20))
+
+
+def release_freed_memory() -> None:
+    """Hand back to the kernel what earlier runs in this process freed: glibc's malloc_trim
+    over every arena, after a collection of the runs' garbage cycles.
+
+    Why: each thread allocates from its own malloc arena, and Tune runs every trial of a
+    reused worker in a new thread. With the trim threshold above, each arena kept its
+    trial's peak (~3 GB for `small`): lr_bs's workers grew to 11-15 GB and Ray's memory
+    monitor killed one, ending the sweep. No-op without glibc.
+    """
+    import gc
+
+    gc.collect()
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    if malloc_trim is not None:
+        malloc_trim(0)
 
 
 def bf16_is_fast(device: torch.device) -> bool:

@@ -27,6 +27,7 @@ from sweeper.runtime import (
     distributed_info,
     keep_freed_memory_for_reuse,
     peak_flops,
+    release_freed_memory,
     resolve_device,
     resolve_dtype,
 )
@@ -50,6 +51,13 @@ def resolve_total_steps(cfg: RunConfig, params: int, flops_per_token: int) -> in
 
 
 @torch.no_grad()
+def is_eval_step(step: int, total_steps: int, eval_every: int) -> bool:
+    """Every eval_every steps, except one less than half an interval before the end: the
+    final evaluation follows it at once and would nearly repeat it (25 steps every 4 would
+    evaluate at 24 and 25; each evaluation costs ~4% of a sweep trial on a CPU)."""
+    return step % eval_every == 0 and 2 * (total_steps - step) >= eval_every
+
+
 def evaluate(model, data, cfg: RunConfig, device, dtype, rank: int, world: int) -> float:
     """Validation bits per byte (bits per token when bytes_per_token is unknown)."""
     model.eval()
@@ -86,6 +94,7 @@ def train(
     if t.threads:
         torch.set_num_threads(t.threads)
     if device.type == "cpu":
+        release_freed_memory()  # of earlier runs in this (reused Ray) worker
         keep_freed_memory_for_reuse()
     say = print if verbose and rank == 0 else (lambda *a, **k: None)
 
@@ -142,113 +151,117 @@ def train(
     status, reason, val_bpb, train_loss = "completed", None, None, float("nan")
     train_seconds, window_tokens, window_start = 0.0, 0, time.perf_counter()
     tok_s, mfu, start_step = 0.0, None, step
-    while step < total_steps:
-        # 1) schedule: LR multiplier on every group's peak, Muon momentum warm-up
-        lrm = lr_multiplier(
-            step,
-            total_steps,
-            cfg.scheduler.name,
-            cfg.scheduler.warmup_ratio,
-            cfg.scheduler.warmdown_ratio,
-            cfg.scheduler.final_lr_frac,
-        )
-        momentum = muon_momentum(
-            step,
-            cfg.optimizer.muon_momentum_start,
-            cfg.optimizer.muon_momentum,
-            cfg.optimizer.muon_momentum_warmup,
-        )
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * lrm
-            if "nesterov" in group:  # Muon's group
-                group["momentum"] = momentum
-        # 2) forward/backward over micro-batches; DDP all-reduces only on the last one
-        loss_sum = torch.zeros((), device=device)
-        for micro, (x, y) in enumerate(sampler.step_batches(step, accum, device)):
-            sync = world == 1 or micro == accum - 1
-            with (
-                contextlib.nullcontext() if sync else train_model.no_sync(),
-                autocast_context(device, dtype),
-            ):
-                loss = train_model(x, y)
-                if step + 1 == t.nan_at_step:  # injected fault: NaN gradients, NaN weights
-                    loss = loss * float("nan")
-            (loss / accum).backward()
-            loss_sum += loss.detach()
-        # 3) clip and step
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if world > 1:
-            torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
-        train_loss = loss_sum.item() / accum
-        loss_trace.append(train_loss)
-        step += 1
-        window_tokens += tokens_per_step
-        if step == start_step + 1:
-            # long-lived objects are made by now; freezing them spares the GC ~0.5 s pauses
-            gc.collect()
-            gc.freeze()
-            if step < total_steps:
-                # throughput excludes this first step: compilation and allocator warm-up
-                window_tokens, window_start = 0, time.perf_counter()
-        # 4) divergence fast-fail: a NaN or exploded loss ends the run, not the process
-        if not math.isfinite(train_loss) or train_loss > max_loss:
-            status = "diverged"
-            reason = f"train loss {train_loss:.4g} at step {step} (limit {max_loss:.3g})"
-            say(f"step {step}: diverged: {reason}")
-        now = time.perf_counter()
-        last = step == total_steps or status == "diverged"
-        # 5) progress line
-        if step % t.log_every == 0 or last:
-            elapsed = now - window_start
-            train_seconds += elapsed
-            tok_s = window_tokens / max(elapsed, 1e-9)
-            eta = (total_steps - step) * train_seconds / max(step - start_step - 1, 1)
-            mfu = flops_per_token * tok_s / peak if peak else None
-            say(
-                f"step {step:5d}/{total_steps} | loss {train_loss:.4f} | lr x{lrm:.3f} | "
-                f"{tok_s:,.0f} tok/s | mfu {f'{100 * mfu:.1f}%' if mfu else '-'} | "
-                f"eta {eta:.0f}s"
+    try:
+        while step < total_steps:
+            # 1) schedule: LR multiplier on every group's peak, Muon momentum warm-up
+            lrm = lr_multiplier(
+                step,
+                total_steps,
+                cfg.scheduler.name,
+                cfg.scheduler.warmup_ratio,
+                cfg.scheduler.warmdown_ratio,
+                cfg.scheduler.final_lr_frac,
             )
-            window_tokens, window_start = 0, time.perf_counter()
-        # 6) evaluate and report
-        if step % eval_every == 0 or last:
-            eval_start = time.perf_counter()
-            if status == "diverged":
-                val_bpb = float("nan")
-            else:
-                val_bpb = evaluate(
-                    train_model if world == 1 else model, data, cfg, device, dtype, rank, world
+            momentum = muon_momentum(
+                step,
+                cfg.optimizer.muon_momentum_start,
+                cfg.optimizer.muon_momentum,
+                cfg.optimizer.muon_momentum_warmup,
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * lrm
+                if "nesterov" in group:  # Muon's group
+                    group["momentum"] = momentum
+            # 2) forward/backward over micro-batches; DDP all-reduces only on the last one
+            loss_sum = torch.zeros((), device=device)
+            for micro, (x, y) in enumerate(sampler.step_batches(step, accum, device)):
+                sync = world == 1 or micro == accum - 1
+                with (
+                    contextlib.nullcontext() if sync else train_model.no_sync(),
+                    autocast_context(device, dtype),
+                ):
+                    loss = train_model(x, y)
+                    if step + 1 == t.nan_at_step:  # injected fault: NaN gradients, NaN weights
+                        loss = loss * float("nan")
+                (loss / accum).backward()
+                loss_sum += loss.detach()
+            # 3) clip and step
+            if t.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if world > 1:
+                torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
+            train_loss = loss_sum.item() / accum
+            loss_trace.append(train_loss)
+            step += 1
+            window_tokens += tokens_per_step
+            if step == start_step + 1:
+                # long-lived objects are made by now; freezing them spares the GC ~0.5 s pauses
+                gc.collect()
+                gc.freeze()
+                if step < total_steps:
+                    # throughput excludes this first step: compilation and allocator warm-up
+                    window_tokens, window_start = 0, time.perf_counter()
+            # 4) divergence fast-fail: a NaN or exploded loss ends the run, not the process
+            if not math.isfinite(train_loss) or train_loss > max_loss:
+                status = "diverged"
+                reason = f"train loss {train_loss:.4g} at step {step} (limit {max_loss:.3g})"
+                say(f"step {step}: diverged: {reason}")
+            now = time.perf_counter()
+            last = step == total_steps or status == "diverged"
+            # 5) progress line
+            if step % t.log_every == 0 or last:
+                elapsed = now - window_start
+                train_seconds += elapsed
+                tok_s = window_tokens / max(elapsed, 1e-9)
+                eta = (total_steps - step) * train_seconds / max(step - start_step - 1, 1)
+                mfu = flops_per_token * tok_s / peak if peak else None
+                say(
+                    f"step {step:5d}/{total_steps} | loss {train_loss:.4f} | lr x{lrm:.3f} | "
+                    f"{tok_s:,.0f} tok/s | mfu {f'{100 * mfu:.1f}%' if mfu else '-'} | "
+                    f"eta {eta:.0f}s"
                 )
-                say(f"step {step:5d}/{total_steps} | val bpb {val_bpb:.4f}")
-            tokens = step * tokens_per_step
-            metrics = {
-                "step": step,
-                "tokens": tokens,
-                "flops": tokens * flops_per_token,
-                "train_loss": train_loss,
-                "val_bpb": val_bpb,
-                "lr": lrm * cfg_peak_lr(cfg),
-                "tokens_per_s": tok_s,
-                "mfu": mfu,
-                "status": status if last else "running",
-            }
-            if reason:
-                metrics["reason"] = reason
-            history.append(metrics)
-            if report is not None:
-                if t.checkpoint_every_eval and status != "diverged":
-                    report(metrics, state=training_state)
+                window_tokens, window_start = 0, time.perf_counter()
+            # 6) evaluate and report
+            if last or is_eval_step(step, total_steps, eval_every):
+                eval_start = time.perf_counter()
+                if status == "diverged":
+                    val_bpb = float("nan")
                 else:
-                    report(metrics)
-            # evaluation (and checkpointing) is not training time: the window's clock skips
-            # it, and keeps the training steps before it in this log window
-            window_start += time.perf_counter() - eval_start
-        if status == "diverged":
-            break
-    gc.unfreeze()  # a reused Ray worker must not keep this run's objects frozen
+                    val_bpb = evaluate(
+                        train_model if world == 1 else model, data, cfg, device, dtype, rank, world
+                    )
+                    say(f"step {step:5d}/{total_steps} | val bpb {val_bpb:.4f}")
+                tokens = step * tokens_per_step
+                metrics = {
+                    "step": step,
+                    "tokens": tokens,
+                    "flops": tokens * flops_per_token,
+                    "train_loss": train_loss,
+                    "val_bpb": val_bpb,
+                    "lr": lrm * cfg_peak_lr(cfg),
+                    "tokens_per_s": tok_s,
+                    "mfu": mfu,
+                    "status": status if last else "running",
+                }
+                if reason:
+                    metrics["reason"] = reason
+                history.append(metrics)
+                if report is not None:
+                    if t.checkpoint_every_eval and status != "diverged":
+                        report(metrics, state=training_state)
+                    else:
+                        report(metrics)
+                # evaluation (and checkpointing) is not training time: the window's clock skips
+                # it, and keeps the training steps before it in this log window
+                window_start += time.perf_counter() - eval_start
+            if status == "diverged":
+                break
+    finally:
+        # also when Tune stops the trial (an exception raised inside this loop): a reused
+        # Ray worker must not keep this run's objects frozen, out of the collector's reach
+        gc.unfreeze()
 
     # --- result --------------------------------------------------------------------------
     tokens = step * tokens_per_step
