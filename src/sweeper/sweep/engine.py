@@ -2,7 +2,8 @@
 
 for each stage: space -> searcher + scheduler -> Tuner.fit() on Ray -> best trial ->
 freeze its values into the base config of the next stage. A baseline run of the
-unmodified config trains alongside the first stage under the same budget. At the end:
+unmodified config trains under the same budget beside the stage that leaves it a slot
+(baseline_stage). At the end:
 summary, reports.csv, plots and the loss-vs-compute fit in the run dir.
 """
 
@@ -112,11 +113,11 @@ def run_sweep(cfg, out_dir: str) -> float | None:
         raise ConfigError(f"run dir {out} holds sweep '{state.name}', not '{spec.name}'")
 
     started = time.time() - state.elapsed
-    baseline_job = None
+    baseline = None
     if spec.baseline and state.baseline is None:
-        baseline_job = outputs.launch_baseline(
-            base, spec, target, default_penalty(spec, base, target)
-        )
+        workers = 1 if target else int(base["trainer"]["workers"])
+        beside = baseline_stage(spec, base, trial_slots(spec, workers))
+        baseline = outputs.Baseline(base, spec, target, beside)
 
     reaper = contextlib.nullcontext()
     if not target and int(base["trainer"]["workers"]) > 1:
@@ -125,9 +126,9 @@ def run_sweep(cfg, out_dir: str) -> float | None:
         reaper = placement_group_reaper()
     try:
         with reaper:
-            run_stages(spec, base, target, out, state, started, tracker)
-        if baseline_job is not None:
-            state.set_baseline(outputs.collect_baseline(baseline_job))
+            run_stages(spec, base, target, out, state, started, tracker, baseline)
+        if baseline is not None:
+            state.set_baseline(baseline.collect())
             tracker.log_baseline(state.baseline)
     except BaseException as error:
         # Ctrl+C or a crash: close the tracker's runs honestly, keep the state on disk
@@ -149,7 +150,51 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     return summary["best"]["value"] if summary.get("best") else None
 
 
-def run_stages(spec: SweepSpec, base: dict, target, out: Path, state, started: float, tracker):
+def baseline_stage(spec: SweepSpec, base: dict, slots: int) -> int:
+    """Index of the stage the baseline trains beside: the first whose trials all run to the
+    end (fifo) in a number that leaves a slot idle in the last round, where the baseline
+    costs no wall time (lr_bs: 3 batch sizes on 2 slots); otherwise the first stage.
+    Beside an early-stopping stage it would hold a slot the stage's trials could use."""
+    for index, stage in enumerate(spec.stages):
+        if spec.stage_scheduler(stage) == "fifo" and planned_trials(spec, stage, base) % slots:
+            return index
+    return 0
+
+
+def planned_trials(spec: SweepSpec, stage, base: dict) -> int:
+    """Trials a stage launches: every point of a grid, else its num_samples."""
+    from sweeper.sweep.space import grid_size, is_pure_grid
+
+    space = stage_space(spec, stage, flatten(base))
+    grid = spec.stage_search(stage) == "grid" or is_pure_grid(space)
+    return grid_size(space) if grid else stage.num_samples
+
+
+def trial_slots(spec: SweepSpec, workers: int) -> int:
+    """Trials the cluster runs at once: its CPUs (and GPUs) over one trial's share, capped
+    by sweep.concurrency."""
+    import ray
+
+    resources = ray.cluster_resources()
+    slots = [spec.concurrency or math.inf]
+    if spec.cpus_per_trial:
+        slots.append(resources.get("CPU", 0) // (spec.cpus_per_trial * workers))
+    if spec.gpus_per_trial:
+        slots.append(resources.get("GPU", 0) // (spec.gpus_per_trial * workers))
+    fewest = min(slots)
+    return 1 if fewest == math.inf else max(1, int(fewest))
+
+
+def run_stages(
+    spec: SweepSpec,
+    base: dict,
+    target,
+    out: Path,
+    state,
+    started: float,
+    tracker,
+    baseline=None,
+):
     """The stages in order, each starting from the best config of the ones before."""
     from sweeper.sweep import outputs
 
@@ -169,6 +214,8 @@ def run_stages(spec: SweepSpec, base: dict, target, out: Path, state, started: f
         ):
             print(f"[{stage.name}] skipped: the sweep's trial or time cap is reached")
             break
+        if baseline is not None and index >= baseline.beside:
+            baseline.launch(f"beside stage '{stage.name}'")
         records, reports = run_stage(
             spec,
             index,
@@ -231,14 +278,14 @@ def run_stage(
     from sweeper.sweep.algorithms import build_scheduler, build_searcher, random_start, rungs
     from sweeper.sweep.callbacks import FlopCap, ProgressCallback
     from sweeper.sweep.results import collect_results
-    from sweeper.sweep.space import grid_size, is_pure_grid
+    from sweeper.sweep.space import is_pure_grid
     from sweeper.sweep.trainable import run_trial
 
     stage = spec.stages[index]
     space = stage_space(spec, stage, flatten(base))
     search, scheduler_name = spec.stage_search(stage), spec.stage_scheduler(stage)
     grid = search == "grid" or is_pure_grid(space)
-    planned = grid_size(space) if grid else stage.num_samples
+    planned = planned_trials(spec, stage, base)
     if remaining_trials is not None and planned > remaining_trials:
         if grid:  # a grid cannot be cut short fairly: the stage does not start
             print(

@@ -53,26 +53,38 @@ def _baseline_run(base: dict, metric: str, target: str | None, threads: int) -> 
     }
 
 
-def launch_baseline(base: dict, spec: SweepSpec, target: str | None, penalty: float):
-    """Runs on Ray beside the first stage, holding one trial's resources."""
-    import ray
+class Baseline:
+    """The baseline run on Ray, holding one trial's resources. It starts beside stage
+    `beside` (see engine.baseline_stage), or after the stages if the sweep ends first."""
 
-    ddp = not target and base["trainer"]["workers"] > 1
-    # a DDP baseline only launches a TorchTrainer, whose ranks hold the resources
-    remote = ray.remote(
-        num_cpus=0 if ddp else spec.cpus_per_trial, num_gpus=0 if ddp else spec.gpus_per_trial
-    )(_baseline_run)
-    print("baseline: training the unmodified config under the same budget, beside stage 1")
-    return remote.remote(base, spec.metric, target, max(1, int(spec.cpus_per_trial)))
+    def __init__(self, base: dict, spec: SweepSpec, target: str | None, beside: int):
+        self.base, self.spec, self.target, self.beside = base, spec, target, beside
+        self.job = None
 
+    def launch(self, where: str) -> None:
+        if self.job is not None:
+            return
+        import ray
 
-def collect_baseline(job) -> dict:
-    import ray
+        spec = self.spec
+        ddp = not self.target and self.base["trainer"]["workers"] > 1
+        # a DDP baseline only launches a TorchTrainer, whose ranks hold the resources
+        remote = ray.remote(
+            num_cpus=0 if ddp else spec.cpus_per_trial,
+            num_gpus=0 if ddp else spec.gpus_per_trial,
+        )(_baseline_run)
+        print(f"baseline: training the unmodified config under the same budget, {where}")
+        threads = max(1, int(spec.cpus_per_trial))
+        self.job = remote.remote(self.base, spec.metric, self.target, threads)
 
-    try:
-        return ray.get(job)
-    except Exception as error:  # a failed baseline must not lose the sweep's results
-        return {"value": None, "status": "failed", "error": str(error).splitlines()[0]}
+    def collect(self) -> dict:
+        import ray
+
+        self.launch("after the stages")
+        try:
+            return ray.get(self.job)
+        except Exception as error:  # a failed baseline must not lose the sweep's results
+            return {"value": None, "status": "failed", "error": str(error).splitlines()[0]}
 
 
 # --- tables ----------------------------------------------------------------------------
