@@ -50,7 +50,6 @@ def resolve_total_steps(cfg: RunConfig, params: int, flops_per_token: int) -> in
     return max(1, math.ceil(tokens / t.total_batch_size))
 
 
-@torch.no_grad()
 def is_eval_step(step: int, total_steps: int, eval_every: int) -> bool:
     """Every eval_every steps, except one less than half an interval before the end: the
     final evaluation follows it at once and would nearly repeat it (25 steps every 4 would
@@ -58,6 +57,7 @@ def is_eval_step(step: int, total_steps: int, eval_every: int) -> bool:
     return step % eval_every == 0 and 2 * (total_steps - step) >= eval_every
 
 
+@torch.no_grad()
 def evaluate(model, data, cfg: RunConfig, device, dtype, rank: int, world: int) -> float:
     """Validation bits per byte (bits per token when bytes_per_token is unknown)."""
     model.eval()
