@@ -192,12 +192,42 @@ def test_a_failing_trial_is_retried_from_checkpoint_and_a_buggy_one_is_not_retri
         timeout=300,
     )
     assert time.monotonic() - start < 120
-    state = json.loads((tmp_path / "b" / "sweep_state.json").read_text())
-    assert [r["status"] for r in state["stages"][0]["records"]] == ["failed", "failed"]
-    for record in state["stages"][0]["records"]:  # the failure report names each trial,
-        assert f"trial {record['trial_id']} FAILED" in bad.stdout
-    assert "ValueError: a bug in user code" in bad.stdout  # its error
-    assert "error.txt" in bad.stdout  # ... and where the full error is
+    # each failed trial is named with its error and where the full error is ...
+    failures = [line for line in bad.stdout.splitlines() if "FAILED after its retries" in line]
+    assert len(failures) == 2, bad.stdout[-3000:]
+    assert all("ValueError: a bug in user code" in f and "error.txt" in f for f in failures)
+    # ... and a stage whose every trial failed ends the sweep in one line, exit 1
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "error: every trial of stage 'lr' failed: ValueError: a bug in user code; earlier "
+        f"stages are kept: continue with sweep.resume=true hydra.run.dir={tmp_path}/b"
+    )
+    assert not (tmp_path / "b" / "summary.json").exists()
+
+
+def test_trials_ray_kills_for_memory_end_the_sweep_with_a_one_line_cause(tmp_path):
+    # Ray's memory monitor, told that 2% of the machine's memory is too much, kills every
+    # trial's worker: the real path of an out-of-memory sweep
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sweeper",
+            "+sweep=smoke",
+            "sweep.baseline=false",
+            "mlflow.enabled=false",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        env=_env(tmp_path, RAY_memory_usage_threshold="0.02", RAY_memory_monitor_refresh_ms="100"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert last.startswith("error: every trial of stage 'lr' failed: "), last
+    assert "low on memory" in last and "sweep.concurrency=1" in last, last
 
 
 def test_load_100_one_second_trials_complete_with_no_lost_result(tmp_path):

@@ -12,6 +12,7 @@ from sweeper.sweep.engine import (
     reproduce_overrides,
     validate_sweep,
 )
+from sweeper.sweep.results import error_summary
 from sweeper.sweep.stages import apply_params, follow_batch_size, lr_scale, pick_best
 from sweeper.sweep.trainable import TrialContext, trial_config
 
@@ -117,3 +118,26 @@ def test_the_baseline_trains_beside_the_first_fifo_stage_that_leaves_a_slot_idle
     cfg = compose([f"+sweep={name}"])
     spec = validate_sweep(cfg)
     assert baseline_stage(spec, base_config(cfg, spec, None), slots) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "Failure # 1 (occurred at 2026-11-23_05-58-16)\nTraceback (most recent call last):\n"
+            '  File "f.py", line 3, in run\nray.exceptions.RayTaskError(ValueError): ray::run()\n'
+            "ValueError: a bug in user code",
+            "ValueError: a bug in user code",
+        ),
+        (
+            "Failure # 1 (occurred at 2026-11-23_05-58-16)\n2 worker(s) were killed due to the "
+            "node running low on memory. Memory on the node (IP: 192.0.2.2, ID: 5d7e) was "
+            "1.35GB used / 23.54GB limit (0.057300)\nOOM kill reason: Memory usage 1448316928B",
+            "2 worker(s) were killed due to the node running low on memory. Memory on the node "
+            "was 1.35GB used / 23.54GB limit (0.057300)",
+        ),
+        ("", "unknown error"),
+    ],
+)
+def test_a_failed_trials_error_in_one_line(text, expected):
+    assert error_summary(text) == expected

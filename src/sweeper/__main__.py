@@ -22,12 +22,15 @@ def run_job(cfg) -> float | None:
 
     out_dir = HydraConfig.get().runtime.output_dir
     if "sweep" in cfg:
-        from sweeper.sweep.engine import run_sweep
+        from sweeper.sweep.engine import SweepFailed, run_sweep
 
         try:
             return run_sweep(cfg, out_dir)
         except ConfigError as error:  # found inside the job (an unreachable MLflow server)
             fail(str(error))
+        except SweepFailed as error:  # not the command's fault: exit 1, not 2
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(1)
         except KeyboardInterrupt:
             sys.exit(130)  # the engine said where the state is and how to resume
     if cfg.trainer.workers > 1:

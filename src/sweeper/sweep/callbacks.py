@@ -41,7 +41,7 @@ class ProgressCallback(tune.Callback):
     def on_trial_error(self, iteration, trials, trial, **info):
         self._finish(trial, "failed")
         error_file = Path(trial.local_path or ".") / "error.txt"
-        reason = _first_line(error_file)
+        reason = _error_line(error_file)
         print(
             f"[{self.stage}] trial {trial.trial_id} FAILED after its retries: {reason} "
             f"(full error: {error_file}; worker logs: Ray's session logs)",
@@ -80,10 +80,11 @@ class FlopCap(tune.Stopper):
         return self.already + sum(self.latest.values()) >= self.max_flops
 
 
-def _first_line(path: Path) -> str:
-    """The last non-empty line of a Python traceback: the exception and its message."""
+def _error_line(path: Path) -> str:
+    """The error of a failed trial in one line (results.error_summary of its error.txt)."""
+    from sweeper.sweep.results import error_summary
+
     try:
-        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        return error_summary(path.read_text())
     except OSError:
         return "unknown error"
-    return lines[-1] if lines else "unknown error"

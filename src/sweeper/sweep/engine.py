@@ -27,6 +27,23 @@ from sweeper.sweep.trainable import TrialContext, batch_of, load_target, trial_c
 BUILTIN_TRAINABLE = "sweeper.train.train"
 
 
+class SweepFailed(Exception):
+    """Every trial of a stage failed: the next stage would start from nothing it learned
+    and fail the same way, so the sweep stops with the cause in one line."""
+
+    def __init__(self, stage: str, error: str | None, out: Path):
+        hint = ""
+        if error and "low on memory" in error:
+            hint = (
+                "; give each trial more memory: fewer at once (sweep.concurrency=1) "
+                "or a smaller trainer.device_batch_size"
+            )
+        super().__init__(
+            f"every trial of stage '{stage}' failed: {error or 'unknown error'}{hint}; "
+            f"earlier stages are kept: continue with sweep.resume=true hydra.run.dir={out}"
+        )
+
+
 def trainable_target(cfg) -> str | None:
     """The user's function ("pkg.module.fn"), or None for sweeper's own training run."""
     target = cfg.get("trainable", {}).get("_target_", BUILTIN_TRAINABLE)
@@ -229,6 +246,8 @@ def run_stages(
         )
         if not records:
             break
+        if all(r["status"] == "failed" for r in records):
+            raise SweepFailed(stage.name, records[0]["error"], out)
         best = pick_best(records, spec.metric, spec.mode)
         if best is not None:
             current = trial_config(

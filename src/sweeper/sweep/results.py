@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from sweeper.sweep.space import to_builtin
@@ -20,6 +21,21 @@ REPORT_COLUMNS = (
     "mfu",
     "wall_time",
 )
+
+
+# a Python exception line ("ValueError: ...", "ray.exceptions.RayTaskError(...): ...")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b\S*:")
+
+
+def error_summary(text: str) -> str:
+    """One line for a failed trial's error (Tune's error.txt, or str(result.error)): the
+    last exception line of a traceback, else the first line of the message, e.g. Ray's
+    "2 worker(s) were killed due to the node running low on memory ..." for an OOM kill."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Failure # ")]
+    exceptions = [line for line in lines if _EXCEPTION_LINE.match(line)]
+    line = exceptions[-1] if exceptions else (lines[0] if lines else "unknown error")
+    return re.sub(r" \(IP: [^)]*\)", "", line)  # the node's address and id: noise here
 
 
 def trial_status(metrics: dict, error: Any, can_prune: bool = True) -> str:
@@ -60,7 +76,7 @@ def collect_results(
                 "flops": metrics.get("flops"),
                 "batch_size": effective.get("trainer", {}).get("total_batch_size"),
                 "lr": metrics.get("lr"),
-                "error": str(result.error).splitlines()[0] if result.error else None,
+                "error": error_summary(str(result.error)) if result.error else None,
                 "reason": metrics.get("reason") if status == "diverged" else None,
                 "path": str(result.path),
             }
