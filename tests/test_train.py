@@ -167,24 +167,32 @@ def test_resume_from_state_continues_exactly():
     assert resumed["val_bpb"] == pytest.approx(full["val_bpb"], rel=1e-6)
 
 
+# A training step's shape, without the model: a burst of activation-sized blocks (0.5-3.5 MiB,
+# ~128 MiB in all) freed together at the step's end. The real model's per-step faults were
+# once the figure here, but Python's own 1 MiB object arenas (mmapped outside malloc) and a
+# late thread arena put hundreds of one-off faults on some steps, and CI hit them.
 PAGE_FAULTS_PER_STEP = """
 import resource, sys, torch
-from sweeper.model import GPT, GPTShape
 from sweeper.runtime import keep_freed_memory_for_reuse
 if sys.argv[1] == "keep":
     assert keep_freed_memory_for_reuse()
-torch.manual_seed(0)
-model = GPT(GPTShape(depth=2, d_model=128, head_dim=64, seq_len=128, vocab_size=256))
-idx = torch.randint(0, 256, (16, 128))
+torch.set_num_threads(1)  # one malloc arena: the blocks land where the step frees them
+
+
+def step():
+    activations = [torch.ones((1 + i % 7) << 17) for i in range(64)]
+    del activations
+
+
 for _ in range(2):  # warm up
-    model(idx, idx).backward()
+    step()
 faults = []
-for _ in range(7):
+for _ in range(5):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    model(idx, idx).backward()
+    step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(sorted(faults)[len(faults) // 2])  # the median step: one-off faults (a new thread's
-"""  # stack, a late arena) once made a 3-step total flaky
+print(sum(faults))
+"""
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="mallopt is glibc's (Linux)")
@@ -199,8 +207,9 @@ def test_training_steps_reuse_freed_memory_instead_of_faulting_it_back_in():
         return int(out.stdout.strip())
 
     default, kept = faults("default"), faults("keep")
-    # measured on a 2-core AMD EPYC: ~1,800 minor faults per step by default, 1-2 kept
-    assert kept * 10 < default, (kept, default)
+    # measured on a 2-core AMD EPYC: 5 x 32,225 faults by default (glibc trims the freed
+    # top of the heap each step), 0-896 kept
+    assert default > 5 * 10_000 and kept * 20 < default, (kept, default)
 
 
 def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadence(monkeypatch):
