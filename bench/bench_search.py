@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import csv
+import heapq
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -90,6 +93,81 @@ def compute_to_reach(reports: list[dict], target: float) -> tuple[float | None, 
     return reached, spent, best
 
 
+# --- replay: ASHA's rule over random search's recorded curves ---------------------------
+# Written here, not taken from Ray: this asks what ASHA would have spent on curves already
+# recorded, under a ranking we choose (the recorded values, or an oracle's final values), with
+# no trials run; Ray's scheduler can only be driven by live trials.
+def curves(reports: list[dict]) -> list[list[tuple[float, float]]]:
+    """Each completed trial's (flops, val_bpb) reports, trials in the order they started."""
+    by_trial: dict[str, list[dict]] = {}
+    for r in sorted(reports, key=lambda r: float(r["wall_time"])):
+        by_trial.setdefault(r["trial_id"], []).append(r)
+    return [
+        [(float(r["flops"]), float(r["val_bpb"])) for r in rows]
+        for rows in by_trial.values()
+        if rows[-1]["status"] == "completed"
+    ]
+
+
+def replay_asha(
+    pool: list, order: list[int], target: float, grace: float, rf: float, oracle: bool
+) -> float:
+    """Compute (in full trials) async ASHA spends, 2 trials at a time, until a completed trial
+    reaches `target`. Ray's rule: at a rung, a trial goes on if no value is recorded there
+    yet or its value is within the best 1/rf of those recorded before it."""
+    full = pool[0][-1][0]
+    rungs, g = [], grace * full
+    while g < full * (1 - 1e-9):
+        rungs.append(g)
+        g *= rf
+    recorded: dict[int, list[float]] = {k: [] for k in range(len(rungs))}
+    queue, spent, running = list(order), [], []
+    for worker in range(2):
+        heapq.heappush(running, (0.0, worker, queue.pop(0), 0))
+    reached = float("inf")
+    while running:
+        now, worker, i, k = heapq.heappop(running)
+        if now >= reached:
+            break
+        curve, start = pool[i], rungs[k - 1] if k else 0.0
+        final = curve[-1][1]
+        if k < len(rungs):
+            value = final if oracle else min(curve, key=lambda r: abs(r[0] - rungs[k]))[1]
+            goes_on = not recorded[k] or value <= np.percentile(recorded[k], 100 / rf)
+            recorded[k].append(value)
+            spent.append((now, rungs[k] - start))
+            if goes_on:
+                heapq.heappush(running, (now + rungs[k] - start, worker, i, k + 1))
+                continue
+            now += rungs[k] - start
+        else:
+            spent.append((now, full - start))
+            now += full - start
+            if final <= target + 1e-9:
+                reached = min(reached, now)
+        if queue:
+            heapq.heappush(running, (now, worker, queue.pop(0), 0))
+    if reached == float("inf"):
+        return reached
+    return sum(min(cost, max(0.0, reached - begun)) for begun, cost in spent) / full
+
+
+def replay_report(pool: list, samples: int, draws: int, grace: float, rf: float) -> str:
+    """Median compute to reach a random search's best, over random searches of `samples`
+    curves drawn from the pool (ASHA then draws `draws` - `samples` more), as a fraction of
+    that random search's compute: with the recorded rung values and with an oracle's."""
+    rng = np.random.default_rng(0)
+    line = f"replay grace {grace:g}, rf {rf:g}:"
+    for oracle in (False, True):
+        ratios = []
+        for _ in range(400):
+            order = [int(i) for i in rng.permutation(len(pool))[:draws]]
+            target = min(pool[i][-1][1] for i in order[:samples])
+            ratios.append(replay_asha(pool, order, target, grace, rf, oracle) / samples)
+        line += f" {'oracle' if oracle else 'recorded'} {np.median(ratios):.2f}x"
+    return line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
@@ -109,12 +187,19 @@ def main() -> None:
         nargs="*",
         help="extra overrides for every method, e.g. sweep.grace_fraction=0.111",
     )
+    parser.add_argument(
+        "--replay",
+        default="0.25:3,0.125:3",
+        help="grace:reduction_factor pairs to replay ASHA over the random runs' curves",
+    )
     args = parser.parse_args()
     methods = args.methods.split(",")
+    pool: list = []
     ratios: dict[str, list[float]] = {method: [] for method in methods}
     for seed in range(args.seeds):
         random = run("random", seed, args.samples, args.tokens, args.overrides)
         _, random_total, target = compute_to_reach(random, float("-inf"))
+        pool += curves(random)
         line = f"seed {seed}: random best {target:.4f} with {random_total:.3g} FLOPs"
         for method in methods:
             reports = run(method, seed, args.budget_samples, args.tokens, args.overrides)
@@ -132,6 +217,10 @@ def main() -> None:
             f"{statistics.median(values):.2f}x of random's ({args.seeds} seeds: "
             f"{', '.join('never' if v == float('inf') else f'{v:.2f}' for v in values)})"
         )
+    draws = min(args.budget_samples, len(pool))
+    for pair in filter(None, args.replay.split(",")):
+        grace, rf = (float(v) for v in pair.split(":"))
+        print(replay_report(pool, args.samples, draws, grace, rf), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""bench/bench_search.py replays Ray's ASHA rule over recorded curves to find what ASHA
+could at best save (its oracle floor). The rule is written there by hand, so it is
+checked here against a schedule worked out on paper."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+from bench_search import replay_asha  # noqa: E402
+
+# three trials of 4 FLOPs, reported at 1, 2 and 4; rungs at 1 and 2 (grace 1/4, rf 2)
+POOL = [
+    [(1.0, 5.0), (2.0, 4.0), (4.0, 3.0)],  # A: first at both rungs, so it goes on
+    [(1.0, 6.0), (2.0, 5.0), (4.0, 3.5)],  # B: worse than A's 5.0 at rung 1: stopped at 1
+    [(1.0, 4.0), (2.0, 3.5), (4.0, 2.5)],  # C: starts when B stops, best everywhere
+]
+
+
+@pytest.mark.parametrize(
+    "target, spent",
+    [
+        # A 0-4, B 0-1, C 1-5: all 4 + 1 + 4 FLOPs are spent when C ends at t=5
+        (2.5, 9 / 4),
+        # A ends at t=4 (4 FLOPs); B spent 1; C had run 3 of its FLOPs by then
+        (3.0, 8 / 4),
+    ],
+)
+def test_replay_follows_ashas_rule_and_counts_what_runs_until_the_target(target, spent):
+    assert replay_asha(POOL, [0, 1, 2], target, 0.25, 2, oracle=False) == pytest.approx(spent)
+
+
+def test_a_trial_stopped_on_its_rung_value_is_kept_by_the_oracle():
+    late_bloomer = [(1.0, 6.0), (2.0, 5.0), (4.0, 2.0)]  # B, but best at the end
+    pool = [POOL[0], late_bloomer, POOL[2]]
+    # recorded values stop it at rung 1 (6.0 > A's 5.0); C's 2.5 never reaches 2.0
+    assert replay_asha(pool, [0, 1, 2], 2.0, 0.25, 2, oracle=False) == float("inf")
+    # ranked by finals it runs beside A to the end: 4 + 4 FLOPs when both end at t=4
+    assert replay_asha(pool, [0, 1, 2], 2.0, 0.25, 2, oracle=True) == pytest.approx(8 / 4)
