@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from .conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 from bench_search import replay_asha  # noqa: E402
