@@ -9,6 +9,12 @@ costs what it trained before it was stopped.
 
     python bench/bench_search.py --seeds 5          # target: <= 1/3 of random's compute
 
+The first rung is at 1/8 of a trial (sweep.grace_fraction=0.125): a bench trial is 64
+optimizer steps, so that is 8 steps, where the sweeps' default quarter puts lr_bs's first
+rung (25-step trials) at 6. With a quarter here (16 steps) ASHA's median was 0.44x: each
+stopped trial costs twice as much, and even an oracle's ranking cannot make up for that
+(the replay below: 0.34-0.38x at a quarter).
+
 Five seeds, not three: which of random's 16 configurations is the best, and how early ASHA
 meets it, varies so much between seeds (0.12x to 1.05x) that a median of three moves by
 more than the target's margin.
@@ -37,6 +43,7 @@ COMMON = [
     "trainer.eval_tokens=8192",
     "sweep.baseline=false",
     "mlflow.enabled=false",
+    "sweep.grace_fraction=0.125",  # 8 of 64 steps (see above); hyperband/bohb: 1/9
     "sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.001,0.3]",
     "sweep.stages.0.params.optimizer.embedding_lr.log_uniform=[0.01,3.0]",
 ]
