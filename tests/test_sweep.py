@@ -151,6 +151,8 @@ REFUSED = [
     (["sweep.mode=lowest"], "sweep.mode"),
     (["sweep.stages.0.scheduler=hyperband", "sweep.reduction_factor=2.5"], "reduction_factor"),
     (["sweep.stages=[]"], "no stages"),
+    (["sweep.bohb.random_fraction=1.5"], "sweep.bohb.random_fraction"),
+    (["sweep.bohb.top_n_percent=0"], "sweep.bohb.top_n_percent"),
     (["trainable._target_=no.such.module.fn"], "trainable"),
 ]
 

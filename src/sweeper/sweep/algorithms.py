@@ -100,12 +100,21 @@ def _optuna_sampler(search: str, seed: int | None, num_samples: int) -> Any:
 
 
 def _model_based_searcher(
-    search: str, space: Space, *, metric: str, mode: str, seed: int | None, num_samples: int
+    search: str,
+    space: Space,
+    *,
+    metric: str,
+    mode: str,
+    seed: int | None,
+    num_samples: int,
+    bohb: dict[str, Any] | None,
 ) -> Any:
     if search == "bohb":
         from ray.tune.search.bohb import TuneBOHB
 
-        return TuneBOHB(space=to_configspace(space), metric=metric, mode=mode, seed=seed)
+        return TuneBOHB(
+            space=to_configspace(space), metric=metric, mode=mode, seed=seed, bohb_config=bohb
+        )
     from ray.tune.search.optuna import OptunaSearch
 
     sampler = _optuna_sampler(search, seed, num_samples)
@@ -121,6 +130,7 @@ def build_searcher(
     seed: int | None,
     num_samples: int,
     max_concurrent: int | None = None,
+    bohb: dict[str, Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Return ``(search_alg, param_space)`` for ``TuneConfig`` and ``Tuner``.
 
@@ -129,6 +139,7 @@ def build_searcher(
     (Ray raises if a searcher built with a space also meets unresolved domains there).
     ``num_samples`` sizes the random start-up phase of TPE/GP; for search 'grid' pass
     ``num_samples=1`` to ``TuneConfig`` (Tune repeats the whole grid ``num_samples`` times).
+    ``bohb``: keyword arguments of hpbandster's BOHB model (search 'bohb' only).
     """
     _check_name("search", search, SEARCHES)
     _check_mode(mode)
@@ -141,7 +152,7 @@ def build_searcher(
         generator = BasicVariantGenerator(max_concurrent=max_concurrent or 0, random_state=seed)
         return generator, {**space.fixed, **to_tune(space)}
     searcher = _model_based_searcher(
-        search, space, metric=metric, mode=mode, seed=seed, num_samples=num_samples
+        search, space, metric=metric, mode=mode, seed=seed, num_samples=num_samples, bohb=bohb
     )
     if max_concurrent is not None:
         from ray.tune.search import ConcurrencyLimiter

@@ -10,6 +10,7 @@ summary, reports.csv, plots and the loss-vs-compute fit in the run dir.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -323,6 +324,7 @@ def run_stage(
         seed=spec.seed + index,
         num_samples=planned,
         max_concurrent=spec.concurrency,
+        bohb=dataclasses.asdict(spec.bohb),
     )
     scheduler = build_scheduler(
         scheduler_name,

@@ -36,6 +36,20 @@ class StageSpec:
 
 
 @dataclass
+class BohbSpec:
+    """hpbandster's BOHB model settings (its defaults). Its KDEs are fit to the best
+    ``top_n_percent`` of results at the largest budget with enough of them; a
+    ``random_fraction`` of proposals stay random; ``bandwidth_factor`` widens the KDE that
+    proposals are drawn from."""
+
+    random_fraction: float = 1 / 3
+    bandwidth_factor: float = 3.0
+    top_n_percent: int = 15
+    num_samples: int = 64
+    min_bandwidth: float = 1e-3
+
+
+@dataclass
 class SweepSpec:
     name: str = "sweep"
     metric: str = "val_bpb"
@@ -53,6 +67,7 @@ class SweepSpec:
     reports_per_trial: int = 8
     grace_fraction: float = 0.25
     reduction_factor: float = 3.0
+    bohb: BohbSpec = field(default_factory=BohbSpec)
     penalty: float | None = None
     seed: int = 0
     baseline: bool = True
@@ -114,6 +129,17 @@ def stage_space(spec: SweepSpec, stage: StageSpec, frozen: dict[str, Any] | None
         raise ConfigError(f"sweep stage '{stage.name}': {error}") from None
 
 
+def _check_bohb(bohb: BohbSpec) -> None:
+    for key, ok, allowed in (
+        ("random_fraction", 0 <= bohb.random_fraction <= 1, "in [0, 1]"),
+        ("bandwidth_factor", bohb.bandwidth_factor > 0, "> 0"),
+        ("top_n_percent", 0 < bohb.top_n_percent < 100, "in (0, 100)"),
+        ("num_samples", bohb.num_samples >= 1, ">= 1"),
+        ("min_bandwidth", bohb.min_bandwidth > 0, "> 0"),
+    ):
+        _check(ok, f"sweep.bohb.{key} must be {allowed}, got {getattr(bohb, key)}")
+
+
 def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -> None:
     """Cross-field checks; `run_keys` are the dotted keys of the run config."""
     _check(spec.mode in ("min", "max"), f"sweep.mode must be min or max, got {spec.mode!r}")
@@ -143,6 +169,7 @@ def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -
         spec.reduction_factor > 1,
         f"sweep.reduction_factor must be > 1, got {spec.reduction_factor}",
     )
+    _check_bohb(spec.bohb)
     _check(spec.max_failures >= 0, "sweep.max_failures must be >= 0")
     names = [s.name for s in spec.stages]
     _check(len(set(names)) == len(names), f"sweep stage names must be unique, got {names}")
