@@ -88,29 +88,17 @@ def test_the_sweeps_bohb_settings_reach_hpbandsters_model():
 
     from sweeper.sweep.spec import BohbSpec
 
-    settings = asdict(BohbSpec(random_fraction=0.1, bandwidth_factor=1.0, top_n_percent=30))
-    alg, _ = build_searcher(
-        "bohb",
-        parse_space(SPACE_FOR_SEARCH["bohb"]),
-        metric=METRIC,
-        mode=MODE,
-        seed=0,
-        num_samples=8,
-        bohb=settings,
-    )
-    model = alg.bohber
+    def model_of(spec: BohbSpec):
+        alg, _ = build_searcher(
+            "bohb", parse_space(SPACE_FOR_SEARCH["bohb"]), metric=METRIC, mode=MODE,
+            seed=0, num_samples=8, bohb=asdict(spec),
+        )  # fmt: skip
+        return alg.bohber
+
+    model = model_of(BohbSpec(random_fraction=0.1, bandwidth_factor=1.0, top_n_percent=30))
     assert (model.random_fraction, model.bw_factor, model.top_n_percent) == (0.1, 1.0, 30)
     assert (model.num_samples, model.min_bandwidth) == (64, 1e-3)  # hpbandster's defaults
-    default, _ = build_searcher(
-        "bohb",
-        parse_space(SPACE_FOR_SEARCH["bohb"]),
-        metric=METRIC,
-        mode=MODE,
-        seed=0,
-        num_samples=8,
-        bohb=asdict(BohbSpec()),
-    )
-    assert default.bohber.random_fraction == pytest.approx(1 / 3)
+    assert model_of(BohbSpec()).random_fraction == pytest.approx(1 / 3)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # hpbandster calls old ConfigSpace APIs
