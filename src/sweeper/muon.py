@@ -27,8 +27,9 @@ def newton_schulz(
     """Orthogonalise a batch of matrices (..., rows, cols) by the quintic Newton-Schulz
     iteration of Keller Jordan's Muon (what torch.optim.Muon computes), in grads' dtype.
 
-    In fp32, matrices wider than tall take the Gram form below, the same polynomial in
-    fewer FLOPs; bf16 keeps the textbook form, whose errors do not build up."""
+    Outside bf16 (fp32, fp64), non-square matrices take the Gram form below on their wide
+    side, the same polynomial in fewer FLOPs; bf16 keeps the textbook form, whose errors
+    do not build up."""
     if grads.dim() == 2:
         return newton_schulz(grads[None], coefficients, steps, eps)[0]
     tall = grads.size(-2) > grads.size(-1)
