@@ -55,10 +55,11 @@ def _gram_newton_schulz(
     Each step multiplies x on the left by p(A) = a I + b A + c A^2, where A = x x^T. So
     after k steps x_k = Q_k x_0, and every Q_k and A_k is a polynomial in G = x_0 x_0^T:
     they commute, and A_{k+1} = P_k A_k P_k. Working on m x m matrices and applying Q to
-    x_0 once costs 4 m^2 n + 26 m^3 FLOPs for 5 steps against 5 (4 m^2 n + 2 m^3): half,
-    for Muon's 1 x 4 MLP matrices. Not in torch; the idea is the "Gram Newton-Schulz" of
-    the Muon literature. Kept to fp32 here: in bf16 the rounding of A_k accumulates, where
-    the textbook form recomputes A from x every step."""
+    x_0 once costs 4 m^2 n + 34 m^3 FLOPs for 5 steps (per step: p(A) 2 m^3, Q 2 m^3, A
+    4 m^3; the first Q and the last A are free) against 5 (4 m^2 n + 2 m^3): 50 against
+    90 m^3, a little over half, for Muon's 1 x 4 MLP matrices. Not in torch; the idea is
+    the "Gram Newton-Schulz" of the Muon literature. Kept to fp32 here: in bf16 the
+    rounding of A_k accumulates, where the textbook form recomputes A from x every step."""
     a, b, c = coefficients
     gram = x @ x.mT
     q = None
