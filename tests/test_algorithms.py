@@ -24,7 +24,7 @@ from sweeper.sweep.algorithms import (
     rungs,
     startup_trials,
 )
-from sweeper.sweep.space import parse_space, to_builtin, to_configspace
+from sweeper.sweep.space import parse_points, parse_space, to_builtin, to_configspace
 
 METRIC, MODE, TIME_ATTR = "val_bpb", "min", "tokens"
 TOKENS_PER_STEP, STEPS = 1000, 9
@@ -152,6 +152,7 @@ def test_fifo_has_no_rungs():
         ({"mode": "minimize"}, "mode must be one of ['min', 'max'], got 'minimize'"),
         ({"max_concurrent": 0}, "max_concurrent must be >= 1"),
         ({"search": "tpe", "params": GRID}, "cannot enumerate grid"),
+        ({"search": "grid", "params": GRID, "points": [{"optimizer.lr": 0.01}]}, "no points"),
     ],
 )
 def test_build_searcher_refuses(kwargs, fragment):
@@ -165,6 +166,7 @@ def test_build_searcher_refuses(kwargs, fragment):
             seed=0,
             num_samples=4,
             max_concurrent=args.get("max_concurrent"),
+            points=args.get("points"),
         )
     assert fragment in str(info.value)
 
@@ -352,12 +354,18 @@ def quadratic_trainable(config):
             )
 
 
-def _fit(search, scheduler, params, grace_steps, num_samples, tmp_path, **tune_config):
+def _fit(search, scheduler, params, grace_steps, num_samples, tmp_path, points=None, **tune_config):
     """A real Tune run of quadratic_trainable: (searcher, Tune's results)."""
     from ray import tune
 
     alg, param_space = build_searcher(
-        search, parse_space(params), metric=METRIC, mode=MODE, seed=0, num_samples=num_samples
+        search,
+        parse_space(params),
+        metric=METRIC,
+        mode=MODE,
+        seed=0,
+        num_samples=num_samples,
+        points=points,
     )
     sched = build_scheduler(
         scheduler,
@@ -397,6 +405,25 @@ def test_tuner_end_to_end(ray_session, tmp_path, search, scheduler):
         # BOHB fills its largest bracket first (9 slots, first rung 1 grace period), which
         # keeps ceil(9 / 3) = 3 of the 4 trials: the 4th stops after one grace period.
         assert min(r.metrics[TIME_ATTR] for r in results) == TOKENS_PER_STEP
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    ("search", "scheduler"), [("random", "fifo"), ("tpe", "asha"), ("gp", "fifo"), ("bohb", "bohb")]
+)
+def test_given_points_are_every_searchers_first_trials(ray_session, tmp_path, search, scheduler):
+    # dotted names, an int given as 2.0 and a float as 1: the searchers get them typed
+    given = [
+        {"optimizer.lr": 0.0316, "model.n_layer": 2.0, "optimizer.name": "adamw"},
+        {"optimizer.lr": 1, "model.n_layer": 3, "optimizer.name": "muon"},
+    ]
+    points = parse_points(parse_space(SAMPLED), given)
+    _, results = _fit(search, scheduler, SAMPLED, 1, 3, tmp_path, points=points)
+    assert results.num_errors == 0 and len(results) == 3
+    tried = [to_builtin({key: r.config[key] for key in points[0]}) for r in results]
+    assert tried[:2] == points, tried  # quadratic_trainable asserts the LR is a float
+    assert tried[2] not in points
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from sweeper.sweep.space import (
     grid_size,
     is_pure_grid,
     narrow_log_band,
+    parse_points,
     parse_space,
     to_builtin,
     to_configspace,
@@ -280,3 +281,56 @@ def test_space_is_frozen():
     assert isinstance(space, Space)
     with pytest.raises(AttributeError):
         space.params[0].low = 2.0  # type: ignore[misc]
+
+
+# --- points: configurations a stage tries first -----------------------------------------
+POINT_SPACE = {
+    "optimizer.lr": {"log_uniform": [1e-3, 1e-1]},
+    "model.n_layer": {"int": [2, 6]},
+    "optimizer.name": {"choice": ["adamw", "muon", None]},
+}
+
+
+def test_points_come_back_flat_complete_and_typed():
+    space = parse_space(POINT_SPACE)
+    given = [
+        {"optimizer.lr": 1e-1, "model.n_layer": 4.0, "optimizer.name": None},  # bounds inclusive
+        {"model.n_layer": 2, "optimizer.name": "muon"},  # the LR from fill
+    ]
+    points = parse_points(space, given, fill={"optimizer.lr": 0.01})
+    assert points == [
+        {"optimizer.lr": 0.1, "model.n_layer": 4, "optimizer.name": None},
+        {"optimizer.lr": 0.01, "model.n_layer": 2, "optimizer.name": "muon"},
+    ]
+    assert type(points[0]["model.n_layer"]) is int and type(points[1]["optimizer.lr"]) is float
+    assert given[0]["model.n_layer"] == 4.0  # the caller's points are not changed
+
+
+@pytest.mark.parametrize(
+    ("points", "fragment"),
+    [
+        ({"optimizer.lr": 0.01}, "sweep points must be a list"),
+        (["lr=0.01"], "sweep point 1: expected {param: value}, got 'lr=0.01'"),
+        (
+            [{"optimizer.lr": 0.01}],
+            "sweep point 1: no value for ['model.n_layer', 'optimizer.name']",
+        ),
+        ([{"optimizer.mom": 0.9}], "['optimizer.mom'] not searched in this stage"),
+        ([{"optimizer.lr": 0.5, "model.n_layer": 2, "optimizer.name": "muon"}], "outside"),
+        ([{"optimizer.lr": "fast", "model.n_layer": 2, "optimizer.name": "muon"}], "not a number"),
+        ([{"optimizer.lr": True, "model.n_layer": 2, "optimizer.name": "muon"}], "not a number"),
+        ([{"optimizer.lr": 0.01, "model.n_layer": 2.5, "optimizer.name": "muon"}], "integer"),
+        ([{"optimizer.lr": 0.01, "model.n_layer": 9, "optimizer.name": "muon"}], "int [2, 6]"),
+        ([{"optimizer.lr": 0.01, "model.n_layer": 2, "optimizer.name": "sgd"}], "not one of"),
+    ],
+)
+def test_points_refuse_what_the_space_cannot_hold(points, fragment):
+    with pytest.raises(SpaceError) as info:
+        parse_points(parse_space(POINT_SPACE), points)
+    assert fragment in str(info.value)
+
+
+def test_a_bad_point_is_named_by_its_number():
+    good = {"optimizer.lr": 0.01, "model.n_layer": 2, "optimizer.name": "muon"}
+    with pytest.raises(SpaceError, match=r"^sweep point 2: model.n_layer=7 is outside int"):
+        parse_points(parse_space(POINT_SPACE), [good, {**good, "model.n_layer": 7}])

@@ -91,6 +91,24 @@ def test_retune_rule_searches_a_narrow_band_around_each_frozen_lr():
     assert specs["trainer.total_batch_size"].kind == "choice"
 
 
+def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
+    from sweeper.config import ConfigError
+    from sweeper.sweep.spec import StageSpec, SweepSpec, stage_points
+
+    spec = SweepSpec(lr_keys=["optimizer.matrix_lr"])
+    params = {"trainer": {"total_batch_size": {"choice": [512, 1024]}}}
+    stage = StageSpec(
+        name="bs", lr_rule="retune", params=params, points=[{"trainer.total_batch_size": 1024}]
+    )
+    frozen = {"optimizer.matrix_lr": 0.02}
+    assert stage_points(spec, stage, frozen) == [
+        {"trainer.total_batch_size": 1024, "optimizer.matrix_lr": 0.02}
+    ]
+    stage.points = [{"trainer": {"total_batch_size": 512}, "optimizer": {"matrix_lr": 0.03}}]
+    with pytest.raises(ConfigError, match="^sweep stage 'bs': sweep point 1: .*retune"):
+        stage_points(spec, stage, frozen)
+
+
 def test_nested_and_dotted_params_mean_the_same():
     from sweeper.sweep.spec import flatten_params
 

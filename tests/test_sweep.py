@@ -97,6 +97,19 @@ def test_a_diverging_trial_is_stopped_with_a_penalty_and_the_sweep_finishes(ray_
     assert summary["stages"][0]["best_params"] == {"optimizer.lr": 0.003}
 
 
+def test_a_stage_tries_its_given_points_first(ray_cluster, tmp_path, capsys):
+    sweep(
+        tmp_path,
+        "+sweep.stages.0.points=[{optimizer:{matrix_lr:0.0123}}]",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    tried = [r["params"]["optimizer.matrix_lr"] for r in state["stages"][0]["records"]]
+    assert len(tried) == 2 and tried.count(0.0123) == 1, tried
+    assert "1 given point first" in capsys.readouterr().out
+
+
 def test_resume_skips_finished_stages(ray_cluster, tmp_path):
     first = sweep(tmp_path, "sweep.stages.1.params.trainer.total_batch_size.grid=[512]")
     trial_dirs = sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir())
@@ -154,6 +167,16 @@ REFUSED = [
     (["sweep.bohb.random_fraction=1.5"], "sweep.bohb.random_fraction"),
     (["sweep.bohb.top_n_percent=0"], "sweep.bohb.top_n_percent"),
     (["trainable._target_=no.such.module.fn"], "trainable"),
+    (["+sweep.stages.0.points=[{optimizer.matrix_lr:0.5}]"], "matrix_lr=0.5 is outside"),
+    (["+sweep.stages.0.points=[{optimizer.lr:0.01}]"], "not searched in this stage"),
+    (["+sweep.stages.1.points=[{trainer.total_batch_size:512}]"], "a grid already runs"),
+    (
+        [
+            "+sweep.stages.0.points=[{optimizer.matrix_lr:0.01},{optimizer.matrix_lr:0.02},"
+            "{optimizer.matrix_lr:0.03}]"
+        ],
+        "3 points but num_samples=2",
+    ),
 ]
 
 

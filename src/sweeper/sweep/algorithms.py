@@ -108,17 +108,29 @@ def _model_based_searcher(
     seed: int | None,
     num_samples: int,
     bohb: dict[str, Any] | None,
+    points: list[dict[str, Any]],
 ) -> Any:
     if search == "bohb":
         from ray.tune.search.bohb import TuneBOHB
 
         return TuneBOHB(
-            space=to_configspace(space), metric=metric, mode=mode, seed=seed, bohb_config=bohb
+            space=to_configspace(space),
+            metric=metric,
+            mode=mode,
+            seed=seed,
+            bohb_config=bohb,
+            points_to_evaluate=points,
         )
     from ray.tune.search.optuna import OptunaSearch
 
     sampler = _optuna_sampler(search, seed, num_samples)
-    return OptunaSearch(space=to_optuna(space), metric=metric, mode=mode, sampler=sampler)
+    return OptunaSearch(
+        space=to_optuna(space),
+        metric=metric,
+        mode=mode,
+        sampler=sampler,
+        points_to_evaluate=points,
+    )
 
 
 def build_searcher(
@@ -131,6 +143,7 @@ def build_searcher(
     num_samples: int,
     max_concurrent: int | None = None,
     bohb: dict[str, Any] | None = None,
+    points: list[dict[str, Any]] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Return ``(search_alg, param_space)`` for ``TuneConfig`` and ``Tuner``.
 
@@ -140,19 +153,34 @@ def build_searcher(
     ``num_samples`` sizes the random start-up phase of TPE/GP; for search 'grid' pass
     ``num_samples=1`` to ``TuneConfig`` (Tune repeats the whole grid ``num_samples`` times).
     ``bohb``: keyword arguments of hpbandster's BOHB model (search 'bohb' only).
+    ``points``: complete ``{dotted name: value}`` configurations every searcher runs first
+    (``space.parse_points`` checks them); they count towards ``num_samples``. The model-based
+    searchers learn from their results like any other trial's.
     """
     _check_name("search", search, SEARCHES)
     _check_mode(mode)
     _check_search_space(search, space)
     if max_concurrent is not None and max_concurrent < 1:
         raise ValueError(f"max_concurrent must be >= 1 or None, got {max_concurrent!r}")
+    if points and search == "grid":
+        raise ValueError("search 'grid' runs every grid value; it takes no points")
+    points = [dict(point) for point in points or []]  # the searchers pop them
     if search in ("random", "grid"):
         from ray.tune.search import BasicVariantGenerator
 
-        generator = BasicVariantGenerator(max_concurrent=max_concurrent or 0, random_state=seed)
+        generator = BasicVariantGenerator(
+            max_concurrent=max_concurrent or 0, random_state=seed, points_to_evaluate=points
+        )
         return generator, {**space.fixed, **to_tune(space)}
     searcher = _model_based_searcher(
-        search, space, metric=metric, mode=mode, seed=seed, num_samples=num_samples, bohb=bohb
+        search,
+        space,
+        metric=metric,
+        mode=mode,
+        seed=seed,
+        num_samples=num_samples,
+        bohb=bohb,
+        points=points,
     )
     if max_concurrent is not None:
         from ray.tune.search import ConcurrencyLimiter

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from sweeper.config import RUN_SECTIONS, ConfigError, load_run_config
-from sweeper.sweep.spec import SweepSpec, flatten, load_sweep_spec, stage_space, validate_spec
+from sweeper.sweep.spec import (
+    SweepSpec,
+    flatten,
+    load_sweep_spec,
+    stage_points,
+    stage_space,
+    validate_spec,
+)
 from sweeper.sweep.stages import pick_best
 from sweeper.sweep.state import SweepState
 from sweeper.sweep.trainable import TrialContext, batch_of, load_target, trial_config
@@ -315,6 +322,7 @@ def run_stage(
             return [], []
         planned = remaining_trials
     ctx = stage_context(spec, stage, base, target, storage=str(out / "ray"))
+    points = stage_points(spec, stage, flatten(base))[:planned]
     time_attr, max_t = time_axis(spec, target)
     searcher, param_space = build_searcher(
         search,
@@ -325,6 +333,7 @@ def run_stage(
         num_samples=planned,
         max_concurrent=spec.concurrency,
         bohb=dataclasses.asdict(spec.bohb),
+        points=points,
     )
     scheduler = build_scheduler(
         scheduler_name,
@@ -362,6 +371,7 @@ def run_stage(
     experiment = out / "ray" / run_config.name
     stops = rungs(scheduler_name, max_t, max_t * spec.grace_fraction, spec.reduction_factor)
     notes = [
+        f"{len(points)} given point{'s' * (len(points) > 1)} first" if points else None,
         f"rungs at {', '.join(f'{t / max_t:.0%}' for t in stops)} of it" if stops else None,
         random_start(search, space, planned),
     ]

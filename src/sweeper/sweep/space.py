@@ -161,6 +161,58 @@ def parse_space(params: Mapping[str, Any]) -> Space:
     return Space(params=tuple(specs), fixed=fixed)
 
 
+def _check_point_value(param: ParamSpec, value: object) -> str | None:
+    """Why `value` is not a value `param` can take (None: it is)."""
+    if param.kind in LIST_KINDS:
+        ok = any(value == allowed for allowed in param.values)
+        return None if ok else f"is not one of {_shown(param.values)}"
+    if not _is_number(value):
+        return "is not a number"
+    if param.integer and value != int(value):
+        return "is not an integer"
+    if not param.low <= value <= param.high:
+        return f"is outside {param.kind} [{param.low}, {param.high}]"
+    return None
+
+
+def parse_points(
+    space: Space, points: object, fill: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Configurations to try first, checked against the space: each a flat
+    ``{dotted name: value}`` with a value inside its param's spec for every searched param.
+    ``fill`` gives the values of params a point may leave out (a retune band's frozen LR).
+    Every searcher gets the same complete points: Tune's and Optuna's would sample a
+    missing value, BOHB would hand an incomplete configuration to its model."""
+    if not isinstance(points, (list, tuple)):
+        raise SpaceError(f"sweep points must be a list of {{param: value}}, got {points!r}")
+    fill = fill or {}
+    by_name = {p.name: p for p in space.params}
+    parsed = []
+    for number, point in enumerate(points, start=1):
+        where = f"sweep point {number}"
+        if not isinstance(point, Mapping):
+            raise SpaceError(f"{where}: expected {{param: value}}, got {point!r}")
+        unknown = [key for key in point if key not in by_name]
+        if unknown:
+            raise SpaceError(
+                f"{where}: {unknown} not searched in this stage (its params: {list(by_name)})"
+            )
+        missing = [name for name in by_name if name not in point and name not in fill]
+        if missing:
+            raise SpaceError(f"{where}: no value for {missing}")
+        complete = {}
+        for name, param in by_name.items():
+            value = point[name] if name in point else fill[name]
+            problem = _check_point_value(param, value)
+            if problem:
+                raise SpaceError(f"{where}: {name}={value!r} {problem}")
+            if param.kind in RANGE_KINDS:  # 1 for a float param, 4.0 for an int one
+                value = int(value) if param.integer else float(value)
+            complete[name] = value
+        parsed.append(complete)
+    return parsed
+
+
 def grid_size(space: Space) -> int:
     """Number of grid points: the product of the grid value counts (1 without grid params)."""
     return math.prod(len(p.values) for p in space.params if p.kind == "grid")

@@ -12,7 +12,7 @@ from typing import Any
 
 from sweeper.config import ConfigError
 from sweeper.sweep.algorithms import check_compatible, check_reduction_factor
-from sweeper.sweep.space import Space, parse_space
+from sweeper.sweep.space import Space, SpaceError, parse_points, parse_space
 
 LR_RULES = ("none", "sqrt", "linear", "retune")
 BATCH_KEY = "trainer.total_batch_size"
@@ -33,6 +33,7 @@ class StageSpec:
     num_samples: int = 8
     lr_rule: str = "none"  # how frozen LRs follow a batch-size change
     retune_factor: float = 2.0  # lr_rule=retune: search LRs in [v / f, v * f]
+    points: list[Any] = field(default_factory=list)  # configurations to try first
 
 
 @dataclass
@@ -129,6 +130,29 @@ def stage_space(spec: SweepSpec, stage: StageSpec, frozen: dict[str, Any] | None
         raise ConfigError(f"sweep stage '{stage.name}': {error}") from None
 
 
+def stage_points(
+    spec: SweepSpec, stage: StageSpec, frozen: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The stage's `points`, flat, complete and checked against its space (see
+    `parse_points`). Under lr_rule=retune the LR bands are not the user's to set: a point
+    starts each from its frozen value, the centre of its band."""
+    space = stage_space(spec, stage, frozen)
+    declared = set(flatten_params(stage.params))
+    added = [name for name in space.names if name not in declared]
+    points = [flatten(point) if isinstance(point, dict) else point for point in stage.points]
+    try:
+        for number, point in enumerate(points, start=1):
+            named = [key for key in point if key in added] if isinstance(point, dict) else []
+            if named:
+                raise SpaceError(
+                    f"sweep point {number}: {named} are lr_rule=retune bands around the "
+                    "frozen values; points start them there"
+                )
+        return parse_points(space, points, {name: frozen[name] for name in added})
+    except ValueError as error:
+        raise ConfigError(f"sweep stage '{stage.name}': {error}") from None
+
+
 def _check_bohb(bohb: BohbSpec) -> None:
     for key, ok, allowed in (
         ("random_fraction", 0 <= bohb.random_fraction <= 1, "in [0, 1]"),
@@ -194,6 +218,17 @@ def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -
             check_reduction_factor(spec.stage_scheduler(stage), spec.reduction_factor)
         except ValueError as error:
             raise ConfigError(f"{where}: {error}") from None
+        if stage.points:
+            _check(
+                spec.stage_search(stage) != "grid"
+                and not any(p.kind == "grid" for p in space.params),
+                f"{where}: points need a sampled space; a grid already runs every value",
+            )
+            _check(
+                len(stage.points) <= stage.num_samples,
+                f"{where}: {len(stage.points)} points but num_samples={stage.num_samples}",
+            )
+            stage_points(spec, stage, frozen)
 
 
 def _check(ok: bool, message: str) -> None:
