@@ -61,6 +61,22 @@ METHODS = {
         "sweep.bohb.random_fraction=0.1",
         "sweep.bohb.bandwidth_factor=1",
     ],
+    # BOHB with more budget levels, hpbandster's model as it comes: reports every 1/16 of a
+    # trial so the smallest rung is 4 steps, and the first bracket starts 27 (eta 3) or 16
+    # (eta 2) trials, which gives the model its points within that bracket
+    "bohb_deep3": [
+        "sweep.stages.0.search=bohb",
+        "sweep.stages.0.scheduler=bohb",
+        "sweep.reports_per_trial=16",
+        "sweep.grace_fraction=0.037",
+    ],
+    "bohb_deep2": [
+        "sweep.stages.0.search=bohb",
+        "sweep.stages.0.scheduler=bohb",
+        "sweep.reports_per_trial=16",
+        "sweep.grace_fraction=0.0625",
+        "sweep.reduction_factor=2",
+    ],
     # the sweeps' default: TPE's first 10 trials are random, then its model proposes
     "tpe_asha": ["sweep.stages.0.search=tpe", "sweep.stages.0.scheduler=asha"],
 }
@@ -185,9 +201,28 @@ def replay_report(pool: list, samples: int, draws: int, grace: float, rf: float)
     return line
 
 
+def rank_report(pool: list) -> str:
+    """How well each report of random search's trials ranks them by their final value
+    (Spearman's rho over every completed trial): the ceiling of what a rung can know."""
+    from scipy.stats import spearmanr
+
+    longest = max(len(curve) for curve in pool)
+    pool = [curve for curve in pool if len(curve) == longest]  # the same reports in each
+    final = [curve[-1][1] for curve in pool]
+    full = pool[0][-1][0]
+    cells = []
+    for k in range(len(pool[0]) - 1):
+        at_k = [curve[k][1] for curve in pool]
+        cells.append(f"{pool[0][k][0] / full:.3g}: {spearmanr(at_k, final).statistic:.2f}")
+    return f"rank correlation with the final value ({len(pool)} trials), by fraction: " + (
+        ", ".join(cells)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds run from this one")
     parser.add_argument("--samples", type=int, default=16, help="random search's trials")
     parser.add_argument(
         "--budget-samples",
@@ -213,7 +248,7 @@ def main() -> None:
     methods = args.methods.split(",")
     pool: list = []
     ratios: dict[str, list[float]] = {method: [] for method in methods}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         random = run("random", seed, args.samples, args.tokens, args.overrides)
         _, random_total, target = compute_to_reach(random, float("-inf"))
         pool += curves(random)
@@ -234,6 +269,7 @@ def main() -> None:
             f"{statistics.median(values):.2f}x of random's ({args.seeds} seeds: "
             f"{', '.join('never' if v == float('inf') else f'{v:.2f}' for v in values)})"
         )
+    print(rank_report(pool), flush=True)
     draws = min(args.budget_samples, len(pool))
     for pair in filter(None, args.replay.split(",")):
         grace, rf = (float(v) for v in pair.split(":"))
