@@ -11,7 +11,7 @@ import pytest
 from .conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
-from bench_search import replay_asha  # noqa: E402
+from bench_search import rank_report, replay_asha  # noqa: E402
 
 # three trials of 4 FLOPs, reported at 1, 2 and 4; rungs at 1 and 2 (grace 1/4, rf 2)
 POOL = [
@@ -41,3 +41,15 @@ def test_a_trial_stopped_on_its_rung_value_is_kept_by_the_oracle():
     assert replay_asha(pool, [0, 1, 2], 2.0, 0.25, 2, oracle=False) == float("inf")
     # ranked by finals it runs beside A to the end: 4 + 4 FLOPs when both end at t=4
     assert replay_asha(pool, [0, 1, 2], 2.0, 0.25, 2, oracle=True) == pytest.approx(8 / 4)
+
+
+def test_rank_report_gives_each_reports_rank_correlation_with_the_final_value():
+    # report 1 ranks A, B, C as the end does; report 2 in reverse; D diverged (one report)
+    pool = [
+        [(1.0, 5.0), (2.0, 3.0), (4.0, 3.0)],
+        [(1.0, 6.0), (2.0, 2.0), (4.0, 3.5)],
+        [(1.0, 7.0), (2.0, 1.0), (4.0, 4.0)],
+        [(1.0, 9.0)],
+    ]
+    line = rank_report(pool)
+    assert line.endswith("(3 trials), by fraction: 0.25: 1.00, 0.5: -1.00"), line
