@@ -110,27 +110,15 @@ def _model_based_searcher(
     bohb: dict[str, Any] | None,
     points: list[dict[str, Any]],
 ) -> Any:
+    shared = {"metric": metric, "mode": mode, "points_to_evaluate": points}
     if search == "bohb":
         from ray.tune.search.bohb import TuneBOHB
 
-        return TuneBOHB(
-            space=to_configspace(space),
-            metric=metric,
-            mode=mode,
-            seed=seed,
-            bohb_config=bohb,
-            points_to_evaluate=points,
-        )
+        return TuneBOHB(space=to_configspace(space), seed=seed, bohb_config=bohb, **shared)
     from ray.tune.search.optuna import OptunaSearch
 
     sampler = _optuna_sampler(search, seed, num_samples)
-    return OptunaSearch(
-        space=to_optuna(space),
-        metric=metric,
-        mode=mode,
-        sampler=sampler,
-        points_to_evaluate=points,
-    )
+    return OptunaSearch(space=to_optuna(space), sampler=sampler, **shared)
 
 
 def build_searcher(
