@@ -77,6 +77,23 @@ METHODS = {
         "sweep.grace_fraction=0.0625",
         "sweep.reduction_factor=2",
     ],
+    # BOHB with two budget levels, 1/8 and the whole trial (eta 8): Ray's largest bracket
+    # starts 8 trials at 1/8 and completes the best (2 trials' compute), then the second
+    # bracket runs 2 of the model's proposals to the end, so the model's first full trials
+    # finish at a quarter of random search's compute, where three levels (1/9, 1/3, 1) finish
+    # theirs at 0.35x
+    "bohb_flat8": [
+        "sweep.stages.0.search=bohb",
+        "sweep.stages.0.scheduler=bohb",
+        "sweep.reduction_factor=8",
+    ],
+    "bohb_flat8_exploit": [
+        "sweep.stages.0.search=bohb",
+        "sweep.stages.0.scheduler=bohb",
+        "sweep.reduction_factor=8",
+        "sweep.bohb.random_fraction=0.1",
+        "sweep.bohb.bandwidth_factor=1",
+    ],
     # the sweeps' default: TPE's first 10 trials are random, then its model proposes
     "tpe_asha": ["sweep.stages.0.search=tpe", "sweep.stages.0.scheduler=asha"],
 }

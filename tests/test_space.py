@@ -310,7 +310,7 @@ def test_points_come_back_flat_complete_and_typed():
     ("points", "fragment"),
     [
         ({"optimizer.lr": 0.01}, "sweep points must be a list"),
-        (["lr=0.01"], "sweep point 1: expected {param: value}, got 'lr=0.01'"),
+        (["lr=0.01"], "sweep point 1: expected {param: value} or base, got 'lr=0.01'"),
         (
             [{"optimizer.lr": 0.01}],
             "sweep point 1: no value for ['model.n_layer', 'optimizer.name']",

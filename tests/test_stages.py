@@ -109,6 +109,38 @@ def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
         stage_points(spec, stage, frozen)
 
 
+def test_a_base_point_is_the_config_the_stage_starts_from():
+    from sweeper.config import ConfigError
+    from sweeper.sweep.spec import StageSpec, SweepSpec, stage_points
+
+    spec = SweepSpec(lr_keys=["optimizer.matrix_lr"])
+    lr = {"optimizer": {"matrix_lr": {"log_uniform": [0.005, 0.05]}}}
+    stage = StageSpec(name="lr", params=lr, points=["base", {"optimizer.matrix_lr": 0.03}])
+    start = {"optimizer.matrix_lr": 0.02, "trainer.total_batch_size": 1024}
+    assert stage_points(spec, stage, start) == [
+        {"optimizer.matrix_lr": 0.02},
+        {"optimizer.matrix_lr": 0.03},
+    ]
+    # validation checks against the composed config, apart from the stand-in frozen values
+    assert stage_points(spec, stage, {}, base_values={"optimizer.matrix_lr": 0.04}) == [
+        {"optimizer.matrix_lr": 0.04},
+        {"optimizer.matrix_lr": 0.03},
+    ]
+    # a retune stage's base point: the batch the stage starts from, its LR band's centre
+    params = {"trainer": {"total_batch_size": {"choice": [512, 1024]}}}
+    retune = StageSpec(name="bs", lr_rule="retune", params=params, points=["base"])
+    assert stage_points(spec, retune, start) == [
+        {"trainer.total_batch_size": 1024, "optimizer.matrix_lr": 0.02}
+    ]
+    with pytest.raises(ConfigError, match=r"^sweep stage 'lr': sweep point 1: optimizer\.matrix"):
+        stage_points(spec, stage, {**start, "optimizer.matrix_lr": 0.5})  # outside the range
+    with pytest.raises(ConfigError, match=r"sweep point 1: base has no value for \['optimizer"):
+        stage_points(spec, stage, {}, base_values={})
+    stage.points = ["bse"]
+    with pytest.raises(ConfigError, match=r"sweep point 1: expected \{param: value\} or base"):
+        stage_points(spec, stage, start)
+
+
 def test_nested_and_dotted_params_mean_the_same():
     from sweeper.sweep.spec import flatten_params
 

@@ -102,12 +102,20 @@ def test_a_stage_tries_its_given_points_first(ray_cluster, tmp_path, capsys):
         tmp_path,
         "+sweep.stages.0.points=[{optimizer:{matrix_lr:0.0123}}]",
         "sweep.stages.0.scheduler=fifo",
-        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+        # stage 1 tries the config it starts from (a batch of 512) before any draw
+        "sweep.stages.1.search=random",
+        "~sweep.stages.1.params.trainer.total_batch_size.grid",
+        "+sweep.stages.1.params.trainer.total_batch_size.choice=[512,1024,1536,2048]",
+        "+sweep.stages.1.points=[base]",
+        "sweep.stages.1.num_samples=1",
     )
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     tried = [r["params"]["optimizer.matrix_lr"] for r in state["stages"][0]["records"]]
     assert len(tried) == 2 and tried.count(0.0123) == 1, tried
-    assert "1 given point first" in capsys.readouterr().out
+    batches = [r["params"]["trainer.total_batch_size"] for r in state["stages"][1]["records"]]
+    assert batches == [512], batches
+    out = capsys.readouterr().out
+    assert "[lr]" in out and out.count("1 given point first") == 2
 
 
 def test_resume_skips_finished_stages(ray_cluster, tmp_path):
@@ -169,6 +177,13 @@ REFUSED = [
     (["trainable._target_=no.such.module.fn"], "trainable"),
     (["+sweep.stages.0.points=[{optimizer.matrix_lr:0.5}]"], "matrix_lr=0.5 is outside"),
     (["+sweep.stages.0.points=[{optimizer.lr:0.01}]"], "not searched in this stage"),
+    (
+        [
+            "+sweep.stages.0.points=[base]",
+            "sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.03,0.3]",
+        ],
+        "optimizer.matrix_lr=0.02 is outside",
+    ),
     (["+sweep.stages.1.points=[{trainer.total_batch_size:512}]"], "a grid already runs"),
     (
         [

@@ -10,17 +10,14 @@ from ray import tune
 
 
 class ProgressCallback(tune.Callback):
-    """One line per finished trial: done/running/pruned/diverged, best so far, ETA."""
+    """One line per finished trial: done (pruned, diverged, failed), running, paused, best
+    so far, ETA."""
 
     def __init__(self, stage: str, planned: int, metric: str, mode: str):
         self.stage, self.planned, self.metric, self.mode = stage, planned, metric, mode
         self.started = time.time()
-        self.running: set[str] = set()
         self.counts = {"completed": 0, "pruned": 0, "diverged": 0, "failed": 0}
         self.best: float | None = None
-
-    def on_trial_start(self, iteration, trials, trial, **info):
-        self.running.add(trial.trial_id)
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         value = result.get(self.metric)
@@ -36,10 +33,10 @@ class ProgressCallback(tune.Callback):
         status = result.get("status")
         if status not in ("completed", "diverged"):
             status = "completed" if status is None and result.get("done") else "pruned"
-        self._finish(trial, status)
+        self._finish(trial, trials, status)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        self._finish(trial, "failed")
+        self._finish(trial, trials, "failed")
         error_file = Path(trial.local_path or ".") / "error.txt"
         reason = _error_line(error_file)
         print(
@@ -48,18 +45,23 @@ class ProgressCallback(tune.Callback):
             flush=True,
         )
 
-    def _finish(self, trial, status: str) -> None:
-        self.running.discard(trial.trial_id)
+    def _finish(self, trial, trials, status: str) -> None:
+        # read from Tune's own trial states: HyperBand and BOHB pause trials between rungs,
+        # and a paused trial holds no CPU, so it is not "running"
+        rest = [t for t in trials if t is not trial]
+        running = sum(t.status == t.RUNNING for t in rest)
+        paused = sum(t.status == t.PAUSED for t in rest)
         self.counts[status] += 1
         done = sum(self.counts.values())
         elapsed = time.time() - self.started
         left = max(self.planned - done, 0)
         eta = elapsed / done * left if done else float("nan")
-        others = ", ".join(f"{n} {k}" for k, n in self.counts.items() if n and k != "completed")
+        endings = ", ".join(f"{n} {k}" for k, n in self.counts.items() if n and k != "completed")
         best = f"{self.best:.4f}" if self.best is not None else "-"
         print(
             f"[{self.stage}] {done}/{self.planned} trials done"
-            f"{f' ({others})' if others else ''}, {len(self.running)} running | "
+            f"{f' ({endings})' if endings else ''}, {running} running"
+            f"{f', {paused} paused' if paused else ''} | "
             f"best {self.metric} {best} | {elapsed:.0f}s elapsed, ~{eta:.0f}s left",
             flush=True,
         )

@@ -64,8 +64,8 @@ def validate_sweep(cfg) -> SweepSpec:
 
     spec = load_sweep_spec(cfg.sweep)
     target = trainable_target(cfg)
-    run_keys = set(flatten(OmegaConf.to_container(cfg, resolve=True)))
-    validate_spec(spec, run_keys, custom_trainable=target is not None)
+    run_values = flatten(OmegaConf.to_container(cfg, resolve=True))
+    validate_spec(spec, run_values, custom_trainable=target is not None)
     if target:
         try:
             load_target(target)

@@ -191,7 +191,7 @@ def parse_points(
     for number, point in enumerate(points, start=1):
         where = f"sweep point {number}"
         if not isinstance(point, Mapping):
-            raise SpaceError(f"{where}: expected {{param: value}}, got {point!r}")
+            raise SpaceError(f"{where}: expected {{param: value}} or base, got {point!r}")
         unknown = [key for key in point if key not in by_name]
         if unknown:
             raise SpaceError(

@@ -130,24 +130,43 @@ def stage_space(spec: SweepSpec, stage: StageSpec, frozen: dict[str, Any] | None
         raise ConfigError(f"sweep stage '{stage.name}': {error}") from None
 
 
+BASE_POINT = "base"  # a point that stands for the config the stage starts from
+
+
 def stage_points(
-    spec: SweepSpec, stage: StageSpec, frozen: dict[str, Any] | None = None
+    spec: SweepSpec,
+    stage: StageSpec,
+    frozen: dict[str, Any] | None = None,
+    base_values: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The stage's `points`, flat, complete and checked against its space (see
-    `parse_points`). Under lr_rule=retune the LR bands are not the user's to set: a point
-    starts each from its frozen value, the centre of its band."""
+    `parse_points`). A point `base` takes each searched param's value in `base_values` (by
+    default `frozen`: the flat config the stage starts from), so the stage tries its
+    starting config first. Under lr_rule=retune the LR bands are not the user's to set: a
+    point starts each from its frozen value, the centre of its band."""
+    frozen = frozen or {}
+    base_values = frozen if base_values is None else base_values
     space = stage_space(spec, stage, frozen)
     declared = set(flatten_params(stage.params))
     added = [name for name in space.names if name not in declared]
-    points = [flatten(point) if isinstance(point, dict) else point for point in stage.points]
     try:
-        for number, point in enumerate(points, start=1):
-            named = [key for key in point if key in added] if isinstance(point, dict) else []
-            if named:
-                raise SpaceError(
-                    f"sweep point {number}: {named} are lr_rule=retune bands around the "
-                    "frozen values; points start them there"
-                )
+        points = []
+        for number, point in enumerate(stage.points, start=1):
+            if point == BASE_POINT:
+                own = [name for name in space.names if name not in added]
+                lacking = [name for name in own if name not in base_values]
+                if lacking:
+                    raise SpaceError(f"sweep point {number}: base has no value for {lacking}")
+                point = {name: base_values[name] for name in own}
+            elif isinstance(point, dict):
+                point = flatten(point)
+                named = [key for key in point if key in added]
+                if named:
+                    raise SpaceError(
+                        f"sweep point {number}: {named} are lr_rule=retune bands around the "
+                        "frozen values; points start them there"
+                    )
+            points.append(point)
         return parse_points(space, points, {name: frozen[name] for name in added})
     except ValueError as error:
         raise ConfigError(f"sweep stage '{stage.name}': {error}") from None
@@ -164,8 +183,8 @@ def _check_bohb(bohb: BohbSpec) -> None:
         _check(ok, f"sweep.bohb.{key} must be {allowed}, got {getattr(bohb, key)}")
 
 
-def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -> None:
-    """Cross-field checks; `run_keys` are the dotted keys of the run config."""
+def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable: bool) -> None:
+    """Cross-field checks; `run_values` is the run config, flat ({dotted key: value})."""
     _check(spec.mode in ("min", "max"), f"sweep.mode must be min or max, got {spec.mode!r}")
     _check(bool(spec.stages), f"sweep '{spec.name}' has no stages")
     budgets = [k for k in ("tokens_per_trial", "flops_per_trial") if getattr(spec.budget, k)]
@@ -209,7 +228,7 @@ def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -
         _check(stage.retune_factor > 1, f"{where}: retune_factor must be > 1")
         if not custom_trainable:
             for key in flatten_params(stage.params):
-                _check(key in run_keys, f"{where}: unknown config key '{key}' in params")
+                _check(key in run_values, f"{where}: unknown config key '{key}' in params")
         # retune bands are continuous: check with a stand-in frozen value for every LR key
         frozen = dict.fromkeys(spec.lr_keys, 1e-3)
         space = stage_space(spec, stage, frozen)
@@ -228,7 +247,9 @@ def validate_spec(spec: SweepSpec, run_keys: set[str], custom_trainable: bool) -
                 len(stage.points) <= stage.num_samples,
                 f"{where}: {len(stage.points)} points but num_samples={stage.num_samples}",
             )
-            stage_points(spec, stage, frozen)
+            # a `base` point is checked against the composed config; a later stage's base
+            # is only known once the stages before it have run, and is checked again then
+            stage_points(spec, stage, frozen, base_values=run_values)
 
 
 def _check(ok: bool, message: str) -> None:
