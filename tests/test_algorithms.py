@@ -298,6 +298,10 @@ def test_bohb_models_after_the_points_it_is_said_to_need(params):
     assert 1.0 in generator.kde_models
     assert f"random until {needed} trials" in random_start("bohb", space, 48)
     assert random_start("tpe", space, 48) == "the first 10 trials are random"
+    assert random_start("gp", space, 4) == "the first trial is random"
+    # given points count among Optuna's startup trials
+    assert random_start("tpe", space, 48, given=2) == "its model proposes from trial 11"
+    assert random_start("tpe", space, 12, given=5) == "its model proposes from trial 6"
     assert random_start("random", space, 48) is None
 
 

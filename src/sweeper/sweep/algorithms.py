@@ -80,10 +80,18 @@ def bohb_model_points(space: Space) -> int:
     return 2 * (len(space.names) + 1)
 
 
-def random_start(search: str, space: Space, num_samples: int) -> str | None:
-    """What a model-based search does before its model guides it (the stage's header)."""
+def random_start(search: str, space: Space, num_samples: int, given: int = 0) -> str | None:
+    """What a model-based search does before its model guides it (the stage's header).
+    Optuna counts `given` points among its startup trials."""
     if search in ("tpe", "gp"):
-        return f"the first {startup_trials(num_samples)} trials are random"
+        startup = startup_trials(num_samples)
+        if given:
+            return f"its model proposes from trial {max(startup, given) + 1}"
+        return (
+            "the first trial is random"
+            if startup == 1
+            else (f"the first {startup} trials are random")
+        )
     if search == "bohb":
         return f"random until {bohb_model_points(space)} trials reach one budget"
     return None

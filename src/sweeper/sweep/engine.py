@@ -373,7 +373,7 @@ def run_stage(
     notes = [
         f"{len(points)} given point{'s' * (len(points) > 1)} first" if points else None,
         f"rungs at {', '.join(f'{t / max_t:.0%}' for t in stops)} of it" if stops else None,
-        random_start(search, space, planned),
+        random_start(search, space, planned, given=len(points)),
     ]
     print(
         f"[{stage.name}] {search} search, {scheduler_name} scheduler, {planned} trials of "
