@@ -376,7 +376,8 @@ def run_stage(
         random_start(search, space, planned, given=len(points)),
     ]
     print(
-        f"[{stage.name}] {search} search, {scheduler_name} scheduler, {planned} trials of "
+        f"[{stage.name}] {search} search, {scheduler_name} scheduler, "
+        f"{planned} trial{'s' * (planned != 1)} of "
         f"{max_t:.3g} {time_attr}: {', '.join(space.names)}"
         + "".join(f"; {note}" for note in notes if note)
     )

@@ -91,7 +91,8 @@ class Baseline:
 def print_stage_table(stage: str, records: list[dict], best: dict | None, spec: SweepSpec) -> None:
     keys = sorted({k for r in records for k in r["params"]})
     order = sorted(records, key=lambda r: (r["metric"] is None, _signed(r["metric"], spec.mode)))
-    print(f"\n[{stage}] {len(records)} trials, sorted by {spec.metric}:")
+    count = f"{len(records)} trial{'s' * (len(records) != 1)}"
+    print(f"\n[{stage}] {count}, sorted by {spec.metric}:")
     print("  " + " | ".join([f"{spec.metric:>9}", f"{'status':>9}", *(f"{k:>22}" for k in keys)]))
     for r in order:
         value = f"{r['metric']:.4f}" if r["metric"] is not None else "-"
