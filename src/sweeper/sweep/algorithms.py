@@ -87,11 +87,9 @@ def random_start(search: str, space: Space, num_samples: int, given: int = 0) ->
         startup = startup_trials(num_samples)
         if given:
             return f"its model proposes from trial {max(startup, given) + 1}"
-        return (
-            "the first trial is random"
-            if startup == 1
-            else (f"the first {startup} trials are random")
-        )
+        if startup == 1:
+            return "the first trial is random"
+        return f"the first {startup} trials are random"
     if search == "bohb":
         return f"random until {bohb_model_points(space)} trials reach one budget"
     return None
