@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -349,16 +350,33 @@ def quadratic_trainable(config):
             step = json.loads((Path(folder) / "state.json").read_text())["step"]
     while step < STEPS:
         step += 1
+        began = time.time()
+        time.sleep(0.02)  # a step takes time, so trials that train at once overlap
         loss = distance**2 + offset + 0.1 * config["model.n_layer"] + 1.0 / step
         with tempfile.TemporaryDirectory() as folder:
             (Path(folder) / "state.json").write_text(json.dumps({"step": step}))
             tune.report(
-                {TIME_ATTR: step * TOKENS_PER_STEP, METRIC: loss},
+                {
+                    TIME_ATTR: step * TOKENS_PER_STEP,
+                    METRIC: loss,
+                    "began": began,
+                    "ended": time.time(),
+                },
                 checkpoint=tune.Checkpoint.from_directory(folder),
             )
 
 
-def _fit(search, scheduler, params, grace_steps, num_samples, tmp_path, points=None, **tune_config):
+def _fit(
+    search,
+    scheduler,
+    params,
+    grace_steps,
+    num_samples,
+    tmp_path,
+    points=None,
+    max_concurrent=None,
+    **tune_config,
+):
     """A real Tune run of quadratic_trainable: (searcher, Tune's results)."""
     from ray import tune
 
@@ -370,6 +388,7 @@ def _fit(search, scheduler, params, grace_steps, num_samples, tmp_path, points=N
         seed=0,
         num_samples=num_samples,
         points=points,
+        max_concurrent=max_concurrent,
     )
     sched = build_scheduler(
         scheduler,
@@ -378,12 +397,17 @@ def _fit(search, scheduler, params, grace_steps, num_samples, tmp_path, points=N
         time_attr=TIME_ATTR,
         max_t=STEPS * TOKENS_PER_STEP,
         grace_period=grace_steps * TOKENS_PER_STEP,
+        max_concurrent=max_concurrent,
     )
     tuner = tune.Tuner(
         quadratic_trainable,
         param_space=param_space,
         tune_config=tune.TuneConfig(
-            search_alg=alg, scheduler=sched, num_samples=num_samples, **tune_config
+            search_alg=alg,
+            scheduler=sched,
+            num_samples=num_samples,
+            max_concurrent_trials=max_concurrent,  # as the engine passes it
+            **tune_config,
         ),
         run_config=tune.RunConfig(storage_path=str(tmp_path), name=scheduler, verbose=0),
     )
@@ -441,6 +465,56 @@ def test_hyperband_trials_end_at_a_rung_or_at_the_full_budget(ray_session, tmp_p
     assert len(ends) == 6  # 3 samples x 2 grid values
     assert set(ends) <= {3, STEPS}, ends
     assert ends.count(STEPS) >= 3, ends
+
+
+def _most_at_once(results) -> int:
+    """The most trials whose reported steps overlap in time."""
+    events = []
+    for result in results:
+        for began, ended in result.metrics_dataframe[["began", "ended"]].itertuples(index=False):
+            events += [(began, 1), (ended, -1)]
+    running = most = 0
+    for _, change in sorted(events):  # at a tie the step that ended goes first
+        running += change
+        most = max(most, running)
+    return most
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize(
+    ("search", "scheduler", "limit"),
+    [("bohb", "bohb", 1), ("random", "hyperband", 1), ("tpe", "hyperband", 2)],
+)
+def test_hyperband_brackets_keep_their_shape_under_a_concurrency_limit(
+    ray_session, tmp_path, search, scheduler, limit
+):
+    # One band of 9 units at eta 3 is 17 trials: a bracket of 9 (6 stop at 1 step, 2 at 3,
+    # 1 runs all 9), one of 5 (3 stop at 3, 2 run 9) and one of 3 (all run 9). Ray counted
+    # paused trials against the limit and let trials join a bracket whose last trial had
+    # ended: at a limit of one, BOHB ran every trial after its first bracket to the end, and
+    # hyperband ran every trial to the end at either limit.
+    params = {"optimizer.lr": {"log_uniform": [1e-3, 1.0]}, "model.n_layer": 1}
+    _, results = _fit(search, scheduler, params, 1, 17, tmp_path, max_concurrent=limit)
+    assert results.num_errors == 0
+    ends = sorted(r.metrics[TIME_ATTR] // TOKENS_PER_STEP for r in results)
+    assert ends == [1] * 6 + [3] * 5 + [9] * 6, ends
+    assert _most_at_once(results) <= limit
+
+
+def test_a_bracket_stays_filled_after_its_trials_end():
+    from sweeper.sweep.hyperband import ClosingBracket
+
+    bracket = ClosingBracket(
+        time_attr=TIME_ATTR, max_trials=3, init_t_attr=1, max_t_attr=9, eta=3, s=2
+    )
+    for trial in ("a", "b"):
+        bracket.add_trial(trial)
+    assert not bracket.filled()
+    bracket.add_trial("c")
+    for trial in ("a", "b", "c"):
+        bracket.cleanup_trial(trial)  # a trial that completed, or was stopped
+    assert bracket.filled()  # Ray's _Bracket counts live trials: it took new ones again
 
 
 @pytest.mark.slow

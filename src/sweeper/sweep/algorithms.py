@@ -11,7 +11,6 @@ TuneConfig names one too. Ray, Optuna and hpbandster are imported lazily inside 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -150,6 +149,7 @@ def build_searcher(
     ``points``: complete ``{dotted name: value}`` configurations every searcher runs first
     (``space.parse_points`` checks them); they count towards ``num_samples``. The model-based
     searchers learn from their results like any other trial's.
+    ``max_concurrent`` counts trials that run, not those HyperBand/BOHB paused at a rung.
     """
     _check_name("search", search, SEARCHES)
     _check_mode(mode)
@@ -160,9 +160,9 @@ def build_searcher(
         raise ValueError("search 'grid' runs every grid value; it takes no points")
     points = [dict(point) for point in points or []]  # the searchers pop them
     if search in ("random", "grid"):
-        from ray.tune.search import BasicVariantGenerator
+        from sweeper.sweep.hyperband import RunningVariantGenerator
 
-        generator = BasicVariantGenerator(
+        generator = RunningVariantGenerator(
             max_concurrent=max_concurrent or 0, random_state=seed, points_to_evaluate=points
         )
         return generator, {**space.fixed, **to_tune(space)}
@@ -177,9 +177,9 @@ def build_searcher(
         points=points,
     )
     if max_concurrent is not None:
-        from ray.tune.search import ConcurrencyLimiter
+        from sweeper.sweep.hyperband import RunningLimiter
 
-        searcher = ConcurrencyLimiter(searcher, max_concurrent=max_concurrent)
+        searcher = RunningLimiter(searcher, max_concurrent=max_concurrent)
     return searcher, dict(space.fixed)
 
 
@@ -216,60 +216,6 @@ def rungs(scheduler: str, max_t: float, grace_period: float, reduction_factor: f
     return []
 
 
-@functools.cache
-def _grace_unit_scheduler(base: type) -> type:
-    """Subclass of a HyperBand scheduler that measures time in units of its smallest rung.
-
-    HyperBand has no grace period: its smallest rung is 1 time unit and it opens
-    log_eta(max_t) brackets, so with max_t counted in tokens (~1e9) it would open ~19
-    brackets and cut trials after a handful of tokens. Feeding it tokens / unit (see
-    ``hyperband_units``) makes the first rung the grace period, rounded up to a rung that
-    leads to the full budget. The key is added to the result in place because
-    HyperBandForBOHB's budget annotations on the same dict must reach TuneBOHB.
-    """
-
-    class GraceUnitScheduler(base):
-        def __init__(
-            self,
-            *,
-            time_attr: str,
-            max_t: float,
-            grace_period: float,
-            reduction_factor: int,
-            **kwargs: Any,
-        ) -> None:
-            unit, units = hyperband_units(max_t, grace_period, reduction_factor)
-            super().__init__(
-                time_attr=budget_key(time_attr),
-                max_t=units,
-                reduction_factor=reduction_factor,
-                **kwargs,
-            )
-            # Ray's own int(max_t * eta**-s) drops to 0 where eta**-s rounds below 1/eta**s
-            # (729 * 3**-6 = 0.999...); in whole units the first rung is exact.
-            self._get_r0 = lambda s: units // reduction_factor**s
-            self._source_time_attr = time_attr
-            self._unit = unit
-
-        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-            if self._source_time_attr in result:
-                # rounded: the full budget must read as exactly `units`, not 8.999999
-                units = round(result[self._source_time_attr] / self._unit, 9)
-                result[budget_key(self._source_time_attr)] = units
-            decision = super().on_trial_result(tune_controller, trial, result)
-            if decision == self.STOP and "budget" in result.get("hyperband_info", {}):
-                # Tune passes a result to the searcher only when the scheduler does not stop
-                # the trial, and HyperBandForBOHB stops the trial whose result completes a
-                # rung: TuneBOHB never saw the result that decided each rung (measured: 4
-                # of 12 full-budget results reached it), so its model started late and
-                # learnt from the weaker trials. Pass those results on.
-                tune_controller.search_alg.on_trial_result(trial.trial_id, result)
-            return decision
-
-    GraceUnitScheduler.__name__ = GraceUnitScheduler.__qualname__ = f"GraceUnit{base.__name__}"
-    return GraceUnitScheduler
-
-
 def check_reduction_factor(scheduler: str, reduction_factor: float) -> None:
     """Ray's HyperBand truncates rungs to whole units, so with a fractional eta its brackets
     never land on the full budget: refuse one for hyperband/bohb (ASHA takes any eta > 1)."""
@@ -298,6 +244,7 @@ def build_scheduler(
     max_t: float,
     grace_period: float,
     reduction_factor: float = 3,
+    max_concurrent: int | None = None,
 ) -> Any:
     """Return the Tune trial scheduler; ``max_t`` and ``grace_period`` are in ``time_attr``.
 
@@ -305,7 +252,8 @@ def build_scheduler(
     asha stops trials at rungs ``grace_period * reduction_factor**k``. hyperband/bohb stop
     them synchronously and pause trials between rungs, so the trainable must checkpoint;
     their rungs are ``max_t / reduction_factor**j``, the smallest no shorter than
-    ``grace_period`` (see ``hyperband_units``).
+    ``grace_period`` (see ``hyperband_units``). ``max_concurrent``: hyperband/bohb resume a
+    paused trial only while fewer trials run (pass the searcher's limit: see ``hyperband``).
     Pass ``metric=None, mode=None`` to take them from ``TuneConfig`` instead.
     """
     _check_name("scheduler", scheduler, SCHEDULERS)
@@ -325,12 +273,15 @@ def build_scheduler(
             grace_period=grace_period,
             reduction_factor=reduction_factor,
         )
+    from sweeper.sweep.hyperband import grace_unit_scheduler
+
     base = schedulers.HyperBandForBOHB if scheduler == "bohb" else schedulers.HyperBandScheduler
-    return _grace_unit_scheduler(base)(
+    return grace_unit_scheduler(base)(
         time_attr=time_attr,
         grace_period=grace_period,
         metric=metric,
         mode=mode,
         max_t=max_t,
         reduction_factor=int(reduction_factor),
+        max_concurrent=max_concurrent,
     )

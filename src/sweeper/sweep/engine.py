@@ -343,6 +343,7 @@ def run_stage(
         max_t=max_t,
         grace_period=max_t * spec.grace_fraction,
         reduction_factor=spec.reduction_factor,
+        max_concurrent=spec.concurrency,
     )
     workers = 1 if target else int(base["trainer"]["workers"])
     # a DDP trial only launches its TorchTrainer, whose workers hold the CPUs/GPUs

@@ -1,0 +1,195 @@
+"""Ray's HyperBand schedulers (``hyperband``, and ``bohb``'s HyperBandForBOHB) as the sweeps use
+them: time in units of the grace period, brackets that close once filled, and a concurrency
+limit that counts running trials, not paused ones.
+
+Imported lazily by ``algorithms`` (it imports Ray). Three faults of Ray 2.60 are fixed here,
+each measured with a limit of one trial at a time (ray-project/ray#12536 reports the first):
+
+- A bracket counts as filled while its live trials number its size, so once its last trial
+  completes it has room again: every later trial joins that finished bracket and runs to the
+  full budget. BOHB at ``sweep.concurrency=1`` pruned nothing after its first bracket.
+- Ray's concurrency limits (``ConcurrencyLimiter``, ``BasicVariantGenerator(max_concurrent)``)
+  count paused trials as running, so with N at once a bracket never holds more than N trials.
+- Plain HyperBand halves a bracket as soon as its live trials reach the rung, filled or not:
+  with those two, ``hyperband`` at any ``sweep.concurrency`` ran every trial to the end.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ray.tune.experiment import Trial
+from ray.tune.schedulers import HyperBandScheduler
+from ray.tune.schedulers.hyperband import _Bracket
+from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
+
+from sweeper.sweep.algorithms import budget_key, hyperband_units
+
+
+class ClosingBracket(_Bracket):
+    """A bracket takes its n0 trials and no more: filled means every slot was given once."""
+
+    def filled(self) -> bool:
+        return len(self._all_trials) >= self._n0
+
+
+class RunningLimiter(ConcurrencyLimiter):
+    """``ConcurrencyLimiter`` whose limit counts trials that run or wait to, not paused ones.
+
+    The schedulers below say when a trial pauses and when it is picked to go on (at that point
+    it counts again, so the searcher cannot take its place while it waits to resume).
+    """
+
+    def __init__(self, searcher: Any, max_concurrent: int) -> None:
+        super().__init__(searcher, max_concurrent=max_concurrent)
+        self.paused: set[str] = set()
+
+    def on_pause(self, trial_id: str) -> None:
+        if trial_id in self.live_trials:
+            self.live_trials.remove(trial_id)
+            self.paused.add(trial_id)
+        if hasattr(self.searcher, "on_pause"):  # TuneBOHB keeps its own count
+            self.searcher.on_pause(trial_id)
+
+    def on_unpause(self, trial_id: str) -> None:
+        if trial_id in self.paused:
+            self.paused.remove(trial_id)
+            self.live_trials.add(trial_id)
+        if hasattr(self.searcher, "on_unpause"):
+            self.searcher.on_unpause(trial_id)
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+        # a trial stopped while paused is still the searcher's to learn from
+        self.on_unpause(trial_id)
+        super().on_trial_complete(trial_id, result=result, error=error)
+
+
+class RunningVariantGenerator(BasicVariantGenerator):
+    """``BasicVariantGenerator`` whose ``max_concurrent`` counts running trials, not paused."""
+
+    def on_pause(self, trial_id: str) -> None:
+        self._live_trials.discard(trial_id)
+
+    def on_unpause(self, trial_id: str) -> None:
+        self._live_trials.add(trial_id)
+
+
+def _tell_searcher(tune_controller: Any, event: str, trial: Trial) -> None:
+    """Call ``on_pause``/``on_unpause`` on the searcher where it has one (the limiters above,
+    TuneBOHB); Ray's plain HyperBand tells no searcher, and Optuna's has no such hook."""
+    search_alg = tune_controller.search_alg
+    hook = getattr(getattr(search_alg, "searcher", search_alg), event, None)
+    if hook is not None:
+        hook(trial.trial_id)
+
+
+@functools.cache
+def grace_unit_scheduler(base: type) -> type:
+    """Subclass of a HyperBand scheduler that measures time in units of its smallest rung,
+    closes filled brackets, and runs at most ``max_concurrent`` trials at once.
+
+    HyperBand has no grace period: its smallest rung is 1 time unit and it opens
+    log_eta(max_t) brackets, so with max_t counted in tokens (~1e9) it would open ~19
+    brackets and cut trials after a handful of tokens. Feeding it tokens / unit (see
+    ``hyperband_units``) makes the first rung the grace period, rounded up to a rung that
+    leads to the full budget. The key is added to the result in place because
+    HyperBandForBOHB's budget annotations on the same dict must reach TuneBOHB.
+    """
+
+    class GraceUnitScheduler(base):
+        def __init__(
+            self,
+            *,
+            time_attr: str,
+            max_t: float,
+            grace_period: float,
+            reduction_factor: int,
+            max_concurrent: int | None = None,
+            **kwargs: Any,
+        ) -> None:
+            unit, units = hyperband_units(max_t, grace_period, reduction_factor)
+            super().__init__(
+                time_attr=budget_key(time_attr),
+                max_t=units,
+                reduction_factor=reduction_factor,
+                **kwargs,
+            )
+            # Ray's own int(max_t * eta**-s) drops to 0 where eta**-s rounds below 1/eta**s
+            # (729 * 3**-6 = 0.999...); in whole units the first rung is exact.
+            self._get_r0 = lambda s: units // reduction_factor**s
+            self._source_time_attr = time_attr
+            self._unit = unit
+            self._max_concurrent = max_concurrent
+            self._halving_unfilled = False
+
+        def _create_bracket(self, s: int) -> ClosingBracket:
+            return ClosingBracket(
+                time_attr=self._time_attr,
+                max_trials=self._get_n0(s),
+                init_t_attr=self._get_r0(s),
+                max_t_attr=self._max_t_attr,
+                eta=self._eta,
+                s=s,
+                stop_last_trials=self._stop_last_trials,
+            )
+
+        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+            if self._source_time_attr in result:
+                # rounded: the full budget must read as exactly `units`, not 8.999999
+                units = round(result[self._source_time_attr] / self._unit, 9)
+                result[budget_key(self._source_time_attr)] = units
+            decision = super().on_trial_result(tune_controller, trial, result)
+            if decision == self.PAUSE:
+                _tell_searcher(tune_controller, "on_pause", trial)
+            if decision == self.STOP and "budget" in result.get("hyperband_info", {}):
+                # Tune passes a result to the searcher only when the scheduler does not stop
+                # the trial, and HyperBandForBOHB stops the trial whose result completes a
+                # rung: TuneBOHB never saw the result that decided each rung (measured: 4
+                # of 12 full-budget results reached it), so its model started late and
+                # learnt from the weaker trials. Pass those results on.
+                tune_controller.search_alg.on_trial_result(trial.trial_id, result)
+            return decision
+
+        def _process_bracket(self, tune_controller: Any, bracket: Any) -> str:
+            # a rung is decided among all the bracket's trials: until the last has been
+            # given, the ones at the rung wait (plain HyperBand halved whatever was there)
+            if not bracket.filled() and not self._halving_unfilled:
+                return self.PAUSE
+            return super()._process_bracket(tune_controller, bracket)
+
+        def _unpause_trial(self, tune_controller: Any, trial: Any) -> None:
+            super()._unpause_trial(tune_controller, trial)
+            _tell_searcher(tune_controller, "on_unpause", trial)
+
+        def choose_trial_to_run(self, tune_controller: Any, allow_recurse: bool = True) -> Any:
+            trial = HyperBandScheduler.choose_trial_to_run(self, tune_controller)
+            active = [t for t in tune_controller.get_trials() if t.status in _ACTIVE]
+            if trial is None and not active:
+                # Nothing runs or waits, so no trial is coming to fill a bracket (the stage
+                # has proposed all it will): decide the rungs among the trials there are.
+                self._halving_unfilled = True
+                try:
+                    for band in self._hyperbands:
+                        for bracket in band:
+                            if bracket and any(
+                                t.status == Trial.PAUSED for t in bracket.current_trials()
+                            ):
+                                self._process_bracket(tune_controller, bracket)
+                finally:
+                    self._halving_unfilled = False
+                trial = HyperBandScheduler.choose_trial_to_run(self, tune_controller)
+            if (
+                trial is not None
+                and trial.status == Trial.PAUSED
+                and self._max_concurrent
+                and len(active) >= self._max_concurrent
+            ):
+                return None  # it goes on when a running trial pauses or ends
+            return trial
+
+    GraceUnitScheduler.__name__ = GraceUnitScheduler.__qualname__ = f"GraceUnit{base.__name__}"
+    return GraceUnitScheduler
+
+
+_ACTIVE = (Trial.RUNNING, Trial.PENDING)
