@@ -112,10 +112,12 @@ def test_build_searcher_splits_the_space(search):
     if search in MODEL_BASED:
         # The searcher owns the space; the Tuner only sees constants.
         assert param_space == space.fixed
-        assert type(alg).__name__ == "ConcurrencyLimiter"
+        assert type(alg).__name__ == "RunningLimiter"  # a limit that skips paused trials
+        assert alg.max_concurrent == 2
     else:
         assert set(param_space) == set(space.names) | set(space.fixed)
-        assert type(alg).__name__ == "BasicVariantGenerator"
+        assert type(alg).__name__ == "RunningVariantGenerator"
+        assert alg.max_concurrent == 2
 
 
 @pytest.mark.parametrize("scheduler", ["asha", "hyperband", "bohb"])
