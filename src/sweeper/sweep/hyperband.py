@@ -3,7 +3,7 @@ them: time in units of the grace period, brackets that close once filled, and a 
 limit that counts running trials, not paused ones.
 
 Imported lazily by ``algorithms`` (it imports Ray). Three faults of Ray 2.60 are fixed here,
-each measured with a limit of one trial at a time (ray-project/ray#12536 reports the first):
+each measured with a stand-in trainable (ray-project/ray#12536 reports the first):
 
 - A bracket counts as filled while its live trials number its size, so once its last trial
   completes it has room again: every later trial joins that finished bracket and runs to the
@@ -25,6 +25,8 @@ from ray.tune.schedulers.hyperband import _Bracket
 from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
 from sweeper.sweep.algorithms import budget_key, hyperband_units
+
+_ACTIVE = (Trial.RUNNING, Trial.PENDING)  # trials that hold, or are about to hold, a slot
 
 
 class ClosingBracket(_Bracket):
@@ -60,8 +62,9 @@ class RunningLimiter(ConcurrencyLimiter):
             self.searcher.on_unpause(trial_id)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
-        # a trial stopped while paused is still the searcher's to learn from
-        self.on_unpause(trial_id)
+        if trial_id in self.paused:  # stopped while paused: still the searcher's to learn from
+            self.paused.remove(trial_id)
+            self.live_trials.add(trial_id)  # the parent passes on only trials it counts
         super().on_trial_complete(trial_id, result=result, error=error)
 
 
@@ -190,6 +193,3 @@ def grace_unit_scheduler(base: type) -> type:
 
     GraceUnitScheduler.__name__ = GraceUnitScheduler.__qualname__ = f"GraceUnit{base.__name__}"
     return GraceUnitScheduler
-
-
-_ACTIVE = (Trial.RUNNING, Trial.PENDING)
