@@ -20,7 +20,7 @@ import functools
 from typing import Any
 
 from ray.tune.experiment import Trial
-from ray.tune.schedulers import HyperBandScheduler
+from ray.tune.schedulers import HyperBandForBOHB, HyperBandScheduler
 from ray.tune.schedulers.hyperband import _Bracket
 from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
@@ -125,6 +125,10 @@ def grace_unit_scheduler(base: type) -> type:
             self._unit = unit
             self._max_concurrent = max_concurrent
             self._halving_unfilled = False
+            # Plain HyperBand runs the least complete bracket first, for fairness. BOHB goes
+            # on with the oldest, as Ray's HyperBandForBOHB does: its model needs results at
+            # the larger budgets, and the oldest bracket is the one closest to giving them.
+            self._oldest_bracket_first = issubclass(base, HyperBandForBOHB)
 
         def _create_bracket(self, s: int) -> ClosingBracket:
             return ClosingBracket(
@@ -165,8 +169,21 @@ def grace_unit_scheduler(base: type) -> type:
             super()._unpause_trial(tune_controller, trial)
             _tell_searcher(tune_controller, "on_unpause", trial)
 
+        def _next_in_brackets(self, tune_controller: Any) -> Any:
+            """A trial waiting to start, or promoted and paused, in the bracket to go on."""
+            if not self._oldest_bracket_first:
+                return HyperBandScheduler.choose_trial_to_run(self, tune_controller)
+            for band in self._hyperbands:
+                for bracket in band:
+                    for trial in bracket.current_trials() if bracket else ():
+                        if trial.status == Trial.PENDING or (
+                            trial.status == Trial.PAUSED and trial in bracket.trials_to_unpause
+                        ):
+                            return trial
+            return None
+
         def choose_trial_to_run(self, tune_controller: Any, allow_recurse: bool = True) -> Any:
-            trial = HyperBandScheduler.choose_trial_to_run(self, tune_controller)
+            trial = self._next_in_brackets(tune_controller)
             active = [t for t in tune_controller.get_trials() if t.status in _ACTIVE]
             if trial is None and not active:
                 # Nothing runs or waits, so no trial is coming to fill a bracket (the stage
@@ -181,7 +198,7 @@ def grace_unit_scheduler(base: type) -> type:
                                 self._process_bracket(tune_controller, bracket)
                 finally:
                     self._halving_unfilled = False
-                trial = HyperBandScheduler.choose_trial_to_run(self, tune_controller)
+                trial = self._next_in_brackets(tune_controller)
             if (
                 trial is not None
                 and trial.status == Trial.PAUSED
