@@ -101,6 +101,11 @@ def grace_unit_scheduler(base: type) -> type:
     """
 
     class GraceUnitScheduler(base):
+        # Plain HyperBand runs the least complete bracket first, for fairness. BOHB goes on
+        # with the oldest, as Ray's HyperBandForBOHB does: its model needs results at the
+        # larger budgets, and the oldest bracket is the one closest to giving them.
+        _oldest_bracket_first = issubclass(base, HyperBandForBOHB)
+
         def __init__(
             self,
             *,
@@ -125,10 +130,6 @@ def grace_unit_scheduler(base: type) -> type:
             self._unit = unit
             self._max_concurrent = max_concurrent
             self._halving_unfilled = False
-            # Plain HyperBand runs the least complete bracket first, for fairness. BOHB goes
-            # on with the oldest, as Ray's HyperBandForBOHB does: its model needs results at
-            # the larger budgets, and the oldest bracket is the one closest to giving them.
-            self._oldest_bracket_first = issubclass(base, HyperBandForBOHB)
 
         def _create_bracket(self, s: int) -> ClosingBracket:
             return ClosingBracket(
