@@ -258,6 +258,7 @@ def test_every_hyperband_bracket_ends_on_the_full_budget(scheduler, grace_fracti
             {"scheduler": "bohb", "reduction_factor": 2.5},
             "scheduler 'bohb' needs a whole reduction_factor, got 2.5",
         ),
+        ({"scheduler": "hyperband", "brackets": 0}, "brackets must be >= 1 or None, got 0"),
     ],
 )
 def test_build_scheduler_refuses(kwargs, fragment):
@@ -271,6 +272,7 @@ def test_build_scheduler_refuses(kwargs, fragment):
             max_t=9,
             grace_period=args["grace_period"],
             reduction_factor=args["reduction_factor"],
+            brackets=args.get("brackets"),
         )
     assert fragment in str(info.value)
 
@@ -377,6 +379,7 @@ def _fit(
     tmp_path,
     points=None,
     max_concurrent=None,
+    brackets=None,
     **tune_config,
 ):
     """A real Tune run of quadratic_trainable: (searcher, Tune's results)."""
@@ -400,6 +403,7 @@ def _fit(
         max_t=STEPS * TOKENS_PER_STEP,
         grace_period=grace_steps * TOKENS_PER_STEP,
         max_concurrent=max_concurrent,
+        brackets=brackets,
     )
     tuner = tune.Tuner(
         quadratic_trainable,
@@ -502,6 +506,65 @@ def test_hyperband_brackets_keep_their_shape_under_a_concurrency_limit(
     ends = sorted(r.metrics[TIME_ATTR] // TOKENS_PER_STEP for r in results)
     assert ends == [1] * 6 + [3] * 5 + [9] * 6, ends
     assert _most_at_once(results) <= limit
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_bohb_with_one_bracket_halves_every_bracket_from_the_first_rung(ray_session, tmp_path):
+    # sweep.brackets=1: each bracket of 9 stops 6 trials at 1 step and 2 at 3; 1 runs all 9
+    params = {"optimizer.lr": {"log_uniform": [1e-3, 1.0]}, "model.n_layer": 1}
+    _, results = _fit("bohb", "bohb", params, 1, 18, tmp_path, max_concurrent=2, brackets=1)
+    assert results.num_errors == 0
+    ends = sorted(r.metrics[TIME_ATTR] // TOKENS_PER_STEP for r in results)
+    assert ends == [1] * 12 + [3] * 4 + [9] * 2, ends
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "brackets", "opened"),
+    [
+        # (trials, first rung in units) of the brackets 21 trials open, in order: a band of
+        # all three, or the most aggressive ones only
+        ("bohb", None, [(9, 1), (5, 3), (3, 9), (4, 1)]),
+        ("bohb", 1, [(9, 1), (9, 1), (3, 1)]),
+        ("bohb", 2, [(9, 1), (5, 3), (7, 1)]),
+        ("hyperband", None, [(3, 9), (5, 3), (9, 1), (3, 9), (1, 3)]),
+        ("hyperband", 1, [(9, 1), (9, 1), (3, 1)]),
+        ("hyperband", 2, [(5, 3), (9, 1), (5, 3), (2, 1)]),
+        ("hyperband", 7, [(3, 9), (5, 3), (9, 1), (3, 9), (1, 3)]),  # more than exist: all
+    ],
+)
+def test_brackets_keeps_the_most_aggressive_brackets(scheduler, brackets, opened):
+    from ray.tune.experiment import Trial
+
+    built = build_scheduler(
+        scheduler,
+        metric=METRIC,
+        mode=MODE,
+        time_attr=TIME_ATTR,
+        max_t=9.0,
+        grace_period=1.0,
+        brackets=brackets,
+    )
+    seen: dict = {}  # bracket -> trials it took, in the order brackets opened
+    for _ in range(21):
+        trial = Trial("stand_in", stub=True)
+        built.on_trial_add(None, trial)
+        bracket = built._trial_info[trial][0]
+        seen[bracket] = seen.get(bracket, 0) + 1
+    assert [(taken, bracket._r0) for bracket, taken in seen.items()] == opened
+
+
+def test_asha_takes_brackets_from_the_sweep():
+    built = build_scheduler(
+        "asha",
+        metric=METRIC,
+        mode=MODE,
+        time_attr=TIME_ATTR,
+        max_t=9.0,
+        grace_period=1.0,
+        brackets=2,
+    )
+    assert len(built._brackets) == 2
 
 
 def test_a_bracket_stays_filled_after_its_trials_end():

@@ -41,12 +41,15 @@ ALLOWED = [
 def test_every_allowed_searcher_scheduler_pair_runs_the_real_trainable(
     ray_cluster, tmp_path, capsys, search, scheduler
 ):
+    # one pair runs HyperBand as successive halving: one of its two brackets
+    one_bracket = (search, scheduler) == ("tpe", "hyperband")
     summary = sweep(
         tmp_path,
         f"sweep.stages.0.search={search}",
         f"sweep.stages.0.scheduler={scheduler}",
         "sweep.stages.0.num_samples=3",
         "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+        *(["sweep.brackets=1"] if one_bracket else []),
     )
     lr_stage = summary["stages"][0]
     assert lr_stage["trials"] == 3
@@ -60,6 +63,7 @@ def test_every_allowed_searcher_scheduler_pair_runs_the_real_trainable(
     else:
         stops = "25%, 75%" if scheduler == "asha" else "33%"
         assert f"rungs at {stops} of it" in header, header
+    assert ("1 of its 2 brackets" in header) == one_bracket, header
 
 
 def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(ray_cluster, tmp_path):
@@ -172,6 +176,7 @@ REFUSED = [
     (["sweep.mode=lowest"], "sweep.mode"),
     (["sweep.stages.0.scheduler=hyperband", "sweep.reduction_factor=2.5"], "reduction_factor"),
     (["sweep.stages=[]"], "no stages"),
+    (["sweep.brackets=0"], "sweep.brackets must be >= 1"),
     (["sweep.bohb.random_fraction=1.5"], "sweep.bohb.random_fraction"),
     (["sweep.bohb.top_n_percent=0"], "sweep.bohb.top_n_percent"),
     (["trainable._target_=no.such.module.fn"], "trainable"),

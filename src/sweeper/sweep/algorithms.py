@@ -245,6 +245,7 @@ def build_scheduler(
     grace_period: float,
     reduction_factor: float = 3,
     max_concurrent: int | None = None,
+    brackets: int | None = None,
 ) -> Any:
     """Return the Tune trial scheduler; ``max_t`` and ``grace_period`` are in ``time_attr``.
 
@@ -254,12 +255,17 @@ def build_scheduler(
     their rungs are ``max_t / reduction_factor**j``, the smallest no shorter than
     ``grace_period`` (see ``hyperband_units``). ``max_concurrent``: hyperband/bohb resume a
     paused trial only while fewer trials run (pass the searcher's limit: see ``hyperband``).
+    ``brackets``: how many brackets hyperband/bohb cycle through, the most aggressive kept
+    (None: all of them, as HyperBand is published; 1: successive halving from
+    ``grace_period``), and ASHA's own ``brackets`` (None: Ray's 1).
     Pass ``metric=None, mode=None`` to take them from ``TuneConfig`` instead.
     """
     _check_name("scheduler", scheduler, SCHEDULERS)
     if mode is not None:
         _check_mode(mode)
     _check_time_axis(scheduler, max_t, grace_period, reduction_factor)
+    if brackets is not None and brackets < 1:
+        raise ValueError(f"brackets must be >= 1 or None, got {brackets!r}")
     from ray.tune import schedulers
 
     if scheduler == "fifo":
@@ -272,6 +278,7 @@ def build_scheduler(
             max_t=max_t,
             grace_period=grace_period,
             reduction_factor=reduction_factor,
+            brackets=brackets or 1,
         )
     from sweeper.sweep.hyperband import grace_unit_scheduler
 
@@ -284,4 +291,5 @@ def build_scheduler(
         max_t=max_t,
         reduction_factor=int(reduction_factor),
         max_concurrent=max_concurrent,
+        brackets=brackets,
     )

@@ -344,6 +344,7 @@ def run_stage(
         grace_period=max_t * spec.grace_fraction,
         reduction_factor=spec.reduction_factor,
         max_concurrent=spec.concurrency,
+        brackets=spec.brackets,
     )
     workers = 1 if target else int(base["trainer"]["workers"])
     # a DDP trial only launches its TorchTrainer, whose workers hold the CPUs/GPUs
@@ -371,9 +372,13 @@ def run_stage(
     )
     experiment = out / "ray" / run_config.name
     stops = rungs(scheduler_name, max_t, max_t * spec.grace_fraction, spec.reduction_factor)
+    levels = len(stops) + 1  # HyperBand's brackets: one per budget level
     notes = [
         f"{len(points)} given point{'s' * (len(points) > 1)} first" if points else None,
         f"rungs at {', '.join(f'{t / max_t:.0%}' for t in stops)} of it" if stops else None,
+        f"{min(spec.brackets, levels)} of its {levels} brackets"
+        if spec.brackets and scheduler_name in ("hyperband", "bohb")
+        else None,
         random_start(search, space, planned, given=len(points)),
     ]
     print(

@@ -90,7 +90,8 @@ def _tell_searcher(tune_controller: Any, event: str, trial: Trial) -> None:
 @functools.cache
 def grace_unit_scheduler(base: type) -> type:
     """Subclass of a HyperBand scheduler that measures time in units of its smallest rung,
-    closes filled brackets, and runs at most ``max_concurrent`` trials at once.
+    closes filled brackets, runs at most ``max_concurrent`` trials at once, and cycles
+    through the ``brackets`` most aggressive brackets only (1: successive halving).
 
     HyperBand has no grace period: its smallest rung is 1 time unit and it opens
     log_eta(max_t) brackets, so with max_t counted in tokens (~1e9) it would open ~19
@@ -101,10 +102,11 @@ def grace_unit_scheduler(base: type) -> type:
     """
 
     class GraceUnitScheduler(base):
-        # Plain HyperBand runs the least complete bracket first, for fairness. BOHB goes on
-        # with the oldest, as Ray's HyperBandForBOHB does: its model needs results at the
-        # larger budgets, and the oldest bracket is the one closest to giving them.
-        _oldest_bracket_first = issubclass(base, HyperBandForBOHB)
+        # Ray's HyperBandForBOHB differs from its HyperBand twice, and both are kept: it opens
+        # the most aggressive bracket first (HyperBand the one that stops nothing), and it
+        # goes on with the oldest bracket (HyperBand the least complete, for fairness): its
+        # model needs results at the larger budgets, and the oldest bracket is closest to them.
+        _is_bohb = issubclass(base, HyperBandForBOHB)
 
         def __init__(
             self,
@@ -114,6 +116,7 @@ def grace_unit_scheduler(base: type) -> type:
             grace_period: float,
             reduction_factor: int,
             max_concurrent: int | None = None,
+            brackets: int | None = None,
             **kwargs: Any,
         ) -> None:
             unit, units = hyperband_units(max_t, grace_period, reduction_factor)
@@ -123,6 +126,9 @@ def grace_unit_scheduler(base: type) -> type:
                 reduction_factor=reduction_factor,
                 **kwargs,
             )
+            # how many brackets a band cycles through, the most aggressive kept: 1 is
+            # successive halving from the first rung (Ray's ASHA runs one bracket too)
+            self._bracket_count = min(brackets or self._s_max_1, self._s_max_1)
             # Ray's own int(max_t * eta**-s) drops to 0 where eta**-s rounds below 1/eta**s
             # (729 * 3**-6 = 0.999...); in whole units the first rung is exact.
             self._get_r0 = lambda s: units // reduction_factor**s
@@ -131,7 +137,14 @@ def grace_unit_scheduler(base: type) -> type:
             self._max_concurrent = max_concurrent
             self._halving_unfilled = False
 
+        def _cur_band_filled(self) -> bool:
+            return len(self._hyperbands[self._state["band_idx"]]) >= self._bracket_count
+
         def _create_bracket(self, s: int) -> ClosingBracket:
+            if not self._is_bohb:
+                # Ray's HyperBand counts s up from 0, the bracket that stops nothing:
+                # shift it so that the band keeps the most aggressive brackets
+                s += self._s_max_1 - self._bracket_count
             return ClosingBracket(
                 time_attr=self._time_attr,
                 max_trials=self._get_n0(s),
@@ -172,7 +185,7 @@ def grace_unit_scheduler(base: type) -> type:
 
         def _next_in_brackets(self, tune_controller: Any) -> Any:
             """A trial waiting to start, or promoted and paused, in the bracket to go on."""
-            if not self._oldest_bracket_first:
+            if not self._is_bohb:
                 return HyperBandScheduler.choose_trial_to_run(self, tune_controller)
             for band in self._hyperbands:
                 for bracket in band:

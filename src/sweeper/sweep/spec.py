@@ -68,6 +68,7 @@ class SweepSpec:
     reports_per_trial: int = 8
     grace_fraction: float = 0.25
     reduction_factor: float = 3.0
+    brackets: int | None = None  # null: all of HyperBand's, ASHA's one
     bohb: BohbSpec = field(default_factory=BohbSpec)
     penalty: float | None = None
     seed: int = 0
@@ -211,6 +212,10 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
     _check(
         spec.reduction_factor > 1,
         f"sweep.reduction_factor must be > 1, got {spec.reduction_factor}",
+    )
+    _check(
+        spec.brackets is None or spec.brackets >= 1,
+        f"sweep.brackets must be >= 1 or null, got {spec.brackets}",
     )
     _check_bohb(spec.bohb)
     _check(spec.max_failures >= 0, "sweep.max_failures must be >= 0")
