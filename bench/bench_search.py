@@ -94,6 +94,14 @@ METHODS = {
         "sweep.bohb.random_fraction=0.1",
         "sweep.bohb.bandwidth_factor=1",
     ],
+    # BOHB as successive halving (sweep.brackets=1): every bracket starts 9 trials at 1/9,
+    # 3 go on to 1/3 and 1 to the end, with hpbandster's model as it comes
+    "bohb_sh": [
+        "sweep.stages.0.search=bohb",
+        "sweep.stages.0.scheduler=bohb",
+        "sweep.grace_fraction=0.111",
+        "sweep.brackets=1",
+    ],
     # the sweeps' default: TPE's first 10 trials are random, then its model proposes
     "tpe_asha": ["sweep.stages.0.search=tpe", "sweep.stages.0.scheduler=asha"],
 }
