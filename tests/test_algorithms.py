@@ -519,6 +519,19 @@ def test_bohb_with_one_bracket_halves_every_bracket_from_the_first_rung(ray_sess
     assert ends == [1] * 12 + [3] * 4 + [9] * 2, ends
 
 
+def _nine_units(scheduler: str, **kwargs):
+    """A scheduler over 9 time units from a first rung of 1: HyperBand's 3 brackets at eta 3."""
+    return build_scheduler(
+        scheduler,
+        metric=METRIC,
+        mode=MODE,
+        time_attr=TIME_ATTR,
+        max_t=9.0,
+        grace_period=1.0,
+        **kwargs,
+    )
+
+
 @pytest.mark.parametrize(
     ("scheduler", "brackets", "opened"),
     [
@@ -536,15 +549,7 @@ def test_bohb_with_one_bracket_halves_every_bracket_from_the_first_rung(ray_sess
 def test_brackets_keeps_the_most_aggressive_brackets(scheduler, brackets, opened):
     from ray.tune.experiment import Trial
 
-    built = build_scheduler(
-        scheduler,
-        metric=METRIC,
-        mode=MODE,
-        time_attr=TIME_ATTR,
-        max_t=9.0,
-        grace_period=1.0,
-        brackets=brackets,
-    )
+    built = _nine_units(scheduler, brackets=brackets)
     seen: dict = {}  # bracket -> trials it took, in the order brackets opened
     for _ in range(21):
         trial = Trial("stand_in", stub=True)
@@ -555,15 +560,7 @@ def test_brackets_keeps_the_most_aggressive_brackets(scheduler, brackets, opened
 
 
 def test_asha_takes_brackets_from_the_sweep():
-    built = build_scheduler(
-        "asha",
-        metric=METRIC,
-        mode=MODE,
-        time_attr=TIME_ATTR,
-        max_t=9.0,
-        grace_period=1.0,
-        brackets=2,
-    )
+    built = _nine_units("asha", brackets=2)
     assert len(built._brackets) == 2
 
 
@@ -592,9 +589,7 @@ def test_bohb_resumes_the_oldest_bracket_first(scheduler, first):
 
     from ray.tune.experiment import Trial
 
-    built = build_scheduler(
-        scheduler, metric=METRIC, mode=MODE, time_attr=TIME_ATTR, max_t=9.0, grace_period=1.0
-    )
+    built = _nine_units(scheduler)
     trials = [Trial("stand_in", stub=True)]
     built.on_trial_add(None, trials[0])
     oldest = built._trial_info[trials[0]][0]
