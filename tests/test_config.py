@@ -69,6 +69,7 @@ BAD_INPUTS = [
     (["trainer.max_steps=5"], "exactly one"),
     (["scheduler.warmup_ratio=1.5"], "scheduler.warmup_ratio"),
     (["model.head_dim=48"], "model.head_dim"),
+    (["trainer.max_loss_patience=0"], "trainer.max_loss_patience"),
 ]
 
 

@@ -99,6 +99,32 @@ def test_divergence_ends_the_run_with_status_not_exception():
     assert "at step" in result["reason"] and seen[-1]["reason"] == result["reason"]
 
 
+def test_a_loss_over_the_limit_ends_the_run_only_once_it_stays_there():
+    """A run whose loss is over max_loss for its first two steps and under it after, as a
+    hard batch lifts a slowly learning run's loss for a step or two: it goes on under a
+    patience of 3, and ends at step 2 under a patience of 2. A loss that stays over the
+    limit ends the run at the step the patience runs out."""
+    steps = 10
+    trace = train(tiny(trainer={"max_steps": steps}), verbose=False)["loss_trace"]
+    limit = (trace[1] + trace[2]) / 2
+    assert min(trace[:2]) > limit > max(trace[2:]), trace  # the run this test needs
+
+    def run(patience, max_loss):
+        cfg = tiny(
+            trainer={"max_steps": steps, "max_loss": max_loss, "max_loss_patience": patience}
+        )
+        return train(cfg, verbose=False)
+
+    survived = run(3, limit)
+    assert survived["status"] == "completed" and survived["steps"] == steps
+    assert survived["loss_trace"] == trace
+    stopped = run(2, limit)
+    assert stopped["status"] == "diverged" and stopped["steps"] == 2
+    assert "at step 2" in stopped["reason"] and "for 2 steps" in stopped["reason"]
+    always_over = run(4, trace[-1] / 10)
+    assert always_over["status"] == "diverged" and always_over["steps"] == 4
+
+
 @pytest.mark.parametrize(
     "total_steps, eval_every, expected",
     [

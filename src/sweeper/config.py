@@ -184,6 +184,7 @@ class TrainerConfig:
     log_every: int = 5
     grad_clip: float = 1.0
     max_loss: float | None = None
+    max_loss_patience: int = 3
     seed: int = 0
     workers: int = 1
     dist_timeout_s: int = 60
@@ -214,6 +215,10 @@ class TrainerConfig:
         _positive("trainer.dist_timeout_s", self.dist_timeout_s)
         _require(self.grad_clip >= 0, f"trainer.grad_clip must be >= 0, got {self.grad_clip}")
         _positive("trainer.max_loss", self.max_loss)
+        _require(
+            self.max_loss_patience >= 1,
+            f"trainer.max_loss_patience must be >= 1, got {self.max_loss_patience}",
+        )
         _positive("trainer.threads", self.threads)
         _positive("trainer.nan_at_step", self.nan_at_step)
         budgets = [k for k in BUDGET_KEYS if getattr(self, k) is not None]
