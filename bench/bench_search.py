@@ -105,6 +105,15 @@ METHODS = {
         "sweep.grace_fraction=0.111",
         "sweep.brackets=1",
     ],
+    # the control for bohb_sh: the same scheduler and brackets, every proposal random
+    # (hpbandster draws at random when a uniform draw falls under random_fraction)
+    "bohb_sh_random": [
+        "sweep.stages.0.search=bohb",
+        "sweep.stages.0.scheduler=bohb",
+        "sweep.grace_fraction=0.111",
+        "sweep.brackets=1",
+        "sweep.bohb.random_fraction=1",
+    ],
     # the sweeps' default: TPE's first 10 trials are random, then its model proposes
     "tpe_asha": ["sweep.stages.0.search=tpe", "sweep.stages.0.scheduler=asha"],
 }
