@@ -144,7 +144,6 @@ class Bracket:
     size: int  # trials it is given (n0)
     rungs: list[int]  # reports at which its rungs fall, the last is the full trial
     trials: list[dict] = field(default_factory=list)
-    keep: int = 0  # trials still going on
 
     def filled(self) -> bool:
         return len(self.trials) >= self.size
