@@ -70,8 +70,8 @@ def _train_one(point: tuple[float, float]) -> list[float]:
     tree = OmegaConf.to_container(compose(overrides), resolve=True)
     for key in ("sweep", "ray", "mlflow", "trainable", "hydra", "fit"):
         tree.pop(key, None)
-    history = train(tree, verbose=False)["history"]
-    return [h["val_bpb"] for h in history]
+    values = [h["val_bpb"] for h in train(tree, verbose=False)["history"]]
+    return values + [float("nan")] * (REPORTS - len(values))  # a diverged run ends early
 
 
 def record_grid(n: int, path: Path) -> dict:
