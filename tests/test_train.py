@@ -15,7 +15,13 @@ from sweeper.config import load_run_config
 from sweeper.data import BatchSampler, load_data
 from sweeper.model import GPT, GPTShape
 from sweeper.runtime import keep_freed_memory_for_reuse, release_freed_memory
-from sweeper.train import evaluate, is_eval_step, resolve_total_steps, train
+from sweeper.train import (
+    DivergenceWatch,
+    evaluate,
+    is_eval_step,
+    resolve_total_steps,
+    train,
+)
 
 from .conftest import tiny
 
@@ -120,9 +126,81 @@ def test_a_loss_over_the_limit_ends_the_run_only_once_it_stays_there():
     assert survived["loss_trace"] == trace
     stopped = run(2, limit)
     assert stopped["status"] == "diverged" and stopped["steps"] == 2
-    assert "at step 2" in stopped["reason"] and "for 2 steps" in stopped["reason"]
+    assert "at step 2" in stopped["reason"] and "for 2 steps)" in stopped["reason"]
     always_over = run(4, trace[-1] / 10)
     assert always_over["status"] == "diverged" and always_over["steps"] == 4
+
+
+LN_V = math.log(256)
+LIMIT = 1.5 * LN_V
+
+
+@pytest.mark.parametrize(
+    "losses, patience, diverged_at, words",
+    [
+        # a low-LR run's spike (the search bench's grid): 4 steps over the limit, recovered
+        ([3.2, 9.2, 10.3, 10.6, 10.5, 3.1, 3.0], 6, None, None),
+        ([3.2, 9.2, 10.3, 10.6, 10.5, 3.1, 3.0], 4, 5, "over the limit 8.32 for 4 steps"),
+        ([3.2, 9.2, 3.1], 1, 2, "over the limit 8.32)"),
+        ([3.0, 9.0, 9.0, 4.0, 9.0, 9.0, 9.0, 3.0], 4, None, None),  # two spikes, not one
+        # AdamW at LR 100 (batch 1024, then 512): over the limit, then a dead output, at
+        # ln(V) to float precision
+        ([LN_V - 2e-4, 8.77, 30.1, 27.7] + [LN_V + 1.5e-6] * 6, 6, 10, "uniform guess for 6"),
+        ([LN_V - 4e-4, 30.0, 27.0, 9.0, LN_V + 0.06] + [LN_V + 1.5e-6] * 7, 6, 11, "uniform"),
+        # a run that learned and then collapsed to a uniform guess without a spike
+        ([5.0, 4.0, 3.0] + [LN_V - 1e-6] * 3, 3, 6, "train loss 5.545 at step 6 (a uniform"),
+        ([5.0, 4.0, 3.0, LN_V, LN_V, 3.0, LN_V, LN_V, 3.0], 3, None, None),
+        # a run at a tiny LR has never moved off ln(V): left alone however close it stays
+        ([LN_V - 2e-4, LN_V - 1.5e-4] + [LN_V + 1.5e-6] * 10, 6, None, None),
+        ([3.0, float("nan")], 6, 2, "nan at step 2"),
+        ([3.0, float("inf")], 6, 2, "inf at step 2"),
+    ],
+)
+def test_divergence_watch_waits_out_a_spike_but_not_a_dead_output(
+    losses, patience, diverged_at, words
+):
+    watch = DivergenceWatch(LIMIT, patience, 256)
+    reasons = [(step, watch.check(loss, step)) for step, loss in enumerate(losses, 1)]
+    found = [(step, reason) for step, reason in reasons if reason]
+    if diverged_at is None:
+        assert not found
+    else:
+        step, reason = found[0]
+        assert step == diverged_at and words in reason and f"at step {step}" in reason
+
+
+def test_a_low_lr_spike_is_waited_out_and_a_collapse_to_a_uniform_guess_is_not():
+    """Real runs of the search bench's trial (64 steps of 1024 tokens). A low-LR run spikes over the
+    limit for 3 steps and learns on: the default patience lets it, a patience of 1 does
+    not. AdamW at LR 100 spikes for 3 steps and then sits at ln(256) (under the limit)
+    until its weights go NaN at step 18: the watch ends it at step 10, its 6th there."""
+    batch = {"total_batch_size": 1024, "max_steps": 64}
+    low_lr = {"matrix_lr": 0.001, "embedding_lr": 0.01}
+    patient = train(tiny(optimizer=low_lr, trainer=batch), verbose=False)
+    assert patient["status"] == "completed" and patient["steps"] == 64
+    spiked = [loss > LIMIT for loss in patient["loss_trace"]]
+    assert 1 < sum(spiked) < 6  # the spike this test is about
+    assert patient["loss_trace"][-1] < patient["loss_trace"][spiked.index(True) - 1]
+    hasty = train(tiny(optimizer=low_lr, trainer={**batch, "max_loss_patience": 1}), verbose=False)
+    assert hasty["status"] == "diverged" and hasty["steps"] == spiked.index(True) + 1
+
+    adamw = {"name": "adamw", "lr": 100.0, "weight_decay": 0.1, "adam_beta1": 0.9}  # conf's
+    dead = train(tiny(optimizer=adamw, trainer=batch), verbose=False)
+    assert dead["status"] == "diverged" and dead["steps"] == 10, dead.get("reason")
+    assert "uniform guess" in dead["reason"]
+    assert dead["loss_trace"][-1] == pytest.approx(LN_V, abs=1e-5)  # under the limit
+
+    # paused at step 8 (4 steps at ln(256)) and resumed: the streak goes on, not over
+    states = []
+    paused = {**batch, "eval_every": 4, "checkpoint_every_eval": True}
+
+    def keep(metrics, state=None):
+        if metrics["step"] == 8:
+            states.append(copy.deepcopy(state()))
+
+    train(tiny(optimizer=adamw, trainer=paused), keep, verbose=False)
+    resumed = train(tiny(optimizer=adamw, trainer=paused), resume_state=states[0], verbose=False)
+    assert resumed["status"] == "diverged" and resumed["steps"] == 10
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,46 @@ def is_eval_step(step: int, total_steps: int, eval_every: int) -> bool:
     return step % eval_every == 0 and 2 * (total_steps - step) >= eval_every
 
 
+class DivergenceWatch:
+    """Tells a diverged run from one that spikes and recovers, one train loss at a time.
+
+    A NaN/inf loss is a divergence at once. So is a loss over `max_loss` for `patience`
+    steps in a row, and a loss at exactly ln(V) for `patience` steps in a row once it has
+    been off it: a dead output, every logit equal, guessing uniformly. Both were measured on
+    the search bench's model: all 15 runs of its low-LR corner went over 1.5 ln(V) for 1-5
+    steps and went on to learn, while AdamW at LR 30 or 100 went over the limit for a few
+    steps, then fell to ln(V), under the limit, and stayed there until its weights went
+    NaN. A run that has never moved off ln(V) (a tiny LR) is left alone.
+    """
+
+    # a dead output gives ln(V) to ~1e-6; a live one is 2e-4 or more off it even at init
+    UNIFORM_TOLERANCE = 2e-5
+    MOVED = 0.1  # nats off ln(V): the run has learned something, or spiked
+
+    def __init__(self, max_loss: float, patience: int, vocab_size: int) -> None:
+        self.max_loss, self.patience = max_loss, patience
+        self.uniform_loss = math.log(vocab_size)
+        # steps in a row over the limit, and at a uniform guess
+        self.over, self.uniform = 0, 0
+        self.moved = False
+
+    def check(self, loss: float, step: int) -> str | None:
+        """The reason the run has diverged at this step, or None."""
+        if not math.isfinite(loss):
+            return f"train loss {loss:.4g} at step {step}"
+        off = abs(loss - self.uniform_loss)
+        self.moved = self.moved or off > self.MOVED
+        self.over = self.over + 1 if loss > self.max_loss else 0
+        self.uniform = self.uniform + 1 if self.moved and off < self.UNIFORM_TOLERANCE else 0
+        steps = max(self.over, self.uniform)
+        if steps < self.patience:
+            return None
+        what = f"over the limit {self.max_loss:.3g}" if self.over else "a uniform guess"
+        return f"train loss {loss:.4g} at step {step} ({what}" + (
+            f" for {steps} steps)" if steps > 1 else ")"
+        )
+
+
 @torch.no_grad()
 def evaluate(model, data, cfg: RunConfig, device, dtype, rank: int, world: int) -> float:
     """Validation bits per byte (bits per token when bytes_per_token is unknown)."""
@@ -110,7 +150,6 @@ def train(
     eval_every = math.ceil(total_steps / t.num_evals) if t.num_evals else t.eval_every
     tokens_per_step = t.total_batch_size
     max_loss = t.max_loss or 1.5 * math.log(cfg.model.vocab_size)
-    over_limit = 0  # consecutive steps with the loss above max_loss (not kept across a resume)
 
     step, history, loss_trace = 0, [], []
     if resume_state is not None:
@@ -119,6 +158,9 @@ def train(
         torch.set_rng_state(resume_state["torch_rng"])
         step, history = resume_state["step"], list(resume_state["history"])
         loss_trace = list(resume_state["loss_trace"])
+    divergence = DivergenceWatch(max_loss, t.max_loss_patience, cfg.model.vocab_size)
+    for past_step, past_loss in enumerate(loss_trace, 1):  # a resumed run's streaks go on
+        divergence.check(past_loss, past_step)
 
     train_model = model
     use_compile = t.compile == "true" or (t.compile == "auto" and device.type == "cuda")
@@ -204,16 +246,10 @@ def train(
                 if step < total_steps:
                     # throughput excludes this first step: compilation and allocator warm-up
                     window_tokens, window_start = 0, time.perf_counter()
-            # 4) divergence fast-fail: a NaN ends the run at once, a loss above the limit once
-            # it has stayed there max_loss_patience steps (default 1). Measured both ways: 15
-            # low-LR runs of the search bench went over 1.5 ln(V) for 1-5 steps and went on to
-            # learn, while AdamW at LR 100 went over it for one step, then sat at ln(V) (a
-            # uniform guess, under the limit) until its weights went NaN 16 steps later.
-            over_limit = over_limit + 1 if train_loss > max_loss else 0
-            if not math.isfinite(train_loss) or over_limit >= t.max_loss_patience:
+            # 4) divergence fast-fail: NaN at once; over the limit or dead for the patience
+            reason = divergence.check(train_loss, step)
+            if reason:
                 status = "diverged"
-                reason = f"train loss {train_loss:.4g} at step {step} (limit {max_loss:.3g}"
-                reason += f" for {over_limit} steps)" if over_limit > 1 else ")"
                 say(f"step {step}: diverged: {reason}")
             now = time.perf_counter()
             last = step == total_steps or status == "diverged"
