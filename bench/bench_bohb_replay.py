@@ -8,7 +8,8 @@ read off a 16 x 16 grid of real training runs (the bench's trial: tiny preset, 6
 matrix LR in [0.001, 0.3] and embedding LR in [0.01, 3], both log), at each of its 8
 reports: bilinear in log LR between the grid's runs, or (--nearest) the nearest run's
 curve, which keeps each run's own scatter instead of averaging it away. The grid is kept
-in bench/data/lr_grid.json (recording it again takes ~10 minutes on 2 cores); 200
+in bench/data/lr_grid.json (recording it again takes ~10 minutes on 2 cores; its 15
+low-LR runs that a patience of 1 had stopped were re-run at the default 6 and learn); 200
 replayed searches take ~10 minutes (hpbandster's KDE sampling).
 
     python bench/bench_bohb_replay.py --searches 200 [--nearest]
