@@ -53,3 +53,22 @@ def test_rank_report_gives_each_reports_rank_correlation_with_the_final_value():
     ]
     line = rank_report(pool)
     assert line.endswith("(3 trials), by fraction: 0.25: 1.00, 0.5: -1.00"), line
+
+
+@pytest.mark.parametrize(
+    "space, names",
+    [
+        ("lr2", {"optimizer.matrix_lr", "optimizer.embedding_lr"}),
+        ("lr3", {"optimizer.matrix_lr", "optimizer.embedding_lr", "optimizer.unembedding_lr"}),
+    ],
+)
+def test_the_search_bench_spaces_compose_into_the_stages_they_name(space, names):
+    from bench_search import COMMON, SPACES
+
+    from sweeper.cli import compose
+    from sweeper.sweep.spec import load_sweep_spec, stage_space
+
+    spec = load_sweep_spec(compose([*COMMON, *SPACES[space]]).sweep)
+    searched = stage_space(spec, spec.stages[0])
+    assert set(searched.names) == names
+    assert all(param.log for param in searched.params)
