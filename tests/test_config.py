@@ -70,6 +70,11 @@ BAD_INPUTS = [
     (["scheduler.warmup_ratio=1.5"], "scheduler.warmup_ratio"),
     (["model.head_dim=48"], "model.head_dim"),
     (["trainer.max_loss_patience=0"], "trainer.max_loss_patience"),
+    (["scheduler.warmup_frac=0.1"], "did you mean scheduler.warmup_ratio?"),
+    (["trainer.max_step=3"], "did you mean trainer.max_steps?"),
+    (["sweep.name=x"], "choose one first with +sweep=NAME"),
+    (["model.depth=[1"], "cannot parse override 'model.depth=[1'"),
+    (["model"], "cannot parse override 'model': missing EQUAL"),
 ]
 
 

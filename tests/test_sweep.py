@@ -197,6 +197,26 @@ REFUSED = [
         ],
         "3 points but num_samples=2",
     ),
+    # values no trial could run: refused before Ray starts, not failed trial by trial
+    (
+        ["sweep.stages.1.params.trainer.total_batch_size.grid=[512,1000]"],
+        "trainer.total_batch_size=1000 (grid) is not a valid run",
+    ),
+    (["+sweep.stages.0.params.optimizer.scalar_lr=-1"], "optimizer.scalar_lr=-1 (fixed)"),
+    (["+sweep.stages.0.params.model.depth.int=[0,2]"], "model.depth=0 (int)"),
+    (
+        [
+            "sweep.stages.1.search=random",
+            "~sweep.stages.1.params.trainer.total_batch_size.grid",
+            "+sweep.stages.1.params.trainer.total_batch_size.int=[512,2048]",
+        ],
+        "trainer.total_batch_size=513 (int)",
+    ),
+    # overrides of keys the sweep does not have: the fix is in the line
+    (["sweep.stages.0.serach=tpe"], "did you mean sweep.stages.0.search?"),
+    (["sweep.stages.0.points=[base]"], "to add it, write +sweep.stages.0.points=[base]"),
+    (["sweep.stages.x.name=a"], "sweep.stages.x.name=a: Index 'x'"),
+    (["sweep.stages.5.name=a"], "sweep.stages.5.name=a: list index out of range"),
 ]
 
 

@@ -4,6 +4,8 @@ users get one line naming the problem and exit code 2 instead."""
 
 from __future__ import annotations
 
+import difflib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -15,23 +17,110 @@ EXIT_BAD_INPUT = 2
 def compose(overrides: Sequence[str]):
     """Compose conf/ with Hydra's compose API (no run dir, no files written)."""
     import yaml
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from sweeper.paths import config_dir
-
+    check_syntax(overrides)
     try:
-        with initialize_config_dir(str(config_dir()), version_base="1.3"):
-            return hydra_compose("config", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException, ValueError) as error:
-        raise ConfigError(one_line(error)) from None
+        return _hydra_compose(overrides)
+    # TypeError: OmegaConf's for a list index that is not a number (sweep.stages.x.name=...)
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError) as error:
+        message = unknown_key_message(error, overrides) or one_line(error)
+        if isinstance(error, TypeError):
+            message = f"{first_failing(overrides) or 'an override'}: {message}"
+        raise ConfigError(message) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{mark.name}, line {mark.line + 1}" if mark else "a config file"
         problem = getattr(error, "problem", None) or one_line(error)
         raise ConfigError(f"YAML syntax error in {where}: {problem}") from None
+
+
+def _hydra_compose(overrides: Sequence[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from sweeper.paths import config_dir
+
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def check_syntax(overrides: Sequence[str]) -> None:
+    """Parse each override alone, so a syntax error names the override it is in (Hydra's
+    parser reports only the position: "no viable alternative at input '[1'")."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException as error:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            detail = [
+                line
+                for line in lines
+                if not line.startswith(("See https://", "Error parsing override"))
+            ]
+            raise ConfigError(
+                f"cannot parse override '{override}': {'; '.join(detail) or lines[0]} "
+                "(the form is key=value, +key=value to add a key, group=option)"
+            ) from None
+
+
+def first_failing(overrides: Sequence[str]) -> str | None:
+    """The first override whose prefix of the command line no longer composes."""
+    for end in range(1, len(overrides) + 1):
+        try:
+            _hydra_compose(overrides[:end])
+        except Exception:  # any failure: this is the override that breaks it
+            return overrides[end - 1]
+    return None
+
+
+def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str | None:
+    """For an override of a key the config does not have: which level lacks the key, the
+    closest key there, and the keys it has. None for every other error.
+
+    Hydra says "Could not override 'k'." on one line and the reason (OmegaConf's "Key 'x'
+    is not in struct") on others; the one line users get must carry the fix: a typo's
+    right spelling, or the + that adds a key where sweep files take new ones."""
+    from omegaconf import OmegaConf
+
+    named = re.match(r"Could not override '([^']+)'", str(error))
+    cause = error.__cause__
+    if not named or cause is None or "not in struct" not in str(cause):
+        return None
+    key = named.group(1)
+    # OmegaConf's full_key writes list items as [0]; overrides write them as .0
+    missing_path = re.sub(r"\[(\d+)\]", r".\1", getattr(cause, "full_key", "") or "")
+    parent_path, _, missing = missing_path.rpartition(".")
+    if not missing:
+        return None
+    if missing == "sweep" and not parent_path:
+        return f"{key}: no sweep is selected; choose one first with +sweep=NAME (e.g. +sweep=lr_bs)"
+    # an override that merges a mapping into a key that exists lacks a key below it
+    adds_the_key = key == missing_path or key.startswith(missing_path + ".")
+    message = f"unknown config key: {key if adds_the_key else missing_path}"
+    rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+    try:  # the config without the bad override, to read the level that lacks the key
+        parent = compose(rest)
+        if parent_path:
+            parent = OmegaConf.select(parent, parent_path)
+        siblings = [str(k) for k in parent]
+    except Exception:  # other overrides fail as well: say what is known
+        return f"{message} ({parent_path or 'the config'} has no '{missing}')"
+    close = difflib.get_close_matches(missing, siblings, n=1)
+    if close:
+        message += f": did you mean {'.'.join(filter(None, [parent_path, close[0]]))}?"
+    shown = ", ".join(siblings[:12]) + (", ..." if len(siblings) > 12 else "")
+    message += f" ({parent_path or 'the config'} has {shown})"
+    # sweep stages take new keys (points, params) with a +; not a typo's fix
+    if key.startswith("sweep.") and adds_the_key and not close:
+        value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
+        message += f"; to add it, write +{key}={value}"
+    return message
 
 
 def one_line(error: BaseException) -> str:
@@ -47,6 +136,10 @@ def one_line(error: BaseException) -> str:
                 break
             options.append(line)
         message += f" (available: {', '.join(options)})"
+    # "Error merging override k=v" keeps its reason in the exception it wraps
+    cause = str(error.__cause__ or "").strip().splitlines()
+    if message.startswith("Error merging override") and cause:
+        message += f": {cause[0].strip()}"
     return message
 
 

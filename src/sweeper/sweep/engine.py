@@ -28,7 +28,7 @@ from sweeper.sweep.spec import (
     stage_space,
     validate_spec,
 )
-from sweeper.sweep.stages import pick_best
+from sweeper.sweep.stages import apply_params, get_dotted, pick_best
 from sweeper.sweep.state import SweepState
 from sweeper.sweep.trainable import TrialContext, batch_of, load_target, trial_config
 
@@ -71,7 +71,41 @@ def validate_sweep(cfg) -> SweepSpec:
             load_target(target)
         except (ImportError, AttributeError, ValueError) as error:
             raise ConfigError(f"trainable._target_={target} cannot be imported: {error}") from None
+    else:
+        check_stage_values(spec, base_config(cfg, spec, None))
     return spec
+
+
+def check_stage_values(spec: SweepSpec, base: dict) -> None:
+    """Each value a stage can hand a trial, written alone into the base config, must make a
+    valid run. Otherwise a grid batch size that is no multiple of a micro-batch, or a fixed
+    LR below zero, fails every trial it reaches after Ray has started and the run dir is
+    written. Ranges are checked at both ends, and integer ranges also one step in from the
+    low end: a constraint like "a multiple of 4096" fails there, and a grid or choice is
+    what such a key needs. Later stages start from earlier stages' best, which satisfies
+    the same schema."""
+    frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
+    frozen = {key: value for key, value in frozen.items() if value is not None}
+    for stage in spec.stages:
+        space = stage_space(spec, stage, frozen)
+        candidates = [(key, value, "fixed") for key, value in space.fixed.items()]
+        for param in space.params:
+            if param.values:
+                values = list(param.values)
+            else:
+                values = [param.low, param.high]
+                if param.integer and param.low + 1 < param.high:
+                    values.insert(1, param.low + 1)
+                values = [int(v) if param.integer else v for v in values]
+            candidates += [(param.name, value, param.kind) for value in values]
+        for key, value, kind in candidates:
+            try:
+                load_run_config(apply_params(base, {key: value}))
+            except ConfigError as error:
+                raise ConfigError(
+                    f"sweep stage '{stage.name}': {key}={value} ({kind}) is not a valid run: "
+                    f"{error}"
+                ) from None
 
 
 def base_config(cfg, spec: SweepSpec, target: str | None) -> dict:
