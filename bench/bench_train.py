@@ -3,9 +3,11 @@ PyTorch GPT (nanoGPT-style: learned positions, LayerNorm, GELU, AdamW) of the sa
 same batch, same precision, in one process. Runs alternate so machine noise hits both.
 
     python bench/bench_train.py [--repeats 5] [--steps 20] [--model small]
+    python bench/bench_train.py --breakdown    # where a step's time goes, piece by piece
 
 Prints the median tokens/s of each and the ratio (target: >= 1.0 on CPU). On a GPU machine
-it also prints MFU (the d12 target is >= 45% with bf16 + compile).
+it also prints MFU (the d12 target is >= 45% with bf16 + compile). `optimizer=adamw` as an
+override gives sweeper's GPT the plain one's optimizer: the model and loop alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch.nn.functional as F
 from sweeper.cli import compose
 from sweeper.config import load_run_config
 from sweeper.data import BatchSampler, load_data
+from sweeper.model import GPT, GPTShape
+from sweeper.optim import build_optimizer
 from sweeper.runtime import autocast_context, resolve_device, resolve_dtype
 from sweeper.train import train
 
@@ -93,12 +97,54 @@ def sweeper_tokens_per_s(cfg_dict: dict, steps: int) -> tuple[float, float | Non
     return result["tokens_per_s"], result["mfu"]
 
 
+def step_breakdown(cfg, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each piece of a training step, outside the loop: forward +
+    backward of one micro-batch for each model, and each optimizer's step (sweeper's
+    Muon + AdamW as configured, the plain GPT's AdamW). Rounds alternate between the pieces
+    so machine noise hits all of them."""
+    m, t = cfg.model, cfg.trainer
+    device = resolve_device(t.device)
+    dtype = resolve_dtype(t.dtype, device)
+    torch.manual_seed(0)
+    ours = GPT(GPTShape.from_config(m)).to(device)
+    plain = PlainGPT(m.vocab_size, m.width, m.depth, m.width // m.head_dim, m.seq_len).to(device)
+    ours_opt = build_optimizer(ours, cfg.optimizer)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    sampler = BatchSampler(load_data(cfg.data, m.seq_len).train, t.device_batch_size, m.seq_len, 0)
+    x, y = next(iter(sampler.step_batches(0, 1, device)))
+
+    def forward_backward(model):
+        with autocast_context(device, dtype):
+            loss = model(x, y)
+        loss.backward()
+
+    pieces = {
+        "sweeper forward+backward (one micro-batch)": lambda: forward_backward(ours),
+        "plain forward+backward (one micro-batch)": lambda: forward_backward(plain),
+        "sweeper optimizer step (all groups)": ours_opt.step,
+        "sweeper Muon step alone": ours_opt.optimizers[0].step,
+        "plain optimizer step (AdamW)": plain_opt.step,
+    }
+    for piece in pieces.values():  # warm-up; gradients now exist for the optimizer steps
+        piece()
+    times: dict[str, list[float]] = {name: [] for name in pieces}
+    for _ in range(repeats):
+        for name, piece in pieces.items():
+            start = time.perf_counter()
+            piece()
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return {name: statistics.median(ms) for name, ms in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model", default="small")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="time each piece of a step instead (eager)"
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (trainer=gpu ...)")
     args = parser.parse_args()
     extra = ["trainer.compile=true"] if args.compile else ["trainer.compile=false"]
@@ -106,6 +152,20 @@ def main() -> None:
     cfg = load_run_config(composed)
     from omegaconf import OmegaConf
 
+    if args.breakdown:
+        ms = step_breakdown(cfg, max(args.repeats, 10))
+        for name, value in ms.items():
+            print(f"{name:45s} {value:8.1f} ms")
+        accum = cfg.grad_accum_steps
+        ours_step = accum * ms["sweeper forward+backward (one micro-batch)"]
+        plain_step = accum * ms["plain forward+backward (one micro-batch)"]
+        ours_step += ms["sweeper optimizer step (all groups)"]
+        plain_step += ms["plain optimizer step (AdamW)"]
+        print(
+            f"per step ({accum} micro-batches + optimizer): sweeper {ours_step:.0f} ms, "
+            f"plain {plain_step:.0f} ms, ratio {plain_step / ours_step:.2f}x"
+        )
+        return
     ours, plain, mfus = [], [], []
     for i in range(args.repeats):
         tok_s, mfu = sweeper_tokens_per_s(
