@@ -222,6 +222,17 @@ def test_the_probe_refuses_closed_ports_and_leaves_other_addresses_to_ray():
     assert endpoint("ray://head:10001") == ("head", 10001)
     assert endpoint("[::1]:6379") == ("::1", 6379)
     assert endpoint("auto") is None and endpoint("local") is None
-    probe("auto")  # Ray resolves it
     with pytest.raises(ConfigError, match=r"ray.address=127.0.0.1:\d+: no Ray cluster answers"):
         probe(f"127.0.0.1:{free_port()}", timeout=2)
+
+
+def test_auto_is_looked_up_as_ray_would_and_probed_before_anything_runs(monkeypatch):
+    from sweeper.sweep.ray_cluster import probe
+
+    # RAY_ADDRESS is the first place ray.init(address="auto") looks
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")
+    with pytest.raises(ConfigError, match=r"ray.address=auto \(found [\d.]+:\d+\): no Ray"):
+        probe("auto", timeout=2)
+    with socket.create_server(("", 0)) as listening:  # something answers there: accepted
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{listening.getsockname()[1]}")
+        probe("auto", timeout=2)

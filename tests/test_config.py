@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from sweeper.cli import compose
 from sweeper.config import ConfigError, load_run_config
@@ -87,6 +88,21 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, names):
     assert names in lines[0], lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert list(tmp_path.iterdir()) == [], "bad input must write nothing"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there: cuda is valid")
+def test_cuda_on_a_machine_without_one_is_one_line(tmp_path):
+    proc = run_cli(["trainer.device=cuda"], cwd=tmp_path, timeout=60)
+    _assert_clean_failure(proc, tmp_path, "trainer.device=cuda but torch sees no CUDA device")
+
+
+def test_a_multirun_jobs_bad_value_is_one_line(tmp_path):
+    # -m overrides hold Hydra sweep syntax (0,1), so they are checked job by job
+    args = ["-m", "model.depth=0,1", "trainer.max_steps=2", "trainer.budget_tokens=null"]
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == ["error: model.depth must be >= 1, got 0"]
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_config_error_names_key_in_process():

@@ -217,6 +217,19 @@ REFUSED = [
     (["sweep.stages.0.points=[base]"], "to add it, write +sweep.stages.0.points=[base]"),
     (["sweep.stages.x.name=a"], "sweep.stages.x.name=a: Index 'x'"),
     (["sweep.stages.5.name=a"], "sweep.stages.5.name=a: list index out of range"),
+    # trials the local cluster can never place: Ray would keep them pending for ever
+    (["ray.num_cpus=2", "sweep.cpus_per_trial=3"], "needs 3 CPUs per trial, but the local"),
+    (["ray.num_gpus=0", "sweep.gpus_per_trial=0.5"], "needs 0.5 GPUs per trial"),
+    (
+        [
+            "ray.num_cpus=2",
+            "sweep.cpus_per_trial=2",
+            "trainer.workers=2",
+            "trainer.total_batch_size=2048",
+            "sweep.stages.1.params.trainer.total_batch_size.grid=[2048]",
+        ],
+        "sweep.cpus_per_trial=2 x 2 ranks (trainer.workers) needs 4 CPUs",
+    ),
 ]
 
 

@@ -33,12 +33,15 @@ def run_job(cfg) -> float | None:
             sys.exit(1)
         except KeyboardInterrupt:
             sys.exit(130)  # the engine said where the state is and how to resume
-    if cfg.trainer.workers > 1:
-        result = run_ddp(cfg, out_dir)
-    else:
-        from sweeper.train import train
+    try:
+        if cfg.trainer.workers > 1:
+            result = run_ddp(cfg, out_dir)
+        else:
+            from sweeper.train import train
 
-        result = train(cfg)
+            result = train(cfg)
+    except ConfigError as error:  # a multirun (-m) job's own values are checked only here
+        fail(str(error))
         with open(f"{out_dir}/result.json", "w") as f:
             json.dump(result, f, indent=2)
     print(f"{result['status']}: val_bpb {result['val_bpb']:.4f} -> {out_dir}/result.json")
@@ -71,11 +74,20 @@ def run_ddp(cfg, out_dir: str) -> dict:
 def validate(overrides: list[str]) -> None:
     cfg = compose(overrides)
     run = load_run_config(cfg)
+    joins_a_cluster = bool(cfg.get("ray", {}).get("address"))
+    if run.trainer.device == "cuda" and not (joins_a_cluster and "sweep" in cfg):
+        import torch
+
+        if not torch.cuda.is_available():  # trials that run here would all fail on it
+            raise ConfigError(
+                "trainer.device=cuda but torch sees no CUDA device here; "
+                "use trainer.device=auto or cpu"
+            )
     if run.data.name == "shards":
         from sweeper.data import check_shards
 
         check_shards(run.data)
-    if cfg.get("ray", {}).get("address") and ("sweep" in cfg or run.trainer.workers > 1):
+    if joins_a_cluster and ("sweep" in cfg or run.trainer.workers > 1):
         from sweeper.sweep.ray_cluster import probe
 
         probe(str(cfg.ray.address))  # an unreachable cluster: one line, nothing written

@@ -73,7 +73,30 @@ def validate_sweep(cfg) -> SweepSpec:
             raise ConfigError(f"trainable._target_={target} cannot be imported: {error}") from None
     else:
         check_stage_values(spec, base_config(cfg, spec, None))
+    if not cfg.get("ray", {}).get("address"):
+        from sweeper.sweep.ray_cluster import local_cluster_size
+
+        workers = 1 if target else int(cfg.trainer.workers)
+        check_trial_fits(spec, workers, *local_cluster_size(cfg.ray))
     return spec
+
+
+def check_trial_fits(spec: SweepSpec, workers: int, cpus: float, gpus: float) -> None:
+    """One trial's CPUs and GPUs (per DDP rank, times the ranks) must fit the local cluster:
+    Ray would otherwise keep such a trial pending for ever, with a warning in its logs."""
+    ranks = f" x {workers} ranks (trainer.workers)" if workers > 1 else ""
+    for kind, per_trial, have in (
+        ("cpu", spec.cpus_per_trial, cpus),
+        ("gpu", spec.gpus_per_trial, gpus),
+    ):
+        need = per_trial * workers
+        if need > have:
+            raise ConfigError(
+                f"sweep.{kind}s_per_trial={per_trial:g}{ranks} needs {need:g} {kind.upper()}"
+                f"{'' if need == 1 else 's'} per trial, but the local Ray cluster has "
+                f"{have:g} (ray.num_{kind}s); "
+                "ask for less, or join a bigger cluster with ray.address"
+            )
 
 
 def check_stage_values(spec: SweepSpec, base: dict) -> None:

@@ -36,7 +36,12 @@ def endpoint(address: str) -> tuple[str, int] | None:
 
 
 def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
-    """Fail in seconds, in one line, when nothing listens at a "host:port" address."""
+    """Fail in seconds, in one line, when nothing listens at a "host:port" address, or
+    when "auto" finds no cluster to join."""
+    label = address
+    if address == "auto":
+        address = find_auto_address()
+        label = f"auto (found {address})"
     target = endpoint(address)
     if target is None:
         return
@@ -45,9 +50,50 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
     except OSError as error:
         reason = error.strerror or str(error) or type(error).__name__
         raise ConfigError(
-            f"ray.address={address}: no Ray cluster answers at {target[0]}:{target[1]} "
+            f"ray.address={label}: no Ray cluster answers at {target[0]}:{target[1]} "
             f"({reason}); start one (ray start --head) or fix the address"
         ) from None
+
+
+def find_auto_address() -> str:
+    """What ray.init(address="auto") would join: RAY_ADDRESS, the last `ray start` on this
+    machine, or a running GCS. Asked before anything is written, since ray.init itself
+    only fails once the sweep has made its run dir and its MLflow run."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+    except ImportError:  # a Ray without this private helper: ray.init will say it later
+        return "auto"
+    try:
+        return canonicalize_bootstrap_address_or_die("auto")
+    except (ConnectionError, ValueError) as error:
+        raise ConfigError(
+            f"ray.address=auto: no Ray cluster to join ({one_sentence(error)}); start one "
+            "(ray start --head), name it (ray.address=host:6379), or leave ray.address "
+            "null for a local cluster"
+        ) from None
+
+
+def one_sentence(error: BaseException) -> str:
+    return str(error).split(". ")[0].strip().rstrip(".")
+
+
+def local_cluster_size(ray_cfg) -> tuple[float, float]:
+    """(CPUs, GPUs) the local cluster will have: ray.num_cpus / ray.num_gpus, else what
+    Ray itself detects (its CPU count honours container limits, os.cpu_count does not)."""
+    cpus = ray_cfg.get("num_cpus")
+    if cpus is None:
+        try:
+            from ray._private.utils import get_num_cpus
+
+            cpus = get_num_cpus()
+        except ImportError:
+            cpus = len(os.sched_getaffinity(0))
+    gpus = ray_cfg.get("num_gpus")
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    return float(cpus), float(gpus)
 
 
 def free_port(host: str, preferred: int, tries: int = 50) -> int:
