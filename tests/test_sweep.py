@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from sweeper.cli import compose
+from sweeper.config import ConfigError
 from sweeper.sweep.engine import run_sweep
 
 from .conftest import TINY_SWEEP as TINY
@@ -132,6 +133,52 @@ def test_resume_skips_finished_stages(ray_cluster, tmp_path):
         sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir()) == trial_dirs
     )
     assert again["best"] == first["best"] and again["trials"] == first["trials"]
+    # the same run dir with another budget: its finished stages are not this sweep's
+    with pytest.raises(ConfigError, match="sweep.budget.tokens_per_trial .* -> 30000.0"):
+        sweep(
+            tmp_path,
+            "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+            "sweep.resume=true",
+            "sweep.budget.tokens_per_trial=30000",
+        )
+
+
+RESUMED_WITH = [  # (changes on resume, what the refusal names; None: the resume goes ahead)
+    ([], None),
+    (["sweep.max_trials=40", "sweep.concurrency=1", "sweep.max_seconds=600"], None),
+    (["sweep.budget.tokens_per_trial=60000"], "sweep.budget.tokens_per_trial 120000.0 -> 60000.0"),
+    (["sweep.stages.1.params.trainer.total_batch_size.grid=[1024]"], "grid [512, 2048] -> [1024]"),
+    (["sweep.stages.0.search=tpe"], "sweep.stages.0.search 'random' -> 'tpe'"),
+    (["sweep.seed=3"], "sweep.seed 0 -> 3"),
+    (["model.depth=3"], "model.depth 2 -> 3"),
+    (["optimizer.embedding_lr=0.5"], "optimizer.embedding_lr"),
+]
+
+
+@pytest.mark.parametrize("changes, names", RESUMED_WITH, ids=[" ".join(c) for c, _ in RESUMED_WITH])
+def test_a_run_dir_resumes_only_the_sweep_that_wrote_it(tmp_path, changes, names):
+    from sweeper.sweep.engine import base_config, validate_sweep
+    from sweeper.sweep.state import SweepState, sweep_definition
+
+    # the state a finished smoke sweep leaves (no need to train it: only its record counts)
+    cfg = compose(["+sweep=smoke"])
+    spec = validate_sweep(cfg)
+    run_dir = tmp_path / "run"
+    SweepState.new(run_dir, spec.name, base_config(cfg, spec, None), sweep_definition(spec))
+    before = sorted(p.name for p in run_dir.iterdir())
+    args = ["+sweep=smoke", f"hydra.run.dir={run_dir}", "sweep.resume=true", *changes]
+    if names is None:  # checked the way the CLI checks it, without running the sweep
+        from sweeper.__main__ import validate
+
+        validate([*args, "mlflow.enabled=false"])
+        return
+    proc = run_cli([*args, "mlflow.enabled=false"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "holds a different sweep than this command's" in lines[0]
+    assert names in lines[0], lines[0]
+    # refused before Hydra's job starts: no .hydra/ written over the old sweep's record
+    assert sorted(p.name for p in run_dir.iterdir()) == before
 
 
 def test_a_users_function_is_swept_with_the_same_dsl(ray_cluster, tmp_path):

@@ -95,8 +95,25 @@ def validate(overrides: list[str]) -> None:
         from sweeper.sweep.engine import validate_sweep
         from sweeper.tracking.mlflow_store import check_config
 
-        validate_sweep(cfg)
+        spec = validate_sweep(cfg)
         check_config(cfg)  # an unreachable MLflow server: one line, nothing written
+        run_dir = hydra_run_dir(overrides)
+        if spec.resume and run_dir:
+            # Hydra rewrites the run dir's .hydra/ files as the job starts: a resume of a
+            # different sweep is refused before that, with the record of the old one intact
+            from pathlib import Path
+
+            from sweeper.sweep.engine import base_config, resumable_state, trainable_target
+
+            resumable_state(
+                Path(run_dir).resolve(), spec, base_config(cfg, spec, trainable_target(cfg))
+            )
+
+
+def hydra_run_dir(overrides: list[str]) -> str | None:
+    """hydra.run.dir as the command line sets it (the last setting wins), else None."""
+    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra.run.dir=")]
+    return values[-1] if values else None
 
 
 def main() -> None:

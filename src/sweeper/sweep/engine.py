@@ -29,7 +29,7 @@ from sweeper.sweep.spec import (
     validate_spec,
 )
 from sweeper.sweep.stages import apply_params, get_dotted, pick_best
-from sweeper.sweep.state import SweepState
+from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
 from sweeper.sweep.trainable import TrialContext, batch_of, load_target, trial_config
 
 BUILTIN_TRAINABLE = "sweeper.train.train"
@@ -79,6 +79,17 @@ def validate_sweep(cfg) -> SweepSpec:
         workers = 1 if target else int(cfg.trainer.workers)
         check_trial_fits(spec, workers, *local_cluster_size(cfg.ray))
     return spec
+
+
+def resumable_state(out: Path, spec: SweepSpec, base: dict) -> SweepState | None:
+    """The saved state of the sweep in `out` (None: nothing saved), if it is this sweep."""
+    state = SweepState.load(out)
+    if state is not None:
+        try:
+            check_resumable(state, spec.name, base, sweep_definition(spec))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    return state
 
 
 def check_trial_fits(spec: SweepSpec, workers: int, cpus: float, gpus: float) -> None:
@@ -187,12 +198,10 @@ def run_sweep(cfg, out_dir: str) -> float | None:
 
     tracker = make_tracker(cfg, spec, out)  # before Ray: an unreachable server fails fast
     start_ray(cfg.ray)
-    state = SweepState.load(out) if spec.resume else None
+    state = resumable_state(out, spec, base) if spec.resume else None
     if spec.resume and state is None:
         print(f"sweep.resume=true but no sweep state in {out}: starting a new sweep")
-    state = state or SweepState.new(out, spec.name, base)
-    if state.name != spec.name:
-        raise ConfigError(f"run dir {out} holds sweep '{state.name}', not '{spec.name}'")
+    state = state or SweepState.new(out, spec.name, base, sweep_definition(spec))
 
     started = time.time() - state.elapsed
     baseline = None

@@ -32,11 +32,13 @@ class SweepState:
     stages: list[dict] = field(default_factory=list)  # finished stages, in order
     baseline: dict | None = None
     elapsed: float = 0.0
+    # what made the trials (sweep_definition); None in states written before it was kept
+    definition: dict | None = None
 
     @classmethod
-    def new(cls, out: Path, name: str, base: dict) -> SweepState:
+    def new(cls, out: Path, name: str, base: dict, definition: dict | None = None) -> SweepState:
         out.mkdir(parents=True, exist_ok=True)
-        state = cls(out, name, base)
+        state = cls(out, name, base, definition=definition)
         state.save()
         return state
 
@@ -86,3 +88,63 @@ class SweepState:
 
     def total_flops(self) -> float:
         return sum(r.get("flops") or 0.0 for r in self.all_records())
+
+
+# sweep keys a resumed sweep may change: they decide how many trials run, where and how
+# fast, not what any trial computes (a cap raised to continue a sweep that hit it is the
+# point of resuming)
+OPERATIONAL_KEYS = frozenset(
+    {
+        "resume",
+        "concurrency",
+        "max_failures",
+        "max_trials",
+        "max_flops",
+        "max_seconds",
+        "cpus_per_trial",
+        "gpus_per_trial",
+    }
+)
+
+
+def sweep_definition(spec: Any) -> dict:
+    """The sweep spec (a dataclass) as plain JSON values, without its operational keys."""
+    plain = json.loads(json.dumps(asdict(spec), default=str))
+    return {k: v for k, v in plain.items() if k not in OPERATIONAL_KEYS}
+
+
+def differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted path, old, new) for every leaf where two JSON-like trees differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        found = []
+        for key in list(old) + [k for k in new if k not in old]:
+            sub = f"{path}.{key}" if path else str(key)
+            found += differences(old.get(key, "(absent)"), new.get(key, "(absent)"), sub)
+        return found
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        found = []
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            found += differences(a, b, f"{path}.{i}" if path else str(i))
+        return found
+    return [] if old == new else [(path, old, new)]
+
+
+def check_resumable(state: SweepState, name: str, base: dict, definition: dict) -> None:
+    """A run dir resumes only the sweep that wrote it: finished stages and trials are
+    reused as they are, so a changed budget, space or model would otherwise be reported
+    as if its trials had run. Raises ValueError naming the first differences."""
+    if state.name != name:
+        raise ValueError(f"run dir {state.out} holds sweep '{state.name}', not '{name}'")
+    changed = [(f"sweep.{k}", a, b) for k, a, b in differences(state.definition, definition)]
+    if state.definition is None:  # an older state file: only the run config is known
+        changed = []
+    as_json = lambda tree: json.loads(json.dumps(tree, default=str))  # noqa: E731
+    changed += differences(as_json(state.base), as_json(base))
+    if changed:
+        shown = "; ".join(f"{key} {a!r} -> {b!r}" for key, a, b in changed[:3])
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        raise ValueError(
+            f"sweep.resume=true: run dir {state.out} holds a different sweep than this "
+            f"command's: {shown}{more}; resume with the overrides that started it, or give "
+            "this sweep a new hydra.run.dir"
+        )
