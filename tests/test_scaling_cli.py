@@ -156,6 +156,18 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, setup, needle):
     assert captured.out == ""
 
 
+@pytest.mark.parametrize(
+    "option, value", [("--bootstrap", "-1"), ("--drop-highest", "-2"), ("--target-flops", "0")]
+)
+def test_options_out_of_range_are_refused(tmp_path, capsys, option, value):
+    csv = write_csv(tmp_path / "a.csv", ["params", "tokens", "loss"], [[1e6, 2e7, 3.0]] * 9)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(csv), option, value])
+    assert exit_.value.code == 2
+    assert f"argument {option}: must be" in capsys.readouterr().err
+    assert not (tmp_path / "fit.json").exists()
+
+
 def test_cli_subprocess_bad_input_exit_2_without_traceback(tmp_path):
     proc = run_fit(tmp_path / "nope.csv")
     assert proc.returncode == 2 and proc.stdout == ""

@@ -31,6 +31,20 @@ Output: fit.json and PNG plots in --out (default: the sweep directory, or ./<csv
 in the current directory for a CSV), and a summary (or the JSON, with --json) on stdout."""
 
 
+def _at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _above_zero(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sweeper.fit",
@@ -47,20 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
         )
     p.add_argument(
         "--drop-highest",
-        type=int,
+        type=_at_least_zero,
         default=0,
         metavar="K",
         help="drop the K rows with the highest loss first (default 0)",
     )
     p.add_argument(
         "--target-flops",
-        type=float,
+        type=_above_zero,
         metavar="X",
         help="predict loss and compute-optimal N, D (and lr) at X FLOPs",
     )
     p.add_argument(
         "--bootstrap",
-        type=int,
+        type=_at_least_zero,
         default=0,
         metavar="K",
         help="bootstrap replicates for 95%% CIs (e.g. 1000; default 0 = none)",
@@ -134,7 +148,7 @@ def run(args) -> int:
     result = fit_all(
         records,
         target_flops=args.target_flops,
-        bootstrap=max(args.bootstrap, 0),
+        bootstrap=args.bootstrap,
         seed=args.seed,
         conventions=conventions,
         grid=args.grid,
