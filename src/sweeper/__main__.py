@@ -42,6 +42,7 @@ def run_job(cfg) -> float | None:
             result = train(cfg)
     except ConfigError as error:  # a multirun (-m) job's own values are checked only here
         fail(str(error))
+    if cfg.trainer.workers == 1:  # a DDP run's rank 0 writes its own (distributed.py)
         with open(f"{out_dir}/result.json", "w") as f:
             json.dump(result, f, indent=2)
     print(f"{result['status']}: val_bpb {result['val_bpb']:.4f} -> {out_dir}/result.json")
