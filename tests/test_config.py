@@ -96,13 +96,15 @@ def test_cuda_on_a_machine_without_one_is_one_line(tmp_path):
     _assert_clean_failure(proc, tmp_path, "trainer.device=cuda but torch sees no CUDA device")
 
 
-def test_a_multirun_jobs_bad_value_is_one_line(tmp_path):
-    # -m overrides hold Hydra sweep syntax (0,1), so they are checked job by job
-    args = ["-m", "model.depth=0,1", "trainer.max_steps=2", "trainer.budget_tokens=null"]
+@pytest.mark.parametrize("values", ["1,0", "range(0,2)"])
+def test_a_multirun_jobs_bad_value_is_one_line_before_anything_runs(tmp_path, values):
+    # -m overrides hold Hydra sweep syntax: each job Hydra would launch is checked first
+    args = ["-m", f"model.depth={values}", "trainer.max_steps=2", "trainer.budget_tokens=null"]
     proc = run_cli(args, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == ["error: model.depth must be >= 1, got 0"]
     assert "Traceback" not in proc.stdout + proc.stderr
+    assert list(tmp_path.iterdir()) == [], "the good job must not have run either"
 
 
 def test_config_error_names_key_in_process():

@@ -14,6 +14,8 @@ from sweeper.config import ConfigError, load_run_config
 from sweeper.paths import config_dir
 
 HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--shell-completion")
+MULTIRUN_FLAGS = ("-m", "--multirun")
+MAX_CHECKED_JOBS = 64  # ~0.3 s each
 
 
 def run_job(cfg) -> float | None:
@@ -40,7 +42,7 @@ def run_job(cfg) -> float | None:
             from sweeper.train import train
 
             result = train(cfg)
-    except ConfigError as error:  # a multirun (-m) job's own values are checked only here
+    except ConfigError as error:  # a multirun job past MAX_CHECKED_JOBS is checked here
         fail(str(error))
     if cfg.trainer.workers == 1:  # a DDP run's rank 0 writes its own (distributed.py)
         with open(f"{out_dir}/result.json", "w") as f:
@@ -117,11 +119,34 @@ def hydra_run_dir(overrides: list[str]) -> str | None:
     return values[-1] if values else None
 
 
+def multirun_jobs(overrides: list[str]) -> list[list[str]]:
+    """The jobs a `-m` run launches: Hydra's basic sweeper's own expansion of `a,b`,
+    `range()` and `choice()` into one override list per job. Empty where another sweeper
+    plugin is chosen (its syntax is its own): those jobs are checked as they start."""
+    if any(o.lstrip("+").startswith("hydra/sweeper=") for o in overrides):
+        return []
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        batches = BasicSweeper.split_arguments(parsed, None)
+    except HydraException as error:
+        raise ConfigError(str(error).splitlines()[0]) from None
+    return [job for batch in batches for job in batch]
+
+
 def main() -> None:
-    overrides = sys.argv[1:]
-    if not any(a.split("=")[0] in HYDRA_FLAGS for a in overrides) and "-m" not in overrides:
+    args = sys.argv[1:]
+    multirun = any(a in MULTIRUN_FLAGS for a in args)
+    overrides = [a for a in args if a not in MULTIRUN_FLAGS]
+    if not any(a.split("=")[0] in HYDRA_FLAGS for a in overrides):
         try:
-            validate(overrides)
+            # a multirun's jobs are checked before Hydra makes its multirun dir; the first
+            # MAX_CHECKED_JOBS of a huge product, the rest as each job starts (run_job)
+            for job in multirun_jobs(overrides)[:MAX_CHECKED_JOBS] if multirun else [overrides]:
+                validate(job)
         except ConfigError as error:
             fail(str(error))
     import hydra
