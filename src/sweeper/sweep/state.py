@@ -109,8 +109,12 @@ OPERATIONAL_KEYS = frozenset(
 
 def sweep_definition(spec: Any) -> dict:
     """The sweep spec (a dataclass) as plain JSON values, without its operational keys."""
-    plain = json.loads(json.dumps(asdict(spec), default=str))
-    return {k: v for k, v in plain.items() if k not in OPERATIONAL_KEYS}
+    return {k: v for k, v in as_json(asdict(spec)).items() if k not in OPERATIONAL_KEYS}
+
+
+def as_json(tree: Any) -> Any:
+    """`tree` as it reads back from sweep_state.json (tuples as lists, paths as strings)."""
+    return json.loads(json.dumps(tree, default=str))
 
 
 def differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]]:
@@ -138,7 +142,6 @@ def check_resumable(state: SweepState, name: str, base: dict, definition: dict) 
     changed = [(f"sweep.{k}", a, b) for k, a, b in differences(state.definition, definition)]
     if state.definition is None:  # an older state file: only the run config is known
         changed = []
-    as_json = lambda tree: json.loads(json.dumps(tree, default=str))  # noqa: E731
     changed += differences(as_json(state.base), as_json(base))
     if changed:
         shown = "; ".join(f"{key} {a!r} -> {b!r}" for key, a, b in changed[:3])
