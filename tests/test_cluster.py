@@ -236,3 +236,30 @@ def test_auto_is_looked_up_as_ray_would_and_probed_before_anything_runs(monkeypa
     with socket.create_server(("", 0)) as listening:  # something answers there: accepted
         monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{listening.getsockname()[1]}")
         probe("auto", timeout=2)
+
+
+def test_the_local_gpu_count_is_the_one_ray_registers(monkeypatch):
+    import torch
+
+    from sweeper.sweep.ray_cluster import detected_gpus, local_cluster_size
+
+    assert detected_gpus() == torch.cuda.device_count()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # none visible: Ray registers none
+    assert detected_gpus() == 0
+    assert local_cluster_size({"num_cpus": 3, "num_gpus": None}) == (3.0, 0.0)
+    assert local_cluster_size({"num_cpus": 3, "num_gpus": 2}) == (3.0, 2.0)
+
+
+def test_validating_a_users_function_sweep_leaves_torch_unimported(tmp_path):
+    """The driver of a user's own function never needs torch (1.5 s of start-up)."""
+    code = (
+        "import sys; from sweeper.__main__ import validate; "
+        "validate(['+sweep=smoke', 'trainable._target_=tests.user_functions.noisy_bowl', "
+        "'sweep.gpus_per_trial=0']); print('torch' in sys.modules)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
