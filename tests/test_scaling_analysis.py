@@ -164,6 +164,29 @@ def test_single_model_size_skips_parametric_with_reason():
     assert res["frontier"] is not None
 
 
+def test_only_the_fits_asked_for_are_made_or_warned_about():
+    records = make_sweep()
+    res = fit_all(records, target_flops=1e21, fits=("frontier",))
+    assert res["frontier"] is not None
+    assert res["parametric"] is None and res["isoflop"] is None and res["hparams"] == {}
+    assert not [w for w in res["warnings"] if w.startswith(("parametric", "isoflop", "lr-"))]
+    assert set(res["predictions"]) == {"frontier_loss"}
+
+
+def test_an_lr_sweeps_end_fits_only_its_frontier_and_says_why_once():
+    from sweeper.sweep.outputs import applicable_fits
+
+    def point(n, budget=None):
+        return {"N": n, "D": 1e5, "C": 1e12, "loss": 3.0, "budget": budget}
+
+    fits, not_fitted = applicable_fits([point(3e6), point(3e6)])  # one size, no budgets
+    assert fits == ("frontier",) and set(not_fitted) == {"parametric", "isoflop"}
+    fits, not_fitted = applicable_fits([point(1e6), point(3e6)])  # a depth sweep
+    assert fits == ("frontier", "parametric") and set(not_fitted) == {"isoflop"}
+    fits, not_fitted = applicable_fits([point(1e6, 1e13), point(3e6, 1e13)])  # scaling grid
+    assert fits == ("frontier", "parametric", "isoflop", "hparams") and not_fitted == {}
+
+
 def test_fixed_tokens_per_param_is_collinear():
     records = [{"N": n, "D": 20 * n, "loss": law(n, 20 * n)} for n in np.logspace(7, 9, 8)]
     res = fit_all(records)

@@ -121,6 +121,11 @@ def test_a_stage_tries_its_given_points_first(ray_cluster, tmp_path, capsys):
     assert batches == [512], batches
     out = capsys.readouterr().out
     assert "[lr]" in out and out.count("1 given point first") == 2
+    # one model size, no budget labels: the frontier alone, and one line on the rest
+    assert "Compute frontier" in out and "not fitted: L(N, D) needs several" in out
+    assert "isoflop:" not in out and "-vs-compute:" not in out and "parametric:" not in out
+    assert json.loads((tmp_path / "fit.json").read_text())["parametric"] is None
+    assert "stage_batch_size.png, fit.json, frontier.png" in out
 
 
 def test_resume_skips_finished_stages(ray_cluster, tmp_path):

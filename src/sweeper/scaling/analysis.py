@@ -25,6 +25,7 @@ MIN_FRONTIER_POINTS = 4  # envelope points; the law has 3 parameters
 MIN_PARAMETRIC_POINTS = 6  # the law has 5 parameters
 MIN_ISOFLOP_SIZES = 3  # a parabola needs 3 distinct model sizes
 HPARAMS = ("lr", "batch_size")
+FITS = ("frontier", "parametric", "isoflop", "hparams")
 
 
 def fit_all(
@@ -36,6 +37,7 @@ def fit_all(
     conventions: dict | None = None,
     grid: str = "full",
     n_refine: int | None = 64,
+    fits: tuple[str, ...] = FITS,
 ) -> dict:
     """Fit the frontier, the parametric law, IsoFLOP profiles and hyperparameter-vs-compute
     laws to `records` (dicts with optional keys N, D, C, loss, budget, lr, batch_size, final).
@@ -44,6 +46,7 @@ def fit_all(
     bootstrap: number of bootstrap replicates for CIs (0 = none); seed seeds them.
     conventions: overrides of DEFAULT_CONVENTIONS, recorded verbatim in the result.
     grid / n_refine: start grid of the parametric fit (see laws.fit_chinchilla).
+    fits: which of FITS to attempt; the others are neither fitted nor warned about.
     """
     result: dict = {
         "conventions": {
@@ -85,6 +88,8 @@ def fit_all(
         ("hparams", _hparams),
     )
     for name, step in steps:
+        if name not in fits:
+            continue
         try:
             # Degenerate data can overflow intermediate values; the checks in each fit turn that
             # into a warning line, so numpy's own RuntimeWarnings would only be noise.

@@ -233,24 +233,46 @@ def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict) -> dict
         if r.get("status") != "diverged" and r.get(spec.metric) is not None
     ]
     conventions = {"params": "total", "flops": "per_token_with_attention", "loss_unit": spec.metric}
+    fits, not_fitted = applicable_fits(points)
     try:
         result = fit_all(
             points,
             target_flops=fit_cfg.get("target_flops"),
             bootstrap=int(fit_cfg.get("bootstrap") or 0),
             conventions=conventions,
+            fits=fits,
         )
+        result["not_fitted"] = not_fitted
         write_json_atomic(out / "fit.json", result)
         plots = plot_all(result, points, out)
     except Exception as error:  # a fit that can't be made must not lose the sweep
         return {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
     print("\nloss against compute (fit.json):")
     print(format_summary(result))
+    if not_fitted:
+        print(f"not fitted: {'; '.join(not_fitted.values())} (+sweep=scaling trains such a grid)")
     return {
         "file": "fit.json",
         "plots": [Path(p).name for p in plots],
         "warnings": result.get("warnings", []),
     }
+
+
+def applicable_fits(points: list[dict]) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The fits a sweep's points can support, and why each other one is left out. An LR
+    sweep trains one model size with no compute-budget labels: its L(N, D), IsoFLOP and
+    hyperparameter-vs-compute fits could only fail, and saying so at the end of every such
+    sweep would read as a fault. `python -m sweeper.fit <run dir>` still tries them all."""
+    fits, not_fitted = ["frontier"], {}
+    if len({p["N"] for p in points if p["N"]}) > 1:
+        fits.append("parametric")
+    else:
+        not_fitted["parametric"] = "L(N, D) needs several model sizes"
+    if any(p["budget"] is not None for p in points):
+        fits += ["isoflop", "hparams"]
+    else:
+        not_fitted["isoflop"] = "IsoFLOP optima and LR-vs-compute need budget-labelled runs"
+    return tuple(fits), not_fitted
 
 
 def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
@@ -270,4 +292,6 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
         )
     if summary.get("best"):
         print(f"  reproduce: python -m sweeper {' '.join(summary['best']['overrides'])}")
-    print(f"  outputs: {out}/summary.json, reports.csv, {', '.join(summary['plots'])}")
+    fit = summary.get("fit") or {}
+    files = ["reports.csv", *summary["plots"], *(["fit.json"] if fit.get("file") else [])]
+    print(f"  outputs: {out}/summary.json, {', '.join([*files, *fit.get('plots', [])])}")
