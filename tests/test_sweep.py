@@ -1,13 +1,15 @@
 """Sweeps end to end on a real local Ray cluster with the real (tiny) trainable."""
 
+import csv
 import json
 from pathlib import Path
 
 import pytest
 
 from sweeper.cli import compose
-from sweeper.config import ConfigError
-from sweeper.sweep.engine import run_sweep
+from sweeper.config import ConfigError, load_run_config
+from sweeper.model import GPT, GPTShape
+from sweeper.sweep.engine import base_config, run_sweep, validate_sweep
 
 from .conftest import TINY_SWEEP as TINY
 from .conftest import run_cli
@@ -81,6 +83,12 @@ def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(ray_clust
     assert f"trainer.total_batch_size={batch}" in summary["best"]["overrides"]
     for name in ("reports.csv", "learning_curves.png", "stage_lr.png", "summary.json"):
         assert (tmp_path / name).is_file(), name
+    # every report names the model's size: N of the scaling fits
+    with open(tmp_path / "reports.csv") as f:
+        sizes = {row["params"] for row in csv.DictReader(f)}
+    cfg = compose(TINY_SWEEP)
+    run = load_run_config(base_config(cfg, validate_sweep(cfg), None))
+    assert sizes == {str(GPT(GPTShape.from_config(run.model)).param_counts()["total"])}
 
 
 def test_a_diverging_trial_is_stopped_with_a_penalty_and_the_sweep_finishes(ray_cluster, tmp_path):

@@ -78,6 +78,8 @@ def test_report_called_at_every_eval_with_the_contract_metrics():
     assert seen[-1]["tokens"] == 10 * 512 == result["tokens"]
     assert seen[-1]["flops"] == result["tokens"] * result["flops_per_token"]
     assert seen[-1]["status"] == "completed" and seen[0]["status"] == "running"
+    # the scaling fits read N from a sweep's reports, never from result.json
+    assert [m["params"] for m in seen] == [result["params"]] * 3
     for key in (
         "status",
         "val_bpb",

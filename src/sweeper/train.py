@@ -281,6 +281,8 @@ def train(
                     "step": step,
                     "tokens": tokens,
                     "flops": tokens * flops_per_token,
+                    # N of the scaling fits: a sweep's reports are all they read
+                    "params": counts["total"],
                     "train_loss": train_loss,
                     "val_bpb": val_bpb,
                     "lr": lrm * cfg_peak_lr(cfg),
