@@ -1,6 +1,9 @@
 """The config tree composes in every combination; bad input is one line, exit 2, no files."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ from sweeper.cli import compose
 from sweeper.config import ConfigError, load_run_config
 from sweeper.paths import config_dir
 
-from .conftest import run_cli
+from .conftest import REPO, run_cli
 
 GROUPS = ["model", "optimizer", "scheduler", "data", "trainer"]
 
@@ -129,6 +132,39 @@ def test_single_run_writes_result_json(tmp_path):
     assert result["status"] == "completed" and result["steps"] == 4
     assert result["mfu"] is None and result["device"] == "cpu" and result["workers"] == 1
     assert "val bpb" in proc.stdout  # progress was printed
+
+
+def test_an_interrupted_run_leaves_a_failed_result_json(tmp_path):
+    import signal
+
+    args = [
+        "model=tiny",
+        "trainer.max_steps=100000",
+        "trainer.budget_tokens=null",
+        "trainer.total_batch_size=512",
+        "trainer.device_batch_size=8",
+        "trainer.log_every=1",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), PYTHONUNBUFFERED="1")
+    with subprocess.Popen(
+        [sys.executable, "-m", "sweeper", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        for line in proc.stdout:  # training has started once a step's line is printed
+            if line.startswith("step"):
+                break
+        proc.send_signal(signal.SIGINT)  # Ctrl+C
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result == {"status": "failed", "error": "KeyboardInterrupt: "}
+    assert err.strip().splitlines()[-1].startswith("interrupted: status failed ->"), err
+    assert "Traceback" not in err
 
 
 def _assert_clean_failure(proc, tmp_path, names, keep=()):

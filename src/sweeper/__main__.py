@@ -44,11 +44,23 @@ def run_job(cfg) -> float | None:
             result = train(cfg)
     except ConfigError as error:  # a multirun job past MAX_CHECKED_JOBS is checked here
         fail(str(error))
+    except (Exception, KeyboardInterrupt) as error:
+        # the run did not finish: its result.json says so (status=failed), so a script that
+        # reads it never mistakes an old file or a missing one for this run's outcome
+        write_result(out_dir, {"status": "failed", "error": f"{type(error).__name__}: {error}"})
+        if isinstance(error, KeyboardInterrupt):
+            print(f"interrupted: status failed -> {out_dir}/result.json", file=sys.stderr)
+            sys.exit(130)
+        raise
     if cfg.trainer.workers == 1:  # a DDP run's rank 0 writes its own (distributed.py)
-        with open(f"{out_dir}/result.json", "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(out_dir, result)
     print(f"{result['status']}: val_bpb {result['val_bpb']:.4f} -> {out_dir}/result.json")
     return result["val_bpb"]
+
+
+def write_result(out_dir: str, result: dict) -> None:
+    with open(f"{out_dir}/result.json", "w") as f:
+        json.dump(result, f, indent=2)
 
 
 def run_ddp(cfg, out_dir: str) -> dict:
