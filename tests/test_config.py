@@ -79,6 +79,17 @@ BAD_INPUTS = [
     (["sweep.name=x"], "choose one first with +sweep=NAME"),
     (["model.depth=[1"], "cannot parse override 'model.depth=[1'"),
     (["model"], "cannot parse override 'model': missing EQUAL"),
+    # inf passes every "> 0" check; it would fail deep inside training
+    (["trainer.budget_tokens=inf"], "trainer.budget_tokens must be a finite number, got inf"),
+    (["optimizer.weight_decay=inf"], "optimizer.weight_decay must be a finite number"),
+    (["trainer.seed=-1"], "trainer.seed must be >= 0, got -1"),
+    # the platform's own sections are typed as well
+    (["+foo=1"], "unknown config key: foo"),
+    (["+ray.adress=auto"], "did you mean ray.address?"),
+    (["ray.dashboard_port=99999"], "ray.dashboard_port must be a port in [1, 65535]"),
+    (["mlflow.enabled=maybe"], "mlflow.enabled"),
+    (["fit.bootstrap=-5"], "fit.bootstrap must be >= 0"),
+    (["trainer.workers=3", "trainer.total_batch_size=12288"], "need 3 CPUs, but the local"),
 ]
 
 
@@ -184,6 +195,12 @@ def test_corrupt_shard_is_named_before_anything_runs(tmp_path):
     (data / "train_000.bin").write_bytes(header.tobytes() + np.zeros(10, np.uint16).tobytes())
     proc = run_cli(["data=shards", f"data.path={data}/*.bin"], cwd=tmp_path, timeout=60)
     _assert_clean_failure(proc, tmp_path, "train_000.bin", keep=["data"])
+
+
+def test_a_directory_as_a_shard_is_named_before_anything_runs(tmp_path):
+    (tmp_path / "data").mkdir()
+    proc = run_cli(["data=shards", f"data.path={tmp_path}/data"], cwd=tmp_path, timeout=60)
+    _assert_clean_failure(proc, tmp_path, "is not a file", keep=["data"])
 
 
 def test_sweep_file_with_a_syntax_error_is_one_line(tmp_path):

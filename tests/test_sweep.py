@@ -277,6 +277,18 @@ REFUSED = [
     (["sweep.stages.0.points=[base]"], "to add it, write +sweep.stages.0.points=[base]"),
     (["sweep.stages.x.name=a"], "sweep.stages.x.name=a: Index 'x'"),
     (["sweep.stages.5.name=a"], "sweep.stages.5.name=a: list index out of range"),
+    # found by a new user's mistakes: each used to start Ray, or end in a traceback
+    (["sweep.budget.tokens_per_trial=inf"], "sweep.budget.tokens_per_trial must be > 0, got inf"),
+    (["sweep.budget.tokens_per_trial=0"], "sweep.budget.tokens_per_trial must be > 0, got 0"),
+    (["+sweep.budget.tokens_per_trail=1"], "did you mean sweep.budget.tokens_per_trial?"),
+    (["sweep.seed=-1"], "sweep.seed must be >= 0"),
+    (["sweep.metric=accuracy"], "sweep.metric must be one of val_bpb, train_loss"),
+    (["sweep.search=foo"], "sweep.search must be one of random"),
+    (["sweep.stages.0.num_samples=1.5"], "sweep.stages.0.num_samples"),
+    (["+sweep.stages.0.points={optimizer.matrix_lr:0.02}"], "sweep.stages.0.points must be a list"),
+    (["trainable._target_=math.pi"], "must be a function of (config, report); it is a float"),
+    (["trainable._target_=os.getcwd"], "must be a function of (config, report); its signature"),
+    (["fit.target_flops=-1"], "fit.target_flops must be a positive number"),
     # trials the local cluster can never place: Ray would keep them pending for ever
     (["ray.num_cpus=2", "sweep.cpus_per_trial=3"], "needs 3 CPUs per trial, but the local"),
     (["ray.num_gpus=0", "sweep.gpus_per_trial=0.5"], "needs 0.5 GPUs per trial"),
@@ -300,6 +312,20 @@ def test_refused_sweeps_error_in_one_line_before_ray_starts(tmp_path, args, name
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_new_sweep_into_the_run_dir_of_another_is_refused_and_the_old_one_kept(tmp_path):
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    (run_dir / "sweep_state.json").write_text('{"name": "smoke"}')
+    proc = run_cli(["+sweep=lr_bs", f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: hydra.run.dir={run_dir} holds a sweep already (sweep_state.json): continue it "
+        "with sweep.resume=true, or choose another hydra.run.dir"
+    ]
+    assert [p.name for p in run_dir.iterdir()] == ["sweep_state.json"]
+    assert (run_dir / "sweep_state.json").read_text() == '{"name": "smoke"}'
 
 
 def test_unknown_sweep_name_is_one_line(tmp_path):

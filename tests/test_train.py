@@ -15,6 +15,7 @@ from sweeper.config import load_run_config
 from sweeper.data import BatchSampler, load_data
 from sweeper.model import GPT, GPTShape
 from sweeper.runtime import keep_freed_memory_for_reuse, release_freed_memory
+from sweeper.sweep.spec import BUILTIN_METRICS
 from sweeper.train import (
     DivergenceWatch,
     evaluate,
@@ -75,6 +76,9 @@ def test_report_called_at_every_eval_with_the_contract_metrics():
     assert [m["step"] for m in seen] == [4, 8, 10]
     keys = {"step", "tokens", "flops", "train_loss", "val_bpb", "lr", "tokens_per_s", "mfu"}
     assert keys <= seen[-1].keys()
+    # the metrics a sweep may rank by (sweep.metric) are numbers in every report
+    for metric in BUILTIN_METRICS:
+        assert all(isinstance(m[metric], float) for m in seen), metric
     assert seen[-1]["tokens"] == 10 * 512 == result["tokens"]
     assert seen[-1]["flops"] == result["tokens"] * result["flops_per_token"]
     assert seen[-1]["status"] == "completed" and seen[0]["status"] == "running"

@@ -10,7 +10,7 @@ import json
 import sys
 
 from sweeper.cli import compose, fail
-from sweeper.config import ConfigError, load_run_config
+from sweeper.config import ConfigError, check_platform_sections, load_run_config
 from sweeper.paths import config_dir
 
 HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--shell-completion")
@@ -89,6 +89,7 @@ def run_ddp(cfg, out_dir: str) -> dict:
 def validate(overrides: list[str]) -> None:
     cfg = compose(overrides)
     run = load_run_config(cfg)
+    check_platform_sections(cfg)
     joins_a_cluster = bool(cfg.get("ray", {}).get("address"))
     if run.trainer.device == "cuda" and not (joins_a_cluster and "sweep" in cfg):
         import torch
@@ -102,6 +103,18 @@ def validate(overrides: list[str]) -> None:
         from sweeper.data import check_shards
 
         check_shards(run.data)
+    if run.trainer.workers > 1 and "sweep" not in cfg and not joins_a_cluster:
+        from sweeper.sweep.ray_cluster import local_cluster_size
+
+        # Ray Train would wait for ever for ranks the local cluster cannot place
+        cpus = local_cluster_size(cfg.ray)[0]
+        need = run.trainer.workers * (run.trainer.threads or 1)
+        if need > cpus:
+            raise ConfigError(
+                f"trainer.workers={run.trainer.workers} ranks x {run.trainer.threads or 1} "
+                f"CPU (trainer.threads) need {need} CPUs, but the local Ray cluster has "
+                f"{cpus:g} (ray.num_cpus)"
+            )
     if joins_a_cluster and ("sweep" in cfg or run.trainer.workers > 1):
         from sweeper.sweep.ray_cluster import probe
 
@@ -113,6 +126,17 @@ def validate(overrides: list[str]) -> None:
         spec = validate_sweep(cfg)
         check_config(cfg)  # an unreachable MLflow server: one line, nothing written
         run_dir = hydra_run_dir(overrides)
+        if run_dir and not spec.resume:
+            from pathlib import Path
+
+            from sweeper.sweep.state import STATE_NAME
+
+            # a new sweep there would overwrite the record of the old one, and its resume
+            if (Path(run_dir) / STATE_NAME).exists():
+                raise ConfigError(
+                    f"hydra.run.dir={run_dir} holds a sweep already ({STATE_NAME}): continue "
+                    "it with sweep.resume=true, or choose another hydra.run.dir"
+                )
         if spec.resume and run_dir:
             # Hydra rewrites the run dir's .hydra/ files as the job starts: a resume of a
             # different sweep is refused before that, with the record of the old one intact

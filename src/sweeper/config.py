@@ -8,6 +8,7 @@ Sweeps send trials the same tree as a plain dict; `load_run_config` accepts that
 
 from __future__ import annotations
 
+import difflib
 import glob
 import math
 from dataclasses import asdict, dataclass, field
@@ -220,6 +221,7 @@ class TrainerConfig:
             f"trainer.max_loss_patience must be >= 1, got {self.max_loss_patience}",
         )
         _positive("trainer.threads", self.threads)
+        _require(self.seed >= 0, f"trainer.seed must be >= 0, got {self.seed}")
         _positive("trainer.nan_at_step", self.nan_at_step)
         budgets = [k for k in BUDGET_KEYS if getattr(self, k) is not None]
         _require(
@@ -242,6 +244,13 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
+        # inf passes every range check above (inf > 0) and fails deep inside training
+        for section in RUN_SECTIONS:
+            for key, value in asdict(getattr(self, section)).items():
+                _require(
+                    not isinstance(value, float) or math.isfinite(value),
+                    f"{section}.{key} must be a finite number, got {value}",
+                )
         t, m = self.trainer, self.model
         micro = t.device_batch_size * m.seq_len * t.workers
         _require(
@@ -290,12 +299,91 @@ def load_run_config(tree: Any) -> RunConfig:
         raise ConfigError(_omegaconf_message(error)) from None
 
 
-def _omegaconf_message(error: Exception) -> str:
-    """One line from OmegaConf's multi-line validation errors, naming the key."""
+def _omegaconf_message(error: Exception, prefix: str = "", known: Any = ()) -> str:
+    """One line from OmegaConf's multi-line validation errors, naming the key (under
+    `prefix`, with a did-you-mean among `known` keys for a typo)."""
     key = getattr(error, "full_key", None)
+    key = f"{prefix}{key}" if key else None
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if "not in struct" in first or "Key '" in first and "not" in first:
-        return f"unknown config key: {key}" if key else first
+        if not key:
+            return first
+        close = difflib.get_close_matches(key.rpartition(".")[2], list(known), n=1)
+        hint = f": did you mean {key.rpartition('.')[0]}.{close[0]}?" if close else ""
+        return f"unknown config key: {key}{hint}"
     if isinstance(error.__cause__, ConfigError):
         return str(error.__cause__)
     return f"{key}: {first}" if key else first
+
+
+# --- the platform's own sections: typed too, so a typo or a bad value there is one line ---
+@dataclass
+class RaySection:
+    address: str | None = None
+    num_cpus: float | None = None
+    num_gpus: float | None = None
+    dashboard_host: str = "127.0.0.1"
+    dashboard_port: int = 8265
+
+    def __post_init__(self) -> None:
+        _positive("ray.num_cpus", self.num_cpus)
+        _require(
+            self.num_gpus is None or self.num_gpus >= 0,
+            f"ray.num_gpus must be >= 0, got {self.num_gpus}",
+        )
+        _require(
+            1 <= self.dashboard_port <= 65535,
+            f"ray.dashboard_port must be a port in [1, 65535], got {self.dashboard_port}",
+        )
+
+
+@dataclass
+class MlflowSection:
+    tracking_uri: str | None = None
+    experiment: str = "sweeper"
+    enabled: bool = True
+
+
+@dataclass
+class FitSection:
+    target_flops: float | None = None
+    bootstrap: int = 200
+
+    def __post_init__(self) -> None:
+        _require(
+            self.target_flops is None
+            or (self.target_flops > 0 and math.isfinite(self.target_flops)),
+            f"fit.target_flops must be a positive number or null, got {self.target_flops}",
+        )
+        _require(self.bootstrap >= 0, f"fit.bootstrap must be >= 0, got {self.bootstrap}")
+
+
+PLATFORM_SECTIONS = {"ray": RaySection, "mlflow": MlflowSection, "fit": FitSection}
+# every top-level key of a composed config: anything else is a typo (`+foo=1`)
+ROOT_KEYS = (*RUN_SECTIONS, *PLATFORM_SECTIONS, "trainable", "sweep", "hydra")
+
+
+def check_platform_sections(tree: Any) -> None:
+    """The ray, mlflow and fit sections and the root's keys, checked like a run's."""
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
+    for key in container:
+        close = difflib.get_close_matches(str(key), ROOT_KEYS, n=1)
+        hint = f": did you mean {close[0]}?" if close else ""
+        _require(key in ROOT_KEYS, f"unknown config key: {key}{hint}")
+    for name, schema in PLATFORM_SECTIONS.items():
+        values = container.get(name)
+        if values is None:
+            continue
+        _require(isinstance(values, dict), f"{name} must be a mapping of keys, got {values!r}")
+        try:
+            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+        except ConfigError:
+            raise
+        except OmegaConfBaseException as error:
+            known = [f.name for f in fields(schema)]
+            raise ConfigError(_omegaconf_message(error, f"{name}.", known)) from None

@@ -76,6 +76,8 @@ def load_stdlib(every_n: int = 50, root: str | None = None) -> TokenData:
 # --- token shards -----------------------------------------------------------------------
 def read_shard(path: str) -> np.ndarray:
     """Memory-map a uint16 token shard, with or without the 256-int32 header."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"token shard {path} is not a file (a directory? use a glob: dir/*.bin)")
     size = os.path.getsize(path)
     header = np.fromfile(path, dtype=np.int32, count=SHARD_HEADER_INTS) if size >= 1024 else None
     if header is not None and header[0] == SHARD_MAGIC:

@@ -68,9 +68,10 @@ def validate_sweep(cfg) -> SweepSpec:
     validate_spec(spec, run_values, custom_trainable=target is not None)
     if target:
         try:
-            load_target(target)
+            fn = load_target(target)
         except (ImportError, AttributeError, ValueError) as error:
             raise ConfigError(f"trainable._target_={target} cannot be imported: {error}") from None
+        check_trainable_signature(target, fn)
     else:
         check_stage_values(spec, base_config(cfg, spec, None))
     if not cfg.get("ray", {}).get("address"):
@@ -79,6 +80,24 @@ def validate_sweep(cfg) -> SweepSpec:
         workers = 1 if target else int(cfg.trainer.workers)
         check_trial_fits(spec, workers, *local_cluster_size(cfg.ray))
     return spec
+
+
+def check_trainable_signature(target: str, fn: Any) -> None:
+    """A user's trainable is called as fn(config, report): anything else would fail in
+    every trial, after Ray started."""
+    import inspect
+
+    usage = f"trainable._target_={target} must be a function of (config, report)"
+    if not callable(fn):
+        raise ConfigError(f"{usage}; it is a {type(fn).__name__}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none to read: let the trial say
+        return
+    try:
+        signature.bind({}, print)
+    except TypeError as error:
+        raise ConfigError(f"{usage}; its signature is {signature} ({error})") from None
 
 
 def resumable_state(out: Path, spec: SweepSpec, base: dict) -> SweepState | None:

@@ -7,15 +7,24 @@ does not have) becomes one ConfigError line here, so nothing is started or writt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from sweeper.config import ConfigError
-from sweeper.sweep.algorithms import check_compatible, check_reduction_factor
+from sweeper.sweep.algorithms import (
+    SCHEDULERS,
+    SEARCHES,
+    check_compatible,
+    check_reduction_factor,
+)
 from sweeper.sweep.space import Space, SpaceError, parse_points, parse_space
 
 LR_RULES = ("none", "sqrt", "linear", "retune")
 BATCH_KEY = "trainer.total_batch_size"
+# what sweeper.train reports at every evaluation that a sweep can rank trials by
+# (tests/test_train.py holds the trainer to it)
+BUILTIN_METRICS = ("val_bpb", "train_loss", "tokens_per_s")
 
 
 @dataclass
@@ -87,15 +96,47 @@ class SweepSpec:
 def load_sweep_spec(tree: Any) -> SweepSpec:
     """`cfg.sweep` (DictConfig or dict) -> SweepSpec, types checked by OmegaConf."""
     from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
+    stages = container.get("stages") if isinstance(container, dict) else None
+    if stages is not None and not isinstance(stages, list):
+        raise ConfigError(f"sweep.stages must be a list of stages, got {stages!r}")
+    if isinstance(stages, list):
+        # each stage on its own: OmegaConf's error for a list item has no index in its key
+        container = {**container, "stages": []}
+    spec = _structured(SweepSpec, container, "sweep.")
+    if isinstance(stages, list):
+        spec.stages = [
+            _structured(StageSpec, stage, f"sweep.stages.{i}.") for i, stage in enumerate(stages)
+        ]
+    return spec
+
+
+def _structured(schema: type, values: Any, prefix: str) -> Any:
+    from dataclasses import MISSING, fields
+
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from sweeper.config import _omegaconf_message
 
-    container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.')} must be a mapping of keys, got {values!r}")
+    for spec_field in fields(schema):  # OmegaConf names no key when a dict meets a list
+        value, kind = values.get(spec_field.name), spec_field.default_factory
+        if value is None or kind is MISSING:
+            continue
+        if kind is list and not isinstance(value, list):
+            raise ConfigError(f"{prefix}{spec_field.name} must be a list, got {value!r}")
+        if kind is not list and not isinstance(value, dict):
+            raise ConfigError(f"{prefix}{spec_field.name} must be a mapping, got {value!r}")
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SweepSpec), container))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
     except OmegaConfBaseException as error:
-        raise ConfigError("sweep." + _omegaconf_message(error).removeprefix("sweep.")) from None
+        known = [f.name for f in fields(schema)] + [
+            f.name for f in fields(BudgetSpec) + fields(BohbSpec)
+        ]
+        raise ConfigError(_omegaconf_message(error, prefix, known)) from None
 
 
 def flatten_params(params: dict, prefix: str = "") -> dict[str, Any]:
@@ -188,7 +229,31 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
     """Cross-field checks; `run_values` is the run config, flat ({dotted key: value})."""
     _check(spec.mode in ("min", "max"), f"sweep.mode must be min or max, got {spec.mode!r}")
     _check(bool(spec.stages), f"sweep '{spec.name}' has no stages")
-    budgets = [k for k in ("tokens_per_trial", "flops_per_trial") if getattr(spec.budget, k)]
+    if custom_trainable:
+        _check(bool(spec.metric), "sweep.metric must name a metric your function reports")
+    else:
+        _check(
+            spec.metric in BUILTIN_METRICS,
+            f"sweep.metric must be one of {', '.join(BUILTIN_METRICS)} (what a training run "
+            f"reports), got {spec.metric!r}",
+        )
+    # the sweep-wide defaults, also where every stage names its own (a typo is still a typo)
+    _check(
+        spec.search in SEARCHES,
+        f"sweep.search must be one of {', '.join(SEARCHES)}, got {spec.search!r}",
+    )
+    _check(
+        spec.scheduler in SCHEDULERS,
+        f"sweep.scheduler must be one of {', '.join(SCHEDULERS)}, got {spec.scheduler!r}",
+    )
+    _check(spec.seed >= 0, f"sweep.seed must be >= 0, got {spec.seed}")
+    _check(
+        spec.penalty is None or math.isfinite(spec.penalty),
+        f"sweep.penalty must be a finite number or null, got {spec.penalty}",
+    )
+    budgets = [
+        k for k in ("tokens_per_trial", "flops_per_trial") if getattr(spec.budget, k) is not None
+    ]
     if not custom_trainable:
         _check(
             len(budgets) == 1,
@@ -196,7 +261,8 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
             f"sweep.budget.flops_per_trial; got {', '.join(budgets) or 'none'}",
         )
     for key in budgets:
-        _check(getattr(spec.budget, key) > 0, f"sweep.budget.{key} must be > 0")
+        value = getattr(spec.budget, key)
+        _check(value > 0 and math.isfinite(value), f"sweep.budget.{key} must be > 0, got {value}")
     for key in ("max_trials", "max_flops", "max_seconds", "concurrency"):
         value = getattr(spec, key)
         _check(value is None or value > 0, f"sweep.{key} must be > 0, got {value}")
