@@ -203,6 +203,13 @@ def test_a_directory_as_a_shard_is_named_before_anything_runs(tmp_path):
     _assert_clean_failure(proc, tmp_path, "is not a file", keep=["data"])
 
 
+def test_a_run_dir_that_is_a_file_is_named_and_kept(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = run_cli([f"hydra.run.dir={tmp_path}/notes.txt"], cwd=tmp_path, timeout=60)
+    _assert_clean_failure(proc, tmp_path, "notes.txt is a file", keep=["notes.txt"])
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_sweep_file_with_a_syntax_error_is_one_line(tmp_path):
     mine = tmp_path / "mine" / "sweep"
     mine.mkdir(parents=True)

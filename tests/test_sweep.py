@@ -289,6 +289,11 @@ REFUSED = [
     (["trainable._target_=math.pi"], "must be a function of (config, report); it is a float"),
     (["trainable._target_=os.getcwd"], "must be a function of (config, report); its signature"),
     (["fit.target_flops=-1"], "fit.target_flops must be a positive number"),
+    (["ray.address=garbage"], "ray.address=garbage is not an address Ray can join"),
+    (
+        ["+sweep.stages.0.params.optimizer.matrix_lr.normal=[0.01,0.1]"],
+        "'optimizer.matrix_lr': unknown spec kind normal (kinds: log_uniform",
+    ),
     # trials the local cluster can never place: Ray would keep them pending for ever
     (["ray.num_cpus=2", "sweep.cpus_per_trial=3"], "needs 3 CPUs per trial, but the local"),
     (["ray.num_gpus=0", "sweep.gpus_per_trial=0.5"], "needs 0.5 GPUs per trial"),

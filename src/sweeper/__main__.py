@@ -7,6 +7,7 @@ written); then Hydra runs the job in its run dir as usual.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from sweeper.cli import compose, fail
@@ -90,6 +91,9 @@ def validate(overrides: list[str]) -> None:
     cfg = compose(overrides)
     run = load_run_config(cfg)
     check_platform_sections(cfg)
+    run_dir = hydra_run_dir(overrides)
+    if run_dir and os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"hydra.run.dir={run_dir} is a file, not a directory")
     joins_a_cluster = bool(cfg.get("ray", {}).get("address"))
     if run.trainer.device == "cuda" and not (joins_a_cluster and "sweep" in cfg):
         import torch
@@ -125,7 +129,6 @@ def validate(overrides: list[str]) -> None:
 
         spec = validate_sweep(cfg)
         check_config(cfg)  # an unreachable MLflow server: one line, nothing written
-        run_dir = hydra_run_dir(overrides)
         if run_dir and not spec.resume:
             from pathlib import Path
 

@@ -44,7 +44,12 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
         label = f"auto (found {address})"
     target = endpoint(address)
     if target is None:
-        return
+        if address in ("auto", "local") or "://" in address:  # Ray resolves these itself
+            return
+        raise ConfigError(
+            f"ray.address={label} is not an address Ray can join: use auto, host:port or "
+            "ray://host:port (or null to start a local cluster)"
+        )
     try:
         socket.create_connection(target, timeout=timeout).close()
     except OSError as error:

@@ -150,6 +150,12 @@ def flatten_params(params: dict, prefix: str = "") -> dict[str, Any]:
         name = f"{prefix}{key}"
         if isinstance(value, dict) and not value:
             continue  # a level emptied by a `~` override
+        if isinstance(value, dict) and set(value) & set(KINDS) and not set(value) <= set(KINDS):
+            unknown = sorted(set(value) - set(KINDS))
+            raise ConfigError(
+                f"sweep param '{name}': unknown spec kind {', '.join(unknown)} "
+                f"(kinds: {', '.join(KINDS)})"
+            )
         if isinstance(value, dict) and not set(value) <= set(KINDS):
             flat.update(flatten_params(value, f"{name}."))
         else:
