@@ -77,6 +77,7 @@ BAD_INPUTS = [
     (["scheduler.warmup_frac=0.1"], "did you mean scheduler.warmup_ratio?"),
     (["trainer.max_step=3"], "did you mean trainer.max_steps?"),
     (["sweep.name=x"], "choose one first with +sweep=NAME"),
+    (["sweep=smoke"], "A sweep is added, not overridden: write +sweep=smoke"),
     (["model.depth=[1"], "cannot parse override 'model.depth=[1'"),
     (["model"], "cannot parse override 'model': missing EQUAL"),
     # inf passes every "> 0" check; it would fail deep inside training

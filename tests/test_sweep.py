@@ -290,6 +290,7 @@ REFUSED = [
     (["trainable._target_=os.getcwd"], "must be a function of (config, report); its signature"),
     (["fit.target_flops=-1"], "fit.target_flops must be a positive number"),
     (["ray.address=garbage"], "ray.address=garbage is not an address Ray can join"),
+    (["sweep.lr_keys=[optimizer.foo]"], "sweep.lr_keys: unknown config key 'optimizer.foo'"),
     (
         ["+sweep.stages.0.params.optimizer.matrix_lr.normal=[0.01,0.1]"],
         "'optimizer.matrix_lr': unknown spec kind normal (kinds: log_uniform",

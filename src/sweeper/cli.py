@@ -26,6 +26,9 @@ def compose(overrides: Sequence[str]):
     # TypeError: OmegaConf's for a list index that is not a number (sweep.stages.x.name=...)
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as error:
         message = unknown_key_message(error, overrides) or one_line(error)
+        if "Could not override 'sweep'" in message:  # sweep is no default group to override
+            chosen = next((o for o in overrides if o.startswith("sweep=")), "sweep=NAME")
+            message += f" A sweep is added, not overridden: write +{chosen}"
         if isinstance(error, TypeError):
             message = f"{first_failing(overrides) or 'an override'}: {message}"
         raise ConfigError(message) from None

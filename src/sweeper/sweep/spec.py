@@ -290,6 +290,9 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
         f"sweep.brackets must be >= 1 or null, got {spec.brackets}",
     )
     _check_bohb(spec.bohb)
+    if not custom_trainable:
+        for key in spec.lr_keys:  # a typo would leave that LR behind when the batch changes
+            _check(key in run_values, f"sweep.lr_keys: unknown config key '{key}'")
     _check(spec.max_failures >= 0, "sweep.max_failures must be >= 0")
     names = [s.name for s in spec.stages]
     _check(len(set(names)) == len(names), f"sweep stage names must be unique, got {names}")
