@@ -365,10 +365,7 @@ ROOT_KEYS = (*RUN_SECTIONS, *PLATFORM_SECTIONS, "trainable", "sweep", "hydra")
 
 def check_platform_sections(tree: Any) -> None:
     """The ray, mlflow and fit sections and the root's keys, checked like a run's."""
-    from dataclasses import fields
-
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
     for key in container:
@@ -376,14 +373,37 @@ def check_platform_sections(tree: Any) -> None:
         hint = f": did you mean {close[0]}?" if close else ""
         _require(key in ROOT_KEYS, f"unknown config key: {key}{hint}")
     for name, schema in PLATFORM_SECTIONS.items():
-        values = container.get(name)
-        if values is None:
+        if container.get(name) is not None:
+            typed(schema, container[name], f"{name}.")
+
+
+def typed(schema: type, values: Any, prefix: str) -> Any:
+    """A plain mapping as the dataclass `schema` (types through OmegaConf, ranges in its
+    __post_init__); every mistake one ConfigError naming the key under `prefix`, with a
+    did-you-mean for a typo."""
+    from dataclasses import MISSING, fields, is_dataclass
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.')} must be a mapping of keys, got {values!r}")
+    known = []
+    for spec_field in fields(schema):
+        known.append(spec_field.name)
+        value, kind = values.get(spec_field.name), spec_field.default_factory
+        if is_dataclass(kind):
+            known += [f.name for f in fields(kind)]
+        if value is None or kind is MISSING:
             continue
-        _require(isinstance(values, dict), f"{name} must be a mapping of keys, got {values!r}")
-        try:
-            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
-        except ConfigError:
-            raise
-        except OmegaConfBaseException as error:
-            known = [f.name for f in fields(schema)]
-            raise ConfigError(_omegaconf_message(error, f"{name}.", known)) from None
+        # OmegaConf's own error names no key when a mapping meets a list
+        if kind is list and not isinstance(value, list):
+            raise ConfigError(f"{prefix}{spec_field.name} must be a list, got {value!r}")
+        if kind is not list and not isinstance(value, dict):
+            raise ConfigError(f"{prefix}{spec_field.name} must be a mapping, got {value!r}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as error:
+        raise ConfigError(_omegaconf_message(error, prefix, known)) from None

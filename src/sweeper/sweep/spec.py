@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sweeper.config import ConfigError
+from sweeper.config import ConfigError, typed
 from sweeper.sweep.algorithms import (
     SCHEDULERS,
     SEARCHES,
@@ -104,39 +104,12 @@ def load_sweep_spec(tree: Any) -> SweepSpec:
     if isinstance(stages, list):
         # each stage on its own: OmegaConf's error for a list item has no index in its key
         container = {**container, "stages": []}
-    spec = _structured(SweepSpec, container, "sweep.")
+    spec = typed(SweepSpec, container, "sweep.")
     if isinstance(stages, list):
         spec.stages = [
-            _structured(StageSpec, stage, f"sweep.stages.{i}.") for i, stage in enumerate(stages)
+            typed(StageSpec, stage, f"sweep.stages.{i}.") for i, stage in enumerate(stages)
         ]
     return spec
-
-
-def _structured(schema: type, values: Any, prefix: str) -> Any:
-    from dataclasses import MISSING, fields
-
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from sweeper.config import _omegaconf_message
-
-    if not isinstance(values, dict):
-        raise ConfigError(f"{prefix.rstrip('.')} must be a mapping of keys, got {values!r}")
-    for spec_field in fields(schema):  # OmegaConf names no key when a dict meets a list
-        value, kind = values.get(spec_field.name), spec_field.default_factory
-        if value is None or kind is MISSING:
-            continue
-        if kind is list and not isinstance(value, list):
-            raise ConfigError(f"{prefix}{spec_field.name} must be a list, got {value!r}")
-        if kind is not list and not isinstance(value, dict):
-            raise ConfigError(f"{prefix}{spec_field.name} must be a mapping, got {value!r}")
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
-    except OmegaConfBaseException as error:
-        known = [f.name for f in fields(schema)] + [
-            f.name for f in fields(BudgetSpec) + fields(BohbSpec)
-        ]
-        raise ConfigError(_omegaconf_message(error, prefix, known)) from None
 
 
 def flatten_params(params: dict, prefix: str = "") -> dict[str, Any]:
