@@ -291,6 +291,8 @@ REFUSED = [
     (["fit.target_flops=-1"], "fit.target_flops must be a positive number"),
     (["ray.address=garbage"], "ray.address=garbage is not an address Ray can join"),
     (["sweep.lr_keys=[optimizer.foo]"], "sweep.lr_keys: unknown config key 'optimizer.foo'"),
+    # MLflow would retry creating its engine for a minute, then print a traceback
+    (["mlflow.tracking_uri=sqlite:////proc/x.db"], "cannot write in /proc"),
     (
         ["+sweep.stages.0.params.optimizer.matrix_lr.normal=[0.01,0.1]"],
         "'optimizer.matrix_lr': unknown spec kind normal (kinds: log_uniform",

@@ -78,6 +78,31 @@ def check_config(cfg) -> None:
     uri = mlflow_cfg.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
     if mlflow_cfg.get("enabled", True) and uri:
         check_reachable(str(uri))
+        check_sqlite_writable(resolve_tracking_uri(str(uri)))
+
+
+def check_sqlite_writable(uri: str) -> None:
+    """A SQLite store where no file can be made is a ConfigError: MLflow would retry
+    creating its engine for about a minute and then fail with a traceback. Probed with a
+    temporary file in the nearest folder that exists (MLflow makes the ones below it)."""
+    import tempfile
+
+    path = sqlite_path(uri)
+    if not path or path == ":memory:":
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"mlflow.tracking_uri={uri}: {path} is a directory, not a database file")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"mlflow.tracking_uri={uri}: cannot write in {folder} "
+            f"({error.strerror or type(error).__name__})"
+        ) from None
 
 
 def get_or_create_experiment(client, name: str) -> str:
