@@ -359,8 +359,10 @@ class FitSection:
 
 
 PLATFORM_SECTIONS = {"ray": RaySection, "mlflow": MlflowSection, "fit": FitSection}
-# every top-level key of a composed config: anything else is a typo (`+foo=1`)
+# every top-level key of a composed config that sweeper's own training reads: anything else
+# is a typo (`+foo=1`). A user's own trainable gets the whole config, its own sections too.
 ROOT_KEYS = (*RUN_SECTIONS, *PLATFORM_SECTIONS, "trainable", "sweep", "hydra")
+BUILTIN_TRAINABLE = "sweeper.train.train"
 
 
 def check_platform_sections(tree: Any) -> None:
@@ -368,7 +370,8 @@ def check_platform_sections(tree: Any) -> None:
     from omegaconf import OmegaConf
 
     container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
-    for key in container:
+    own_training = (container.get("trainable") or {}).get("_target_") == BUILTIN_TRAINABLE
+    for key in container if own_training else ():
         close = difflib.get_close_matches(str(key), ROOT_KEYS, n=1)
         hint = f": did you mean {close[0]}?" if close else ""
         _require(key in ROOT_KEYS, f"unknown config key: {key}{hint}")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sweeper.config import RUN_SECTIONS, ConfigError, load_run_config
+from sweeper.config import BUILTIN_TRAINABLE, RUN_SECTIONS, ConfigError, load_run_config
 from sweeper.sweep.spec import (
     SweepSpec,
     flatten,
@@ -31,8 +31,6 @@ from sweeper.sweep.spec import (
 from sweeper.sweep.stages import apply_params, get_dotted, pick_best
 from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
 from sweeper.sweep.trainable import TrialContext, batch_of, load_target, trial_config
-
-BUILTIN_TRAINABLE = "sweeper.train.train"
 
 
 class SweepFailed(Exception):
