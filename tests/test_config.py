@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,8 +188,6 @@ def _assert_clean_failure(proc, tmp_path, names, keep=()):
 
 
 def test_corrupt_shard_is_named_before_anything_runs(tmp_path):
-    import numpy as np
-
     data = tmp_path / "data"
     data.mkdir()
     header = np.zeros(256, dtype=np.int32)
@@ -196,6 +195,24 @@ def test_corrupt_shard_is_named_before_anything_runs(tmp_path):
     (data / "train_000.bin").write_bytes(header.tobytes() + np.zeros(10, np.uint16).tobytes())
     proc = run_cli(["data=shards", f"data.path={data}/*.bin"], cwd=tmp_path, timeout=60)
     _assert_clean_failure(proc, tmp_path, "train_000.bin", keep=["data"])
+
+
+@pytest.mark.parametrize(
+    "tokens, args, names",
+    [
+        (np.full(20_000, 300), ["data.vocab_size=256"], "token id 300 >= data.vocab_size 256"),
+        (np.arange(100), [], "too small to hold out validation"),
+    ],
+    ids=["id over the vocabulary", "too small"],
+)
+def test_shard_contents_are_checked_before_the_run_dir_is_made(tmp_path, tokens, args, names):
+    # once the run dir exists, Hydra has rewritten its .hydra/: a resume must not get there
+    (tmp_path / "data").mkdir()
+    tokens.astype(np.uint16).tofile(tmp_path / "data" / "train_000.bin")
+    proc = run_cli(
+        ["data=shards", f"data.path={tmp_path}/data/*.bin", *args], cwd=tmp_path, timeout=60
+    )
+    _assert_clean_failure(proc, tmp_path, names, keep=["data"])
 
 
 def test_a_directory_as_a_shard_is_named_before_anything_runs(tmp_path):

@@ -293,6 +293,7 @@ REFUSED = [
     (["sweep.lr_keys=[optimizer.foo]"], "sweep.lr_keys: unknown config key 'optimizer.foo'"),
     # MLflow would retry creating its engine for a minute, then print a traceback
     (["mlflow.tracking_uri=sqlite:////proc/x.db"], "cannot write in /proc"),
+    (["mlflow.tracking_uri=sqllite:///mlflow.db"], "MLflow has no store for this URI"),
     (
         ["+sweep.stages.0.params.optimizer.matrix_lr.normal=[0.01,0.1]"],
         "'optimizer.matrix_lr': unknown spec kind normal (kinds: log_uniform",

@@ -106,7 +106,7 @@ def validate(overrides: list[str]) -> None:
     if run.data.name == "shards":
         from sweeper.data import check_shards
 
-        check_shards(run.data)
+        check_shards(run.data, run.model.seq_len)
     if run.trainer.workers > 1 and "sweep" not in cfg and not joins_a_cluster:
         from sweeper.sweep.ray_cluster import local_cluster_size
 

@@ -93,15 +93,17 @@ def read_shard(path: str) -> np.ndarray:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-def check_shards(cfg: DataConfig) -> None:
-    """Open every shard's header (memory-mapped: no data is read), so a corrupt file is
-    reported before anything runs."""
-    for pattern in (cfg.path, cfg.val_path):
-        for path in sorted(glob.glob(pattern)) if pattern else []:
-            read_shard(path)
+def check_shards(cfg: DataConfig, seq_len: int) -> None:
+    """Every check `load_shards` makes (headers, the held-out tail, token ids below the
+    vocabulary), run by the driver before Hydra makes the run dir. Memory-mapped and one
+    file at a time, so it costs one read of the corpus and no copy."""
+    shard_splits(cfg, min_tokens=seq_len + 1)
 
 
-def load_shards(cfg: DataConfig, min_tokens: int) -> TokenData:
+def shard_splits(
+    cfg: DataConfig, min_tokens: int
+) -> tuple[list[str], list[np.ndarray], np.ndarray]:
+    """The training files, their token arrays and the validation tokens, checked."""
     train_files = sorted(glob.glob(cfg.path))
     val_files = sorted(glob.glob(cfg.val_path)) if cfg.val_path else []
     train_files = [f for f in train_files if f not in val_files]
@@ -109,18 +111,24 @@ def load_shards(cfg: DataConfig, min_tokens: int) -> TokenData:
         raise ConfigError(f"data.path matches no training shard: {cfg.path}")
     trains = [read_shard(f) for f in train_files]
     if val_files:
-        val = np.concatenate([read_shard(f) for f in val_files])
+        vals = [read_shard(f) for f in val_files]
     else:
         # no validation files: hold out the tail of the last shard (never trained on)
         last = trains[-1]
         hold = max(min_tokens, last.size // 100)
         if last.size <= 2 * hold:
             raise ConfigError(f"token shard {train_files[-1]} is too small to hold out validation")
-        trains[-1], val = last[:-hold], last[-hold:]
-    train = trains[0] if len(trains) == 1 else np.concatenate(trains)
-    top = int(max(train.max(), val.max()))
+        trains[-1], vals = last[:-hold], [last[-hold:]]
+    top = max(int(tokens.max()) for tokens in trains + vals)
     if top >= cfg.vocab_size:
         raise ConfigError(f"token shards hold token id {top} >= data.vocab_size {cfg.vocab_size}")
+    val = vals[0] if len(vals) == 1 else np.concatenate(vals)
+    return train_files, trains, val
+
+
+def load_shards(cfg: DataConfig, min_tokens: int) -> TokenData:
+    train_files, trains, val = shard_splits(cfg, min_tokens)
+    train = trains[0] if len(trains) == 1 else np.concatenate(trains)
     return TokenData(
         train,
         val,

@@ -77,8 +77,32 @@ def check_config(cfg) -> None:
     mlflow_cfg = cfg.get("mlflow") or {}
     uri = mlflow_cfg.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
     if mlflow_cfg.get("enabled", True) and uri:
+        check_scheme(
+            str(uri),
+            "mlflow.tracking_uri" if mlflow_cfg.get("tracking_uri") else "MLFLOW_TRACKING_URI",
+        )
         check_reachable(str(uri))
         check_sqlite_writable(resolve_tracking_uri(str(uri)))
+
+
+def check_scheme(uri: str, name: str = "mlflow.tracking_uri") -> None:
+    """A URI no MLflow store takes (`sqllite:///x.db`, `foo://bar`) is a ConfigError.
+    MLflow's own registry of stores decides, plugins included; it is not public API, so
+    where it has moved the check is left to the tracker, inside the job."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+        _tracking_store_registry.get_store_builder(uri)
+    except (ImportError, AttributeError):
+        return
+    except MlflowException:
+        schemes = sorted(s for s in _tracking_store_registry._registry if s)
+        raise ConfigError(
+            f"{name}={uri}: MLflow has no store for this URI "
+            f"(schemes: {', '.join(schemes)}; or a path)"
+        ) from None
 
 
 def check_sqlite_writable(uri: str) -> None:
