@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -44,9 +45,20 @@ def tiny_config():
     return tiny
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 120, module: str = "sweeper"):
-    """`python -m <module> args` in `cwd`, like a user would; returns CompletedProcess."""
+def run_cli(
+    args: list[str],
+    cwd: Path,
+    timeout: float = 120,
+    module: str = "sweeper",
+    memory_limit: int | None = None,
+):
+    """`python -m <module> args` in `cwd`, like a user would; returns CompletedProcess.
+    `memory_limit` (bytes of address space) makes the process a machine with that much."""
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), RAY_USAGE_STATS_ENABLED="0")
+
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
@@ -54,6 +66,7 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 120, module: str = "swe
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=limit_memory if memory_limit else None,
     )
 
 

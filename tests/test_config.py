@@ -187,6 +187,20 @@ def _assert_clean_failure(proc, tmp_path, names, keep=()):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep), "nothing may be written"
 
 
+def test_a_micro_batch_too_big_for_memory_is_one_line_and_a_failed_result(tmp_path):
+    # 100,000 x 256 tokens: the embedding's output alone is 24.4 GiB, over the 8 GiB of
+    # address space given here (and over this machine's memory), so the allocation fails
+    batch = ["trainer.device_batch_size=100000", "trainer.total_batch_size=25600000"]
+    proc = run_cli([*batch, "hydra.run.dir=run"], cwd=tmp_path, memory_limit=8 * 2**30)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("error: out of memory (asked for 24.4 GiB more)"), lines[0]
+    assert "trainer.device_batch_size=100000" in lines[0]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["status"] == "failed" and "allocate" in result["error"]
+
+
 def test_corrupt_shard_is_named_before_anything_runs(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

@@ -6,6 +6,7 @@ import pytest
 
 from sweeper.cli import compose
 from sweeper.sweep.engine import (
+    SweepFailed,
     base_config,
     baseline_stage,
     hydra_value,
@@ -191,3 +192,18 @@ def test_the_baseline_trains_beside_the_first_fifo_stage_that_leaves_a_slot_idle
 )
 def test_a_failed_trials_error_in_one_line(text, expected):
     assert error_summary(text) == expected
+
+
+@pytest.mark.parametrize(
+    "error, hinted",
+    [
+        ("2 worker(s) were killed due to the node running low on memory.", True),
+        ("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate", True),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", True),
+        ("ValueError: a bug in user code", False),
+    ],
+)
+def test_a_stage_that_ran_out_of_memory_says_how_to_give_trials_more(tmp_path, error, hinted):
+    message = str(SweepFailed("lr", error, tmp_path))
+    assert message.startswith(f"every trial of stage 'lr' failed: {error}")
+    assert ("sweep.concurrency=1" in message) == hinted, message

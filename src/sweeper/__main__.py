@@ -52,6 +52,18 @@ def run_job(cfg) -> float | None:
         if isinstance(error, KeyboardInterrupt):
             print(f"interrupted: status failed -> {out_dir}/result.json", file=sys.stderr)
             sys.exit(130)
+        from sweeper.runtime import out_of_memory, resolve_device
+
+        if asked := out_of_memory(error):  # a batch too big for the machine: not a bug
+            t = cfg.trainer
+            print(
+                f"error: out of memory (asked for {asked} more): trainer.device_batch_size="
+                f"{t.device_batch_size} x model.seq_len={cfg.model.seq_len} tokens per "
+                f"micro-batch do not fit on {resolve_device(t.device)}; lower trainer.device_batch_size "
+                f"(gradient accumulation keeps trainer.total_batch_size) -> {out_dir}/result.json",
+                file=sys.stderr,
+            )
+            sys.exit(1)
         raise
     if cfg.trainer.workers == 1:  # a DDP run's rank 0 writes its own (distributed.py)
         write_result(out_dir, result)

@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import re
 
 import torch
 
@@ -95,6 +96,18 @@ def release_freed_memory() -> None:
     malloc_trim = getattr(_libc(), "malloc_trim", None)
     if malloc_trim is not None:
         malloc_trim(0)
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """How much the failed allocation asked for ("24.4 GiB"), where `error` is one: torch's
+    OutOfMemoryError (CUDA) or the CPU allocator's RuntimeError; else None."""
+    text = str(error)
+    if not (isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in text):
+        return None
+    if found := re.search(r"allocate (\d+) bytes", text):  # the CPU allocator counts bytes
+        return f"{int(found[1]) / 2**30:.1f} GiB"
+    found = re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", text)
+    return found[1] if found else "unknown size"
 
 
 def bf16_is_fast(device: torch.device) -> bool:

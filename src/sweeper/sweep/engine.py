@@ -32,6 +32,9 @@ from sweeper.sweep.stages import apply_params, get_dotted, pick_best
 from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
 from sweeper.sweep.trainable import TrialContext, batch_of, load_target, trial_config
 
+# Ray's OOM kill of a worker, the CPU allocator's refusal, torch's CUDA OutOfMemoryError
+OUT_OF_MEMORY_SIGNS = ("low on memory", "can't allocate memory", "OutOfMemoryError")
+
 
 class SweepFailed(Exception):
     """Every trial of a stage failed: the next stage would start from nothing it learned
@@ -39,7 +42,7 @@ class SweepFailed(Exception):
 
     def __init__(self, stage: str, error: str | None, out: Path):
         hint = ""
-        if error and "low on memory" in error:
+        if error and any(m in error for m in OUT_OF_MEMORY_SIGNS):
             hint = (
                 "; give each trial more memory: fewer at once (sweep.concurrency=1) "
                 "or a smaller trainer.device_batch_size"
