@@ -323,15 +323,23 @@ def test_refused_sweeps_error_in_one_line_before_ray_starts(tmp_path, args, name
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_new_sweep_into_the_run_dir_of_another_is_refused_and_the_old_one_kept(tmp_path):
+@pytest.mark.parametrize(
+    "args, advice",
+    [
+        (["+sweep=lr_bs"], "continue it with sweep.resume=true, or "),
+        (["model=tiny"], ""),  # a single run would rewrite the sweep's .hydra/
+    ],
+    ids=["a new sweep", "a single run"],
+)
+def test_a_run_into_the_run_dir_of_a_sweep_is_refused_and_the_sweep_kept(tmp_path, args, advice):
     run_dir = tmp_path / "old"
     run_dir.mkdir()
     (run_dir / "sweep_state.json").write_text('{"name": "smoke"}')
-    proc = run_cli(["+sweep=lr_bs", f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=60)
+    proc = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        f"error: hydra.run.dir={run_dir} holds a sweep already (sweep_state.json): continue it "
-        "with sweep.resume=true, or choose another hydra.run.dir"
+        f"error: hydra.run.dir={run_dir} holds a sweep already (sweep_state.json): "
+        f"{advice}choose another hydra.run.dir"
     ]
     assert [p.name for p in run_dir.iterdir()] == ["sweep_state.json"]
     assert (run_dir / "sweep_state.json").read_text() == '{"name": "smoke"}'

@@ -135,23 +135,26 @@ def validate(overrides: list[str]) -> None:
         from sweeper.sweep.ray_cluster import probe
 
         probe(str(cfg.ray.address))  # an unreachable cluster: one line, nothing written
+    resumes = "sweep" in cfg and bool(cfg.sweep.get("resume"))
+    if run_dir and not resumes:
+        from pathlib import Path
+
+        from sweeper.sweep.state import STATE_NAME
+
+        # a new sweep or a single run there would overwrite the old sweep's record (Hydra
+        # rewrites .hydra/; a sweep, its state too), and with it the way to resume it
+        if (Path(run_dir) / STATE_NAME).exists():
+            what = "continue it with sweep.resume=true, or " if "sweep" in cfg else ""
+            raise ConfigError(
+                f"hydra.run.dir={run_dir} holds a sweep already ({STATE_NAME}): "
+                f"{what}choose another hydra.run.dir"
+            )
     if "sweep" in cfg:
         from sweeper.sweep.engine import validate_sweep
         from sweeper.tracking.mlflow_store import check_config
 
         spec = validate_sweep(cfg)
         check_config(cfg)  # an unreachable MLflow server: one line, nothing written
-        if run_dir and not spec.resume:
-            from pathlib import Path
-
-            from sweeper.sweep.state import STATE_NAME
-
-            # a new sweep there would overwrite the record of the old one, and its resume
-            if (Path(run_dir) / STATE_NAME).exists():
-                raise ConfigError(
-                    f"hydra.run.dir={run_dir} holds a sweep already ({STATE_NAME}): continue "
-                    "it with sweep.resume=true, or choose another hydra.run.dir"
-                )
         if spec.resume and run_dir:
             # Hydra rewrites the run dir's .hydra/ files as the job starts: a resume of a
             # different sweep is refused before that, with the record of the old one intact
