@@ -92,7 +92,7 @@ def test_the_default_store_is_mlflow_db_in_the_working_directory(tmp_path, monke
     assert "a_1" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("case", ["unknown sweep", "no store", "dead server"])
+@pytest.mark.parametrize("case", ["unknown sweep", "no store", "dead server", "no such scheme"])
 def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -102,6 +102,8 @@ def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
         argv, expected = ["nosuch"], "no sweep 'nosuch'"
     elif case == "no store":
         argv, expected = [], "no MLflow store at"
+    elif case == "no such scheme":
+        argv, expected = ["--tracking-uri", "sqllite:///mlflow.db"], "MLflow has no store"
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

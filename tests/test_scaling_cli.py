@@ -145,6 +145,8 @@ def test_cli_reads_sweep_directory(tmp_path):
         (lambda d: put(d / "h.csv", b'loss,params\n1,2,3\n"unterminated'), "usable row"),
         (lambda d: d, "without reports.csv"),
         (lambda d: write_csv(d / "f.csv", ["params", "loss"], [["x", "y"]] * 9), "usable row"),
+        # a binary file can read as a CSV of thousands of unnamed columns: not all named
+        (lambda d: put(d / "w.csv", b"\x01," * 39 + b"\n1\n"), r"'\x01', ... (40 in all)"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, setup, needle):

@@ -59,12 +59,14 @@ def _client(tracking_uri: str | None):
 
     from sweeper.tracking.mlflow_store import (
         check_reachable,
+        check_scheme,
         quick_http_calls,
         resolve_tracking_uri,
         sqlite_path,
     )
 
     uri = resolve_tracking_uri(tracking_uri)
+    check_scheme(uri, "--tracking-uri" if tracking_uri else "MLFLOW_TRACKING_URI")
     path = sqlite_path(uri)
     if path is not None and not Path(path).is_file():
         raise ConfigError(

@@ -151,6 +151,14 @@ def _to_bool(value):
     return None
 
 
+def column_list(header: list[str], most: int = 12) -> str:
+    """A header for a one-line message: the first `most` names, quoted where a name is
+    empty or unprintable (a binary file read as CSV)."""
+    names = [n.strip() if n.strip().isprintable() and n.strip() else repr(n) for n in header[:most]]
+    more = f", ... ({len(header)} in all)" if len(header) > most else ""
+    return ", ".join(names) + more
+
+
 def read_csv_records(
     path: Path,
     explicit: dict[str, str | None] | None = None,
@@ -171,7 +179,9 @@ def read_csv_records(
     header, body = rows[0], [r for r in rows[1:] if any(cell.strip() for cell in r)]
     mapping = detect_columns(header, explicit, preferred)
     if "loss" not in mapping:
-        raise InputError(f"no loss column in {path} (columns: {', '.join(header)}); use --loss-col")
+        raise InputError(
+            f"no loss column in {path} (columns: {column_list(header)}); use --loss-col"
+        )
     if not {"C", "N"} & mapping.keys():
         raise InputError(f"{path} has neither a compute nor a parameter-count column")
     pos = {fld: header.index(col) for fld, col in mapping.items()}
