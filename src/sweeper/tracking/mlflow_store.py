@@ -98,7 +98,7 @@ def check_scheme(uri: str, name: str = "mlflow.tracking_uri") -> None:
     except (ImportError, AttributeError):
         return
     except MlflowException:
-        schemes = sorted(s for s in _tracking_store_registry._registry if s)
+        schemes = sorted(s for s in getattr(_tracking_store_registry, "_registry", {}) if s)
         raise ConfigError(
             f"{name}={uri}: MLflow has no store for this URI "
             f"(schemes: {', '.join(schemes)}; or a path)"
