@@ -345,6 +345,17 @@ def test_a_run_into_the_run_dir_of_a_sweep_is_refused_and_the_sweep_kept(tmp_pat
     assert (run_dir / "sweep_state.json").read_text() == '{"name": "smoke"}'
 
 
+def test_a_database_store_without_its_driver_is_one_line_that_hides_the_password(tmp_path):
+    uri = "postgresql+pg8000://me:secret@127.0.0.1:5432/mlflow"  # pg8000: not a dependency
+    proc = run_cli(["+sweep=smoke", f"mlflow.tracking_uri={uri}"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: mlflow.tracking_uri=postgresql+pg8000://me:***@127.0.0.1:5432/mlflow: its "
+        "database driver is not installed (No module named 'pg8000')"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_sweep_name_is_one_line(tmp_path):
     proc = run_cli(["+sweep=nonexistent"], cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and "sweep/nonexistent" in proc.stderr

@@ -83,6 +83,7 @@ def check_config(cfg) -> None:
         )
         check_reachable(str(uri))
         check_sqlite_writable(resolve_tracking_uri(str(uri)))
+        check_database_driver(str(uri))
 
 
 def check_scheme(uri: str, name: str = "mlflow.tracking_uri") -> None:
@@ -102,6 +103,22 @@ def check_scheme(uri: str, name: str = "mlflow.tracking_uri") -> None:
         raise ConfigError(
             f"{name}={uri}: MLflow has no store for this URI "
             f"(schemes: {', '.join(schemes)}; or a path)"
+        ) from None
+
+
+def check_database_driver(uri: str) -> None:
+    """A database store whose SQLAlchemy driver is not installed (psycopg for postgresql://,
+    by default) is a ConfigError. Making an engine imports the driver and connects nowhere."""
+    if urlparse(uri).scheme.split("+")[0] not in ("postgresql", "mysql", "mssql"):
+        return
+    import sqlalchemy
+
+    try:
+        sqlalchemy.create_engine(uri)
+    except (ImportError, sqlalchemy.exc.NoSuchModuleError) as error:
+        shown = sqlalchemy.engine.make_url(uri).render_as_string(hide_password=True)
+        raise ConfigError(
+            f"mlflow.tracking_uri={shown}: its database driver is not installed ({error})"
         ) from None
 
 
