@@ -108,7 +108,9 @@ def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        argv, expected = ["--tracking-uri", f"http://127.0.0.1:{port}"], "unreachable"
+        # with credentials in the URI, which the message must not print
+        argv = ["--tracking-uri", f"http://me:secret@127.0.0.1:{port}"]
+        expected = f"http://me:***@127.0.0.1:{port} is unreachable"
     started = time.monotonic()
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

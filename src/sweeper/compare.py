@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sweeper.cli import fail
 from sweeper.config import ConfigError
+from sweeper.tracking.mlflow_store import shown
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -164,7 +165,7 @@ def _render(parent, children: list, uri: str) -> str:
     lines = [
         f"sweep '{tags.get('sweep', '?')}' run {parent.info.run_id} "
         f"({tags.get('status', parent.info.status.lower())}), {len(trials)} trials, "
-        f"sorted by {metric} ({mode}) | {uri}"
+        f"sorted by {metric} ({mode}) | {shown(uri)}"
     ]
     if rows:
         widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]

@@ -42,6 +42,15 @@ def resolve_tracking_uri(uri: str | None) -> str:
     return uri
 
 
+def shown(uri: str) -> str:
+    """`uri` for the console and logs: a password in it (`postgresql://me:pw@host/db`,
+    `https://me:pw@host`) becomes ***."""
+    parts = urlparse(uri)
+    if parts.password is None:
+        return uri
+    return uri.replace(f":{parts.password}@", ":***@", 1)
+
+
 def is_http(uri: str) -> bool:
     return urlparse(uri).scheme in ("http", "https")
 
@@ -68,7 +77,7 @@ def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT_S, hint: str = SWEE
         if isinstance(error, requests.ConnectionError) and "refused" in str(error).lower():
             reason = "connection refused"
         raise ConfigError(
-            f"MLflow tracking server {uri} is unreachable ({reason}): {hint}"
+            f"MLflow tracking server {shown(uri)} is unreachable ({reason}): {hint}"
         ) from None
 
 
@@ -101,7 +110,7 @@ def check_scheme(uri: str, name: str = "mlflow.tracking_uri") -> None:
     except MlflowException:
         schemes = sorted(s for s in getattr(_tracking_store_registry, "_registry", {}) if s)
         raise ConfigError(
-            f"{name}={uri}: MLflow has no store for this URI "
+            f"{name}={shown(uri)}: MLflow has no store for this URI "
             f"(schemes: {', '.join(schemes)}; or a path)"
         ) from None
 
@@ -116,9 +125,8 @@ def check_database_driver(uri: str) -> None:
     try:
         sqlalchemy.create_engine(uri)
     except (ImportError, sqlalchemy.exc.NoSuchModuleError) as error:
-        shown = sqlalchemy.engine.make_url(uri).render_as_string(hide_password=True)
         raise ConfigError(
-            f"mlflow.tracking_uri={shown}: its database driver is not installed ({error})"
+            f"mlflow.tracking_uri={shown(uri)}: its database driver is not installed ({error})"
         ) from None
 
 

@@ -38,6 +38,7 @@ from sweeper.tracking.mlflow_store import (
     is_http,
     quick_http_calls,
     resolve_tracking_uri,
+    shown,
 )
 
 METRICS = ("train_loss", "val_bpb", "lr", "tokens", "flops", "tokens_per_s", "mfu")
@@ -78,7 +79,7 @@ class MlflowTracker:
         except ConfigError:
             raise
         except Exception as error:
-            raise ConfigError(f"MLflow store {self.uri}: {short_error(error)}") from None
+            raise ConfigError(f"MLflow store {shown(self.uri)}: {short_error(error)}") from None
         self.parent_id = self.queue.run_id(PARENT)
         self.out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(
@@ -98,7 +99,7 @@ class MlflowTracker:
         LIVE[str(self.out)] = self
         atexit.register(self._at_exit)
         print(
-            f"[mlflow] sweep run {self.parent_id} in {self.uri} (experiment '{self.experiment}')"
+            f"[mlflow] sweep run {self.parent_id} in {shown(self.uri)} (experiment '{self.experiment}')"
             + (f"; {kept} calls kept from an earlier run are sent first" if kept else ""),
             flush=True,
         )
@@ -173,16 +174,16 @@ class MlflowTracker:
         stats = self.queue.stats()
         if left:
             print(
-                f"[mlflow] {left} MLflow calls could not be sent to {self.uri} "
+                f"[mlflow] {left} MLflow calls could not be sent to {shown(self.uri)} "
                 f"({stats['last_error']}); kept in {self.queue.pending_path}: the next "
                 "`sweep.resume=true` in this run dir sends them",
                 flush=True,
             )
         if stats["dropped"]:
             print(f"[mlflow] {stats['dropped']} MLflow calls were refused by the store")
-        ui = "" if is_http(self.uri) else f"; mlflow ui --backend-store-uri {self.uri}"
+        ui = "" if is_http(self.uri) else f"; mlflow ui --backend-store-uri {shown(self.uri)}"
         print(
-            f"[mlflow] sweep run {self.parent_id} in {self.uri}: compare its trials with "
+            f"[mlflow] sweep run {self.parent_id} in {shown(self.uri)}: compare its trials with "
             f"python -m sweeper.compare {self.out}{ui}",
             flush=True,
         )
