@@ -10,7 +10,7 @@ from sweeper.distributed import train_ddp
 from sweeper.sweep.engine import run_sweep
 from sweeper.train import train
 
-from .conftest import local_ray, tiny
+from .conftest import local_ray, run_cli, tiny
 from .ddp_functions import rank1_dies, rank1_hangs
 
 pytestmark = pytest.mark.slow
@@ -166,3 +166,19 @@ def test_a_hung_or_dead_rank_fails_the_run_within_the_timeout(ray_cluster, tmp_p
     # ~28 s here (Ray Train start-up, the 10 s timeout, teardown), 62 s once in a loaded CI
     # run; without the short timeout a hung gloo rank waits out torch's 30-minute default
     assert time.monotonic() - start < 150
+
+
+def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_path):
+    # the command a user types (no cluster of the tests': it starts its own). Each rank's
+    # embedding output is 73 GiB, over the 64 GiB of address space given to the command
+    # and everything it starts, so both ranks' allocations fail whatever the machine
+    batch = ["trainer.device_batch_size=300000", "trainer.total_batch_size=153600000"]
+    args = ["trainer.workers=2", "trainer.threads=1", *batch, "hydra.run.dir=run"]
+    proc = run_cli(args, cwd=tmp_path, timeout=300, memory_limit=64 * 2**30)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    # Ray streams the ranks' tracebacks in; the command's own line comes last
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: out of memory (asked for 73.2 GiB more): "), last
+    assert "trainer.device_batch_size=300000" in last
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["status"] == "failed" and "can't allocate memory" in result["error"]

@@ -56,6 +56,10 @@ def run_job(cfg) -> float | None:
 
         if asked := out_of_memory(error):  # a batch too big for the machine: not a bug
             t = cfg.trainer
+            if t.workers > 1:  # the ranks' tracebacks, which Ray streams in, come first
+                import ray
+
+                ray.shutdown()
             print(
                 f"error: out of memory (asked for {asked} more): trainer.device_batch_size="
                 f"{t.device_batch_size} x model.seq_len={cfg.model.seq_len} tokens per "
