@@ -256,7 +256,7 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     from omegaconf import OmegaConf
 
     fit_cfg = OmegaConf.to_container(cfg.fit, resolve=True) if "fit" in cfg else {}
-    summary = outputs.write_all(out, spec, state, base, fit_cfg)
+    summary = outputs.write_all(out, spec, state, base, fit_cfg, builtin=target is None)
     tracker.finish(summary, out)
     return summary["best"]["value"] if summary.get("best") else None
 
@@ -368,7 +368,7 @@ def stage_context(
         lr_keys=tuple(spec.lr_keys),
         # paused (Hyperband/BOHB) and retried trials resume from their last report
         checkpoint=pausing or spec.max_failures > 0,
-        threads=max(1, int(spec.cpus_per_trial)),
+        threads=spec.trial_threads,
         sampled=tuple(space.names),
         storage=storage,
     )

@@ -86,6 +86,11 @@ class SweepSpec:
     resume: bool = False
     lr_keys: list[str] = field(default_factory=list)
 
+    @property
+    def trial_threads(self) -> int:
+        """torch threads of each trial (and of the baseline): its CPU share, at least one."""
+        return max(1, int(self.cpus_per_trial))
+
     def stage_search(self, stage: StageSpec) -> str:
         return stage.search or self.search
 
