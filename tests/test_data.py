@@ -64,3 +64,17 @@ def test_token_ids_beyond_vocab_are_refused(tmp_path):
     cfg = DataConfig(name="shards", path=str(tmp_path / "t.bin"), vocab_size=512)
     with pytest.raises(ConfigError, match="vocab_size"):
         load_shards(cfg, min_tokens=65)
+
+
+def test_the_drivers_check_reads_the_corpus_once_for_many_jobs(tmp_path):
+    from sweeper.data import _check_shards_once, check_shards
+
+    _write_shard(tmp_path / "a.bin", np.arange(10000) % 50)
+    cfg = DataConfig(name="shards", path=str(tmp_path / "*.bin"), vocab_size=64)
+    _check_shards_once.cache_clear()
+    for _ in range(3):  # a multirun's jobs, e.g. model.depth=2,4,6
+        check_shards(cfg, seq_len=64)
+    assert _check_shards_once.cache_info().misses == 1
+    _write_shard(tmp_path / "v.bin", np.full(500, 70))  # a validation id over the vocabulary
+    with pytest.raises(ConfigError, match="token id 70 >= data.vocab_size 64"):
+        check_shards(DataConfig(**{**vars(cfg), "val_path": str(tmp_path / "v.bin")}), seq_len=64)

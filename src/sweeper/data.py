@@ -96,19 +96,25 @@ def read_shard(path: str) -> np.ndarray:
 def check_shards(cfg: DataConfig, seq_len: int) -> None:
     """Every check `load_shards` makes (headers, the held-out tail, token ids below the
     vocabulary), run by the driver before Hydra makes the run dir. Memory-mapped and one
-    file at a time, so it costs one read of the corpus and no copy."""
-    shard_splits(cfg, min_tokens=seq_len + 1)
+    file at a time, so it costs one read of the corpus and no copy; once per process for
+    the same files (a multirun checks up to 64 jobs)."""
+    _check_shards_once(cfg.path, cfg.val_path, cfg.vocab_size, seq_len + 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _check_shards_once(path: str, val_path: str | None, vocab_size: int, min_tokens: int) -> None:
+    shard_splits(path, val_path, vocab_size, min_tokens)
 
 
 def shard_splits(
-    cfg: DataConfig, min_tokens: int
+    path: str, val_path: str | None, vocab_size: int, min_tokens: int
 ) -> tuple[list[str], list[np.ndarray], np.ndarray]:
     """The training files, their token arrays and the validation tokens, checked."""
-    train_files = sorted(glob.glob(cfg.path))
-    val_files = sorted(glob.glob(cfg.val_path)) if cfg.val_path else []
+    train_files = sorted(glob.glob(path))
+    val_files = sorted(glob.glob(val_path)) if val_path else []
     train_files = [f for f in train_files if f not in val_files]
     if not train_files:
-        raise ConfigError(f"data.path matches no training shard: {cfg.path}")
+        raise ConfigError(f"data.path matches no training shard: {path}")
     trains = [read_shard(f) for f in train_files]
     if val_files:
         vals = [read_shard(f) for f in val_files]
@@ -120,14 +126,14 @@ def shard_splits(
             raise ConfigError(f"token shard {train_files[-1]} is too small to hold out validation")
         trains[-1], vals = last[:-hold], [last[-hold:]]
     top = max(int(tokens.max()) for tokens in trains + vals)
-    if top >= cfg.vocab_size:
-        raise ConfigError(f"token shards hold token id {top} >= data.vocab_size {cfg.vocab_size}")
+    if top >= vocab_size:
+        raise ConfigError(f"token shards hold token id {top} >= data.vocab_size {vocab_size}")
     val = vals[0] if len(vals) == 1 else np.concatenate(vals)
     return train_files, trains, val
 
 
 def load_shards(cfg: DataConfig, min_tokens: int) -> TokenData:
-    train_files, trains, val = shard_splits(cfg, min_tokens)
+    train_files, trains, val = shard_splits(cfg.path, cfg.val_path, cfg.vocab_size, min_tokens)
     train = trains[0] if len(trains) == 1 else np.concatenate(trains)
     return TokenData(
         train,
