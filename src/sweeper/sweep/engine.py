@@ -256,7 +256,7 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     from omegaconf import OmegaConf
 
     fit_cfg = OmegaConf.to_container(cfg.fit, resolve=True) if "fit" in cfg else {}
-    summary = outputs.write_all(out, spec, state, base, fit_cfg, builtin=target is None)
+    summary = outputs.write_all(out, spec, state, base, fit_cfg)
     tracker.finish(summary, out)
     return summary["best"]["value"] if summary.get("best") else None
 

@@ -140,12 +140,7 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
 
 
 def write_all(
-    out: Path,
-    spec: SweepSpec,
-    state: SweepState,
-    base: dict,
-    fit_cfg: dict | None = None,
-    builtin: bool = True,
+    out: Path, spec: SweepSpec, state: SweepState, base: dict, fit_cfg: dict | None = None
 ) -> dict:
     from sweeper.sweep.engine import reproduce_overrides
     from sweeper.sweep.plots import plot_learning_curves, plot_stage_lr
@@ -166,11 +161,6 @@ def write_all(
             }
         )
     final = state.stages[-1]["base_after"] if state.stages else base
-    if builtin:
-        # the trials trained on spec.trial_threads threads, and float sums depend on the
-        # thread count: a run on every core drifts from the trial from its first steps
-        # (0.013 bpb apart after 32 steps of the tiny model)
-        final = {**final, "trainer": {**final["trainer"], "threads": spec.trial_threads}}
     finished = [s["best"] for s in state.stages if s["best"]]
     best_value = finished[-1]["metric"] if finished else None
     baseline = state.baseline or {}

@@ -46,12 +46,16 @@ class Diverged(Exception):
 
 
 def trial_config(params: dict[str, Any], base: dict, ctx: TrialContext) -> dict:
-    """The full run config of a trial: base + sampled values (+ LRs following the batch)."""
+    """The full run config of a trial: base + sampled values (+ LRs following the batch),
+    and for sweeper's own training the trial's thread count, which its results depend on
+    (float sums do), so that MLflow records the config that trained."""
     config = apply_params(base, params)
     if ctx.lr_rule in ("sqrt", "linear") and ctx.base_batch:
         config = follow_batch_size(
             config, ctx.lr_rule, ctx.base_batch, list(ctx.lr_keys), set(params)
         )
+    if not ctx.target:
+        config = {**config, "trainer": {**config["trainer"], "threads": ctx.threads}}
     return config
 
 
@@ -195,7 +199,6 @@ def _run_one_process_trial(run_cfg: dict, ctx: TrialContext, report) -> None:
 
     from sweeper.train import train
 
-    run_cfg["trainer"]["threads"] = ctx.threads
     run_cfg["trainer"]["checkpoint_every_eval"] = ctx.checkpoint
     torch.set_num_threads(ctx.threads)
     resume_state = None
@@ -211,7 +214,6 @@ def _run_ddp_trial(run_cfg: dict, ctx: TrialContext) -> None:
 
     from sweeper.distributed import train_ddp
 
-    run_cfg["trainer"]["threads"] = ctx.threads
     run_cfg["trainer"]["checkpoint_every_eval"] = ctx.checkpoint
     train_ddp(
         run_cfg,
