@@ -306,6 +306,7 @@ REFUSED = [
     # MLflow would retry creating its engine for a minute, then print a traceback
     (["mlflow.tracking_uri=sqlite:////proc/x.db"], "cannot write in /proc"),
     (["mlflow.tracking_uri=sqllite:///mlflow.db"], "MLflow has no store for this URI"),
+    (["trainer.threads=2"], "sweep.cpus_per_trial=1 (1 thread); set that instead"),
     (
         ["+sweep.stages.0.params.optimizer.matrix_lr.normal=[0.01,0.1]"],
         "'optimizer.matrix_lr': unknown spec kind normal (kinds: log_uniform",

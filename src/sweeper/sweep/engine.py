@@ -75,6 +75,13 @@ def validate_sweep(cfg) -> SweepSpec:
         check_trainable_signature(target, fn)
     else:
         check_stage_values(spec, base_config(cfg, spec, None))
+        threads = cfg.trainer.get("threads")
+        if threads is not None and threads != spec.trial_threads:  # it would be ignored
+            raise ConfigError(
+                f"trainer.threads={threads}: a trial trains on its CPU share, "
+                f"sweep.cpus_per_trial={spec.cpus_per_trial:g} ({spec.trial_threads} "
+                f"thread{'s' if spec.trial_threads > 1 else ''}); set that instead"
+            )
     if not cfg.get("ray", {}).get("address"):
         from sweeper.sweep.ray_cluster import local_cluster_size
 
