@@ -5,17 +5,20 @@ import math
 import pytest
 
 from sweeper.cli import compose
+from sweeper.config import ConfigError
 from sweeper.sweep.engine import (
     SweepFailed,
     base_config,
     baseline_stage,
     hydra_value,
+    idle_gpus_hint,
     reproduce_overrides,
     validate_sweep,
 )
 from sweeper.sweep.results import error_summary
+from sweeper.sweep.spec import load_sweep_spec
 from sweeper.sweep.stages import apply_params, follow_batch_size, lr_scale, pick_best
-from sweeper.sweep.trainable import TrialContext, trial_config
+from sweeper.sweep.trainable import TrialContext, placed, trial_config
 
 BASE = {
     "optimizer": {"matrix_lr": 0.02, "embedding_lr": 0.2},
@@ -46,6 +49,45 @@ def test_trial_config_applies_params_then_the_rule():
     )
     config = trial_config({"trainer.total_batch_size": 4096}, BASE, ctx)
     assert config["optimizer"] == {"matrix_lr": 0.01, "embedding_lr": 0.1}
+
+
+@pytest.mark.parametrize(
+    "device, workers, gpus, expected",
+    [
+        ("auto", 1, 0.0, "cpu"),  # Ray 2.60 shows a GPU-less trial the GPUs: not for it
+        ("auto", 1, 0.5, "cuda"),
+        ("auto", 2, 0.0, "auto"),  # a DDP trial's ranks ask Ray Train for GPUs themselves
+        ("cpu", 1, 1.0, "cpu"),
+        ("cuda", 1, 1.0, "cuda"),
+    ],
+)
+def test_a_trial_is_placed_as_ray_places_it(device, workers, gpus, expected):
+    base = {"trainer": {"device": device, "workers": workers, "threads": None}}
+    ctx = TrialContext(metric="val_bpb", penalty=8.0, threads=3, gpus=gpus)
+    config = trial_config({}, base, ctx)
+    assert config["trainer"] == {"device": expected, "workers": workers, "threads": 3}
+    assert config == placed(base, 3, gpus) and base["trainer"]["threads"] is None
+    # a user's function gets the config as composed: sweeper does not run it
+    mine = TrialContext(metric="val_bpb", penalty=8.0, target="pkg.fn", threads=3, gpus=gpus)
+    assert trial_config({}, base, mine) == base
+
+
+def test_gpus_beside_trials_given_none_get_one_line_that_says_how_to_use_them():
+    spec = load_sweep_spec({"name": "s", "stages": []})
+    base = {"trainer": {"device": "auto", "workers": 1}}
+    hint = idle_gpus_hint(spec, base, None, gpus=8)
+    assert hint and "beside 8 GPUs" in hint and "sweep.gpus_per_trial=1" in hint
+    assert idle_gpus_hint(spec, base, None, gpus=0) is None
+    assert idle_gpus_hint(spec, base, "pkg.fn", gpus=8) is None  # a user's function: its call
+    cpu = {"trainer": {"device": "cpu", "workers": 1}}
+    assert idle_gpus_hint(spec, cpu, None, gpus=8) is None  # asked for the CPU
+    spec.gpus_per_trial = 1.0
+    assert idle_gpus_hint(spec, base, None, gpus=8) is None
+
+
+def test_cuda_trials_given_no_gpu_are_refused_before_ray_starts():
+    with pytest.raises(ConfigError, match="trainer.device=cuda but sweep.gpus_per_trial=0"):
+        validate_sweep(compose(["+sweep=smoke", "trainer.device=cuda"]))
 
 
 def test_pick_best_prefers_trials_that_ran_their_whole_budget():

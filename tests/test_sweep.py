@@ -94,9 +94,9 @@ def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(ray_clust
 def test_the_reproduce_line_trains_the_best_trial_again_bit_for_bit(ray_cluster, tmp_path):
     summary = sweep(tmp_path / "sweep", "sweep.stages.0.num_samples=2")
     overrides = summary["best"]["overrides"]
-    # the trials' thread count is part of it: float sums depend on it (a run on both cores
-    # ended 0.013 bpb away from the same tiny trial)
-    assert "trainer.threads=1" in overrides
+    # where and how the trials ran is part of it: float sums depend on the thread count (a
+    # run on both cores ended 0.013 bpb away from the same tiny trial)
+    assert {"trainer.threads=1", "trainer.device=cpu"} <= set(overrides)
     proc = run_cli([*overrides, "hydra.run.dir=again"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     again = json.loads((tmp_path / "again" / "result.json").read_text())

@@ -208,7 +208,8 @@ def test_a_real_sweep_on_a_tracking_server_has_a_parent_and_a_child_per_trial(
         # the trial's whole resolved config, flattened: not only the sampled values
         assert params["model.depth"] == "2" and params["model.seq_len"] == "64"
         assert float(params["trainer.budget_tokens"]) == 8192
-        assert params["trainer.threads"] == "1"  # what the trial trained with: results depend on it
+        # where and how the trial trained (auto + no GPU share: cpu), as results depend on it
+        assert params["trainer.threads"] == "1" and params["trainer.device"] == "cpu"
         for key, value in record["params"].items():
             assert float(params[key]) == pytest.approx(value)
         assert len(params) > 30

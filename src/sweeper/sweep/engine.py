@@ -82,6 +82,12 @@ def validate_sweep(cfg) -> SweepSpec:
                 f"sweep.cpus_per_trial={spec.cpus_per_trial:g} ({spec.trial_threads} "
                 f"thread{'s' if spec.trial_threads > 1 else ''}); set that instead"
             )
+        one_process = int(cfg.trainer.workers) == 1
+        if cfg.trainer.device == "cuda" and one_process and not spec.gpus_per_trial:
+            raise ConfigError(
+                "trainer.device=cuda but sweep.gpus_per_trial=0: give each trial a GPU "
+                "(sweep.gpus_per_trial=1, or 0.5 for two trials on one)"
+            )
     if not cfg.get("ray", {}).get("address"):
         from sweeper.sweep.ray_cluster import local_cluster_size
 
@@ -201,6 +207,19 @@ def default_penalty(spec: SweepSpec, base: dict, target: str | None) -> float:
     return math.log2(data["vocab_size"]) / (data.get("bytes_per_token") or 1.0)
 
 
+def idle_gpus_hint(spec: SweepSpec, base: dict, target: str | None, gpus: float) -> str | None:
+    """A line for a cluster with GPUs whose trials were given none: they train on CPU."""
+    trainer = base["trainer"]
+    if target or spec.gpus_per_trial or not gpus or trainer["workers"] > 1:
+        return None
+    if trainer["device"] != "auto":
+        return None
+    return (
+        f"trials train on CPU (sweep.gpus_per_trial=0) beside {gpus:g} GPUs: "
+        "sweep.gpus_per_trial=1 (or 0.5, two trials per GPU) trains them there"
+    )
+
+
 def time_axis(spec: SweepSpec, target: str | None) -> tuple[str, float]:
     """ASHA/Hyperband's clock: tokens or FLOPs (compute-denominated, so batch sizes compare
     fairly), or report count for a user's function without a compute budget."""
@@ -225,6 +244,10 @@ def run_sweep(cfg, out_dir: str) -> float | None:
 
     tracker = make_tracker(cfg, spec, out)  # before Ray: an unreachable server fails fast
     start_ray(cfg.ray)
+    import ray
+
+    if hint := idle_gpus_hint(spec, base, target, ray.cluster_resources().get("GPU", 0)):
+        print(hint)
     state = resumable_state(out, spec, base) if spec.resume else None
     if spec.resume and state is None:
         print(f"sweep.resume=true but no sweep state in {out}: starting a new sweep")
@@ -376,6 +399,7 @@ def stage_context(
         # paused (Hyperband/BOHB) and retried trials resume from their last report
         checkpoint=pausing or spec.max_failures > 0,
         threads=spec.trial_threads,
+        gpus=spec.gpus_per_trial,
         sampled=tuple(space.names),
         storage=storage,
     )

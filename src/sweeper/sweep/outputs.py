@@ -12,7 +12,7 @@ from sweeper.sweep.state import SweepState, write_json_atomic
 
 
 # --- the baseline: the unmodified config under the same budget --------------------------
-def _baseline_run(base: dict, metric: str, target: str | None, threads: int) -> dict:
+def _baseline_run(base: dict, metric: str, target: str | None, threads: int, gpus: float) -> dict:
     import torch
 
     if target:
@@ -21,7 +21,9 @@ def _baseline_run(base: dict, metric: str, target: str | None, threads: int) -> 
         seen: list[dict] = []
         load_target(target)(base, lambda m, state=None: seen.append(dict(m)))
         return {"value": seen[-1].get(metric) if seen else None, "status": "completed"}
-    base = {**base, "trainer": {**base["trainer"], "threads": threads}}
+    from sweeper.sweep.trainable import placed
+
+    base = placed(base, threads, gpus)  # as a trial is: the comparison is like for like
     if base["trainer"]["workers"] > 1:
         import json
         import tempfile
@@ -74,7 +76,9 @@ class Baseline:
             num_gpus=0 if ddp else spec.gpus_per_trial,
         )(_baseline_run)
         print(f"baseline: training the unmodified config under the same budget, {where}")
-        self.job = remote.remote(self.base, spec.metric, self.target, spec.trial_threads)
+        self.job = remote.remote(
+            self.base, spec.metric, self.target, spec.trial_threads, spec.gpus_per_trial
+        )
 
     def collect(self) -> dict:
         import ray

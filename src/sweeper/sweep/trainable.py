@@ -37,6 +37,7 @@ class TrialContext:
     lr_keys: tuple[str, ...] = ()
     checkpoint: bool = False  # write a resumable checkpoint at each report
     threads: int = 1
+    gpus: float = 0.0  # sweep.gpus_per_trial
     sampled: tuple[str, ...] = field(default_factory=tuple)
     storage: str | None = None  # the sweep's Ray storage path (DDP trials put their runs there)
 
@@ -47,16 +48,26 @@ class Diverged(Exception):
 
 def trial_config(params: dict[str, Any], base: dict, ctx: TrialContext) -> dict:
     """The full run config of a trial: base + sampled values (+ LRs following the batch),
-    and for sweeper's own training the trial's thread count, which its results depend on
-    (float sums do), so that MLflow records the config that trained."""
+    placed as Ray places it (`placed`) for sweeper's own training, so that MLflow records
+    the config that trained and the reproduce line trains it again."""
     config = apply_params(base, params)
     if ctx.lr_rule in ("sqrt", "linear") and ctx.base_batch:
         config = follow_batch_size(
             config, ctx.lr_rule, ctx.base_batch, list(ctx.lr_keys), set(params)
         )
-    if not ctx.target:
-        config = {**config, "trainer": {**config["trainer"], "threads": ctx.threads}}
-    return config
+    return config if ctx.target else placed(config, ctx.threads, ctx.gpus)
+
+
+def placed(config: dict, threads: int, gpus: float) -> dict:
+    """A run of sweeper's training with a trial's resources: `threads` torch threads (its
+    CPU share; float sums, so results, depend on the count) and, for one process, the
+    device its GPU share allows. Ray (2.60) no longer hides the GPUs from a worker given
+    none, so `auto` would put every such trial on cuda:0, unaccounted. A DDP trial's ranks
+    ask Ray Train for their GPUs themselves (distributed.train_ddp)."""
+    trainer = {**config["trainer"], "threads": threads}
+    if trainer.get("workers", 1) == 1 and trainer.get("device") == "auto":
+        trainer["device"] = "cuda" if gpus else "cpu"
+    return {**config, "trainer": trainer}
 
 
 def load_target(target: str):
