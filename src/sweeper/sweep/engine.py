@@ -210,9 +210,8 @@ def default_penalty(spec: SweepSpec, base: dict, target: str | None) -> float:
 def idle_gpus_hint(spec: SweepSpec, base: dict, target: str | None, gpus: float) -> str | None:
     """A line for a cluster with GPUs whose trials were given none: they train on CPU."""
     trainer = base["trainer"]
-    if target or spec.gpus_per_trial or not gpus or trainer["workers"] > 1:
-        return None
-    if trainer["device"] != "auto":
+    on_cpu = trainer["device"] == "auto" and trainer["workers"] == 1 and not spec.gpus_per_trial
+    if target or not gpus or not on_cpu:
         return None
     return (
         f"trials train on CPU (sweep.gpus_per_trial=0) beside {gpus:g} GPUs: "
