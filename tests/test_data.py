@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from sweeper.config import ConfigError, DataConfig
 from sweeper.data import SHARD_MAGIC, is_val_file, load_shards, load_stdlib, read_shard
@@ -60,10 +61,53 @@ def test_corrupt_shards_are_named(tmp_path):
 
 
 def test_token_ids_beyond_vocab_are_refused(tmp_path):
-    _write_shard(tmp_path / "t.bin", np.full(5000, 900))
-    cfg = DataConfig(name="shards", path=str(tmp_path / "t.bin"), vocab_size=512)
-    with pytest.raises(ConfigError, match="vocab_size"):
-        load_shards(cfg, min_tokens=65)
+    from sweeper.data import shard_splits
+
+    tokens = np.arange(5000) % 500
+    tokens[4000] = 900
+    _write_shard(tmp_path / "t.bin", tokens)
+    path = str(tmp_path / "t.bin")
+    with pytest.raises(ConfigError, match="t.bin holds token id 900 >= data.vocab_size 512"):
+        shard_splits(path, None, vocab_size=512, min_tokens=65)  # the driver's full scan
+    # a trial does not scan again: the window that holds the id is refused when it is read
+    data = load_shards(DataConfig(name="shards", path=path, vocab_size=512), min_tokens=65)
+    assert (data.train[3900:3999] == tokens[3900:3999]).all()
+    with pytest.raises(ConfigError, match="t.bin holds token id 900"):
+        data.train[3990:4010]
+
+
+def test_many_shards_are_read_as_one_array_without_a_copy(tmp_path):
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    shards = [rng.integers(0, 50_000, size, dtype=np.uint16) for size in (300_000, 7, 200_000)]
+    for i, tokens in enumerate(shards):
+        _write_shard(tmp_path / f"train_{i}.bin", tokens, header=i != 1)
+    _write_shard(tmp_path / "val.bin", shards[0][:1000])
+    cfg = DataConfig(
+        name="shards",
+        path=str(tmp_path / "train_*.bin"),
+        val_path=str(tmp_path / "val.bin"),
+        vocab_size=50_304,
+    )
+    tracemalloc.start()
+    data = load_shards(cfg, min_tokens=65)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 100_000  # 1 MB of tokens on disk; np.concatenate would copy all of it
+    whole = np.concatenate(shards)
+    assert data.train.size == whole.size
+    # windows inside a shard, across one boundary, across a shard shorter than the window
+    for start, stop in [(0, 257), (299_900, 300_157), (299_999, 300_010), (500_000, 500_007)]:
+        assert (data.train[start:stop] == whole[start:stop]).all()
+    assert data.train[whole.size - 3 :].tolist() == whole[-3:].tolist()
+    # the batches equal those the concatenated array gives
+    from sweeper.data import BatchSampler
+
+    ours = BatchSampler(data.train, 4, 64, seed=1).step_batches(5, 2, "cpu")
+    concatenated = BatchSampler(whole, 4, 64, seed=1).step_batches(5, 2, "cpu")
+    for (x, y), (x_ref, y_ref) in zip(ours, concatenated, strict=True):
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
 
 
 def test_the_drivers_check_reads_the_corpus_once_for_many_jobs(tmp_path):

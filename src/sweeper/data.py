@@ -8,8 +8,10 @@ evaluation (and every trial of a sweep) scores the same tokens.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import glob
+import itertools
 import os
 import sysconfig
 import zlib
@@ -29,8 +31,8 @@ STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "
 
 @dataclass
 class TokenData:
-    train: np.ndarray  # 1-D integer tokens (uint8 or uint16; memmap for shards)
-    val: np.ndarray
+    train: np.ndarray | ShardedTokens  # 1-D integer tokens: uint8, or uint16 shards
+    val: np.ndarray | ShardedTokens
     vocab_size: int
     bytes_per_token: float | None
     description: str
@@ -106,10 +108,65 @@ def _check_shards_once(path: str, val_path: str | None, vocab_size: int, min_tok
     shard_splits(path, val_path, vocab_size, min_tokens)
 
 
+class ShardedTokens:
+    """Token shards read as one 1-D array, without copying them into memory.
+
+    A corpus prepared elsewhere comes in many files (FineWeb-10B: 100 shards, 20 GB);
+    `np.concatenate` of their memmaps would copy all of it into every trial's memory. Reads
+    are windows; one that crosses a shard boundary is joined from both, so the windows
+    equal those of the concatenation. What is read is checked against the vocabulary (one
+    max per batch), which lets a trial skip the full scan the driver already made.
+    """
+
+    def __init__(self, files: list[str], shards: list[np.ndarray], vocab_size: int):
+        # plain ndarray views of the memmaps: slicing a memmap runs Python code per window
+        self.files, self.vocab_size = files, vocab_size
+        self.shards = [np.asarray(shard) for shard in shards]
+        self.offsets = list(itertools.accumulate((shard.size for shard in shards), initial=0))
+        self.size = self.offsets[-1]
+        self.dtype = shards[0].dtype
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("ShardedTokens reads contiguous slices only")
+        start, stop, _ = key.indices(self.size)
+        return self._checked(self._window(start, max(0, stop - start)))
+
+    def windows(self, starts, length: int) -> np.ndarray:
+        """The (len(starts), length) batch of windows at these offsets."""
+        return self._checked(np.stack([self._window(int(s), length) for s in starts]))
+
+    def _window(self, start: int, length: int) -> np.ndarray:
+        index = bisect.bisect_right(self.offsets, start) - 1
+        begin = start - self.offsets[index]
+        window = self.shards[index][begin : begin + length]
+        while window.size < length and index + 1 < len(self.shards):
+            index += 1
+            window = np.concatenate([window, self.shards[index][: length - window.size]])
+        return window
+
+    def _checked(self, tokens: np.ndarray) -> np.ndarray:
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            top = int(tokens.max())
+            # the file is found only on the error path, so a clean read pays one max
+            name = next(f for f, shard in zip(self.files, self.shards) if shard.max() == top)
+            raise ConfigError(
+                f"token shard {name} holds token id {top} >= data.vocab_size {self.vocab_size}"
+            )
+        return tokens
+
+
+def read_windows(tokens: np.ndarray | ShardedTokens, starts, length: int) -> np.ndarray:
+    if isinstance(tokens, ShardedTokens):
+        return tokens.windows(starts, length)
+    return np.stack([tokens[s : s + length] for s in starts])
+
+
 def shard_splits(
-    path: str, val_path: str | None, vocab_size: int, min_tokens: int
-) -> tuple[list[str], list[np.ndarray], np.ndarray]:
-    """The training files, their token arrays and the validation tokens, checked."""
+    path: str, val_path: str | None, vocab_size: int, min_tokens: int, scan_ids: bool = True
+) -> tuple[ShardedTokens, ShardedTokens]:
+    """The training and validation tokens, checked. `scan_ids` reads every token once
+    (the driver's check); without it, ids are checked as windows are read."""
     train_files = sorted(glob.glob(path))
     val_files = sorted(glob.glob(val_path)) if val_path else []
     train_files = [f for f in train_files if f not in val_files]
@@ -120,27 +177,34 @@ def shard_splits(
         vals = [read_shard(f) for f in val_files]
     else:
         # no validation files: hold out the tail of the last shard (never trained on)
+        val_files = train_files[-1:]
         last = trains[-1]
         hold = max(min_tokens, last.size // 100)
         if last.size <= 2 * hold:
             raise ConfigError(f"token shard {train_files[-1]} is too small to hold out validation")
         trains[-1], vals = last[:-hold], [last[-hold:]]
-    top = max(int(tokens.max()) for tokens in trains + vals)
-    if top >= vocab_size:
-        raise ConfigError(f"token shards hold token id {top} >= data.vocab_size {vocab_size}")
-    val = vals[0] if len(vals) == 1 else np.concatenate(vals)
-    return train_files, trains, val
+    if scan_ids:
+        for name, tokens in zip(train_files + val_files, trains + vals):
+            if int(tokens.max()) >= vocab_size:
+                raise ConfigError(
+                    f"token shard {name} holds token id {int(tokens.max())} "
+                    f">= data.vocab_size {vocab_size}"
+                )
+    return ShardedTokens(train_files, trains, vocab_size), ShardedTokens(
+        val_files, vals, vocab_size
+    )
 
 
 def load_shards(cfg: DataConfig, min_tokens: int) -> TokenData:
-    train_files, trains, val = shard_splits(cfg.path, cfg.val_path, cfg.vocab_size, min_tokens)
-    train = trains[0] if len(trains) == 1 else np.concatenate(trains)
+    # the driver's `check_shards` has scanned every id before the run started; the reads
+    # check the windows they return, so a trial does not scan the whole corpus again
+    train, val = shard_splits(cfg.path, cfg.val_path, cfg.vocab_size, min_tokens, scan_ids=False)
     return TokenData(
         train,
         val,
         cfg.vocab_size,
         cfg.bytes_per_token,
-        f"token shards: {len(train_files)} train files ({train.size / 1e6:.1f}M tokens), "
+        f"token shards: {len(train.files)} train files ({train.size / 1e6:.1f}M tokens), "
         f"{val.size / 1e6:.2f}M val tokens",
     )
 
@@ -156,7 +220,7 @@ def unigram_bpb(data: TokenData) -> float:
     training split's token frequencies (add-one smoothed). A model must beat this."""
     counts = np.bincount(np.asarray(data.train[:50_000_000]), minlength=data.vocab_size) + 1.0
     log2_p = np.log2(counts / counts.sum())
-    val_counts = np.bincount(np.asarray(data.val), minlength=data.vocab_size)
+    val_counts = np.bincount(data.val[: data.val.size], minlength=data.vocab_size)
     bits_per_token = -(val_counts * log2_p).sum() / val_counts.sum()
     return float(bits_per_token / (data.bytes_per_token or 1.0))
 
@@ -196,7 +260,7 @@ class BatchSampler:
             yield self._batch(starts[micro * self.world + self.rank], device)
 
     def _batch(self, starts: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        windows = read_windows(self.tokens, starts, self.seq_len + 1).astype(np.int64)
         batch = torch.from_numpy(windows)  # (B, T+1)
         if torch.device(device).type == "cuda":
             # a copy from pageable memory first waits for the GPU's queue to drain; a pinned
@@ -213,6 +277,6 @@ def val_windows(tokens: np.ndarray, seq_len: int, n_tokens: int, batch_size: int
     starts = np.linspace(0, tokens.size - seq_len - 1, n_windows).astype(np.int64)
     for first in range(0, n_windows, batch_size):
         chunk = starts[first : first + batch_size]
-        windows = np.stack([tokens[s : s + seq_len + 1] for s in chunk])
+        windows = read_windows(tokens, chunk, seq_len + 1)
         batch = torch.from_numpy(windows.astype(np.int64))
         yield batch[:, :-1], batch[:, 1:]
