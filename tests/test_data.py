@@ -122,3 +122,19 @@ def test_the_drivers_check_reads_the_corpus_once_for_many_jobs(tmp_path):
     _write_shard(tmp_path / "v.bin", np.full(500, 70))  # a validation id over the vocabulary
     with pytest.raises(ConfigError, match="token id 70 >= data.vocab_size 64"):
         check_shards(DataConfig(**{**vars(cfg), "val_path": str(tmp_path / "v.bin")}), seq_len=64)
+
+
+def test_token_counts_in_chunks_equal_one_bincount(tmp_path):
+    from sweeper.data import token_counts
+
+    tokens = np.random.default_rng(2).integers(0, 300, 10_007).astype(np.uint16)
+    for i, part in enumerate(np.split(tokens, [4000, 4001])):
+        _write_shard(tmp_path / f"s{i}.bin", part)
+    cfg = DataConfig(name="shards", path=str(tmp_path / "s*.bin"), vocab_size=300)
+    data = load_shards(cfg, min_tokens=65)
+    expected = np.bincount(tokens[: data.train.size], minlength=300)
+    assert (token_counts(data.train, 300, chunk=999) == expected).all()
+    assert (
+        token_counts(data.train, 300, limit=5000, chunk=64)
+        == np.bincount(tokens[:5000], minlength=300)
+    ).all()
