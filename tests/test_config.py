@@ -85,6 +85,16 @@ BAD_INPUTS = [
     (["trainer.budget_tokens=inf"], "trainer.budget_tokens must be a finite number, got inf"),
     (["optimizer.weight_decay=inf"], "optimizer.weight_decay must be a finite number"),
     (["trainer.seed=-1"], "trainer.seed must be >= 0, got -1"),
+    # a budget under one optimizer step would train a whole step: many times the budget
+    (["trainer.budget_tokens=100"], "trainer.budget_tokens=100, less than one optimizer step"),
+    (
+        ["trainer.budget_tokens=null", "trainer.budget_flops=1e9"],
+        "trainer.budget_flops=1e+09 at 22,413,312 FLOPs per token is 45 tokens, less than one",
+    ),
+    (
+        ["trainer.budget_tokens=null", "trainer.tokens_per_param=0.001"],
+        "trainer.tokens_per_param=0.001 x 3,276,808 parameters is 3,277 tokens, less than one",
+    ),
     # the platform's own sections are typed as well
     (["+foo=1"], "unknown config key: foo"),
     (["+ray.adress=auto"], "did you mean ray.address?"),

@@ -246,6 +246,11 @@ REFUSED = [
     (["sweep.stages.1.lr_rule=cubic"], "lr_rule"),
     (["sweep.budget.tokens_per_trial=null"], "tokens_per_trial"),
     (["sweep.mode=lowest"], "sweep.mode"),
+    (  # the batch stage's 2048 is two steps' worth of the base's budget, and more
+        ["sweep.budget.tokens_per_trial=1500"],
+        "sweep stage 'batch_size': trainer.total_batch_size=2048 (grid) is not a valid run: "
+        "trainer.budget_tokens=1500, less than one optimizer step",
+    ),
     (["sweep.stages.0.scheduler=hyperband", "sweep.reduction_factor=2.5"], "reduction_factor"),
     (["sweep.stages=[]"], "no stages"),
     (["sweep.brackets=0"], "sweep.brackets must be >= 1"),
@@ -333,6 +338,21 @@ def test_refused_sweeps_error_in_one_line_before_ray_starts(tmp_path, args, name
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_grid_is_checked_point_by_point_where_one_value_at_a_time_passes(tmp_path):
+    # at 32,768 tokens a step, 1e12 FLOPs is 1.5 steps of the base model (depth 4) and
+    # 0.8 of depth 5: only the two grid values together are under one step
+    args = ["+sweep=scaling", "trainer.total_batch_size=32768"]
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: sweep stage 'isoflop': trainer.budget_flops=1000000000000.0 (grid), "
+        "model.depth=5 (grid) together are not a valid run: trainer.budget_flops=1e+12 at "
+        "39,813,120 FLOPs per token is 25,117 tokens, less than one optimizer step of "
+        "trainer.total_batch_size=32768 tokens; raise the budget or lower the batch"
+    ]
     assert list(tmp_path.iterdir()) == []
 
 

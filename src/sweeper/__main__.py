@@ -119,6 +119,10 @@ def validate(overrides: list[str]) -> None:
                 "trainer.device=cuda but torch sees no CUDA device here; "
                 "use trainer.device=auto or cpu"
             )
+    if "sweep" not in cfg:  # a sweep writes its own budget into every trial and checks it
+        from sweeper.budget import check_budget
+
+        check_budget(run)
     if run.data.name == "shards":
         from sweeper.data import check_shards
 

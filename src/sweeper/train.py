@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from sweeper.budget import resolve_total_steps
 from sweeper.config import RunConfig, load_run_config
 from sweeper.data import BatchSampler, load_data, unigram_bpb, val_windows
 from sweeper.model import GPT, GPTShape
@@ -34,20 +35,6 @@ from sweeper.runtime import (
 from sweeper.schedule import lr_multiplier, muon_momentum
 
 Report = Callable[..., Any]
-
-
-def resolve_total_steps(cfg: RunConfig, params: int, flops_per_token: int) -> int:
-    """Optimizer steps of the run, from whichever budget is set (exactly one is)."""
-    t = cfg.trainer
-    if t.max_steps is not None:
-        return int(t.max_steps)
-    if t.budget_tokens is not None:
-        tokens = t.budget_tokens
-    elif t.budget_flops is not None:
-        tokens = t.budget_flops / flops_per_token
-    else:
-        tokens = t.tokens_per_param * params  # N = total parameters, as Chinchilla counts
-    return max(1, math.ceil(tokens / t.total_batch_size))
 
 
 def is_eval_step(step: int, total_steps: int, eval_every: int) -> bool:

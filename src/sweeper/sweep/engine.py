@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import signal
@@ -143,19 +144,27 @@ def check_trial_fits(spec: SweepSpec, workers: int, cpus: float, gpus: float) ->
             )
 
 
+# a stage's values are also checked together, every combination, when there are at most
+# this many: a budget in FLOPs with the deepest model of a grid can be under one step
+COMBINATIONS_CHECKED = 128
+
+
 def check_stage_values(spec: SweepSpec, base: dict) -> None:
     """Each value a stage can hand a trial, written alone into the base config, must make a
     valid run. Otherwise a grid batch size that is no multiple of a micro-batch, or a fixed
     LR below zero, fails every trial it reaches after Ray has started and the run dir is
     written. Ranges are checked at both ends, and integer ranges also one step in from the
     low end: a constraint like "a multiple of 4096" fails there, and a grid or choice is
-    what such a key needs. Later stages start from earlier stages' best, which satisfies
-    the same schema."""
+    what such a key needs. Then the values together, where the combinations are few.
+    Later stages start from earlier stages' best, which satisfies the same schema."""
+    from sweeper.budget import check_budget
+
+    check_budget(load_run_config(base))  # the budget written in, before any stage's values
     frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
     frozen = {key: value for key, value in frozen.items() if value is not None}
     for stage in spec.stages:
         space = stage_space(spec, stage, frozen)
-        candidates = [(key, value, "fixed") for key, value in space.fixed.items()]
+        options = {key: [(value, "fixed")] for key, value in space.fixed.items()}
         for param in space.params:
             if param.values:
                 values = list(param.values)
@@ -164,14 +173,21 @@ def check_stage_values(spec: SweepSpec, base: dict) -> None:
                 if param.integer and param.low + 1 < param.high:
                     values.insert(1, param.low + 1)
                 values = [int(v) if param.integer else v for v in values]
-            candidates += [(param.name, value, param.kind) for value in values]
-        for key, value, kind in candidates:
+            options[param.name] = [(value, param.kind) for value in values]
+        candidates = [{key: option} for key, choices in options.items() for option in choices]
+        if 1 < len(options) and math.prod(map(len, options.values())) <= COMBINATIONS_CHECKED:
+            candidates += [
+                dict(zip(options, combo)) for combo in itertools.product(*options.values())
+            ]
+        for candidate in candidates:
             try:
-                load_run_config(apply_params(base, {key: value}))
+                run = load_run_config(apply_params(base, {k: v for k, (v, _) in candidate.items()}))
+                check_budget(run)
             except ConfigError as error:
+                shown = ", ".join(f"{k}={v} ({kind})" for k, (v, kind) in candidate.items())
                 raise ConfigError(
-                    f"sweep stage '{stage.name}': {key}={value} ({kind}) is not a valid run: "
-                    f"{error}"
+                    f"sweep stage '{stage.name}': {shown} "
+                    f"{'is' if len(candidate) == 1 else 'together are'} not a valid run: {error}"
                 ) from None
 
 
