@@ -122,6 +122,39 @@ def test_a_diverging_trial_is_stopped_with_a_penalty_and_the_sweep_finishes(ray_
     assert summary["stages"][0]["best_params"] == {"optimizer.lr": 0.003}
 
 
+def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, tmp_path):
+    from sweeper.sweep.stages import apply_params
+    from sweeper.sweep.trainable import placed
+    from sweeper.train import train
+
+    # successive halving over a grid, one trial at a time: the first (the best LR) reaches
+    # the rung, is paused there with a checkpoint until the other two have, then goes on
+    overrides = [
+        "sweep.stages.0.search=grid",
+        "sweep.stages.0.scheduler=hyperband",
+        "sweep.brackets=1",
+        "sweep.concurrency=1",
+        "sweep.stages.0.num_samples=1",
+        "~sweep.stages.0.params.optimizer.matrix_lr",
+        "+sweep.stages.0.params.optimizer.matrix_lr.grid=[0.03,0.001,0.002]",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    ]
+    sweep(tmp_path, *overrides)
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    (survivor,) = [r for r in state["stages"][0]["records"] if r["status"] == "completed"]
+    assert survivor["params"] == {"optimizer.matrix_lr": 0.03}
+    lines = (Path(survivor["path"]) / "result.json").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    # Ray counts iterations since the last restore: it restarted from the checkpoint
+    assert [row["iterations_since_restore"] for row in rows] == [1, 2, 1, 2]
+    assert [row["training_iteration"] for row in rows] == [1, 2, 3, 4]
+    # and ended where training straight through ends, to the last bit
+    cfg = compose([*TINY_SWEEP, *overrides])
+    base = base_config(cfg, validate_sweep(cfg), None)
+    straight = train(placed(apply_params(base, survivor["params"]), 1, 0), verbose=False)
+    assert straight["val_bpb"] == survivor["metric"]
+
+
 def test_a_stage_tries_its_given_points_first(ray_cluster, tmp_path, capsys):
     sweep(
         tmp_path,
