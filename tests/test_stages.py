@@ -117,6 +117,17 @@ def test_reproduce_overrides_are_the_changes_from_the_default_run():
     assert hydra_value(None) == "null" and hydra_value(True) == "true"
 
 
+def test_the_reproduce_command_is_one_shell_line_that_keeps_every_override_whole():
+    import shlex
+
+    from sweeper.sweep.outputs import reproduce_command
+
+    overrides = ["data.path=/data/run 1/train_*.bin", "optimizer.matrix_lr=0.05", "x=$HOME"]
+    command = reproduce_command(overrides)
+    assert shlex.split(command) == ["python", "-m", "sweeper", *overrides]
+    assert "optimizer.matrix_lr=0.05 " in command  # plain ones stay unquoted, readable
+
+
 def test_retune_rule_searches_a_narrow_band_around_each_frozen_lr():
     from sweeper.sweep.spec import StageSpec, SweepSpec, stage_space
 

@@ -147,13 +147,18 @@ class ShardedTokens:
 
     def _checked(self, tokens: np.ndarray) -> np.ndarray:
         if tokens.size and int(tokens.max()) >= self.vocab_size:
-            top = int(tokens.max())
             # the file is found only on the error path, so a clean read pays one max
-            name = next(f for f, shard in zip(self.files, self.shards) if shard.max() == top)
-            raise ConfigError(
-                f"token shard {name} holds token id {top} >= data.vocab_size {self.vocab_size}"
-            )
+            for name, shard in zip(self.files, self.shards):
+                check_token_ids(name, shard, self.vocab_size)
         return tokens
+
+
+def check_token_ids(name: str, tokens: np.ndarray, vocab_size: int) -> None:
+    top = int(tokens.max())
+    if top >= vocab_size:
+        raise ConfigError(
+            f"token shard {name} holds token id {top} >= data.vocab_size {vocab_size}"
+        )
 
 
 def read_windows(tokens: np.ndarray | ShardedTokens, starts, length: int) -> np.ndarray:
@@ -185,11 +190,7 @@ def shard_splits(
         trains[-1], vals = last[:-hold], [last[-hold:]]
     if scan_ids:
         for name, tokens in zip(train_files + val_files, trains + vals):
-            if int(tokens.max()) >= vocab_size:
-                raise ConfigError(
-                    f"token shard {name} holds token id {int(tokens.max())} "
-                    f">= data.vocab_size {vocab_size}"
-                )
+            check_token_ids(name, tokens, vocab_size)
     return ShardedTokens(train_files, trains, vocab_size), ShardedTokens(
         val_files, vals, vocab_size
     )

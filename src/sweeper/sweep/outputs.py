@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -294,7 +295,13 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
             f"({summary['improvement']:+.4f} better)"
         )
     if summary.get("best"):
-        print(f"  reproduce: python -m sweeper {' '.join(summary['best']['overrides'])}")
+        print(f"  reproduce: {reproduce_command(summary['best']['overrides'])}")
     fit = summary.get("fit") or {}
     files = ["reports.csv", *summary["plots"], *(["fit.json"] if fit.get("file") else [])]
     print(f"  outputs: {out}/summary.json, {', '.join([*files, *fit.get('plots', [])])}")
+
+
+def reproduce_command(overrides: list[str]) -> str:
+    """The shell line that runs the best config again. Quoted where a shell would read an
+    override otherwise: a shard glob (zsh refuses an unmatched one), a path with spaces."""
+    return shlex.join(["python", "-m", "sweeper", *overrides])
