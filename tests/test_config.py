@@ -44,6 +44,18 @@ def test_every_yaml_key_is_commented_for_a_first_time_reader():
         assert lines[0].startswith("#"), f"{path} has no header comment"
 
 
+def test_help_names_the_program_its_commands_and_the_config_groups(tmp_path):
+    proc = run_cli(["--help"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("sweeper: hyperparameter sweeps for GPT pretraining")
+    assert "__main__" not in proc.stdout  # Hydra's default names the app by its module
+    for command in ("python -m sweeper +sweep=lr_bs", "sweeper.fit", "sweeper.compare"):
+        assert command in proc.stdout, command
+    assert "sweep: full, lr, lr_bs, scaling, smoke" in proc.stdout
+    assert "matrix_lr: 0.02" in proc.stdout  # the composed config follows
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_defaults_match_the_schema_defaults():
     # the dataclass defaults document the same run as conf/: drift would mislead readers
     from sweeper.config import RunConfig
