@@ -138,3 +138,19 @@ def test_token_counts_in_chunks_equal_one_bincount(tmp_path):
         token_counts(data.train, 300, limit=5000, chunk=64)
         == np.bincount(tokens[:5000], minlength=300)
     ).all()
+
+
+def test_a_long_id_check_says_what_it_is_doing(tmp_path, monkeypatch, capsys):
+    import sweeper.data
+    from sweeper.data import shard_splits
+
+    _write_shard(tmp_path / "a.bin", np.arange(10000) % 50)
+    _write_shard(tmp_path / "b.bin", np.arange(10000) % 50)
+    path = str(tmp_path / "*.bin")
+    shard_splits(path, None, vocab_size=64, min_tokens=65)
+    assert capsys.readouterr().out == ""  # 40 kB: over before anyone could wonder
+    monkeypatch.setattr(sweeper.data, "SCAN_NOTICE_BYTES", 30_000)
+    shard_splits(path, None, vocab_size=64, min_tokens=65)
+    assert capsys.readouterr().out == (
+        "checking the token ids of 2 shards (0.0 GB) before anything is written\n"
+    )

@@ -25,6 +25,9 @@ from sweeper.config import ConfigError, DataConfig
 
 SHARD_MAGIC = 20240520  # modded-nanogpt / llm.c header: 256 int32, [magic, version, n_tokens]
 SHARD_HEADER_INTS = 256
+# the driver's id check says what it is doing above this size: it reads at ~10 GB/s from the
+# page cache and 1-2 GB/s from this machine's disk, so FineWeb-10B's 20 GB take a while
+SCAN_NOTICE_BYTES = 2 * 10**9
 # folders of the stdlib that are test suites or vendored packages, not library source
 STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -189,6 +192,13 @@ def shard_splits(
             raise ConfigError(f"token shard {train_files[-1]} is too small to hold out validation")
         trains[-1], vals = last[:-hold], [last[-hold:]]
     if scan_ids:
+        size = sum(tokens.nbytes for tokens in trains + vals)
+        if size > SCAN_NOTICE_BYTES:  # seconds from the page cache, minutes from a slow disk
+            print(
+                f"checking the token ids of {len(set(train_files + val_files))} shards "
+                f"({size / 1e9:.1f} GB) before anything is written",
+                flush=True,
+            )
         for name, tokens in zip(train_files + val_files, trains + vals):
             check_token_ids(name, tokens, vocab_size)
     return ShardedTokens(train_files, trains, vocab_size), ShardedTokens(
