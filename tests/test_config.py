@@ -213,6 +213,7 @@ def test_a_micro_batch_too_big_for_memory_is_one_line_and_a_failed_result(tmp_pa
     # 100,000 x 256 tokens: the embedding's output alone is 24.4 GiB, over the 8 GiB of
     # address space given here (and over this machine's memory), so the allocation fails
     batch = ["trainer.device_batch_size=100000", "trainer.total_batch_size=25600000"]
+    batch += ["trainer.budget_tokens=25600000"]  # one step: less is refused up front
     proc = run_cli([*batch, "hydra.run.dir=run"], cwd=tmp_path, memory_limit=8 * 2**30)
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()

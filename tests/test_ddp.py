@@ -173,6 +173,7 @@ def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_pa
     # embedding output is 73 GiB, over the 64 GiB of address space given to the command
     # and everything it starts, so both ranks' allocations fail whatever the machine
     batch = ["trainer.device_batch_size=300000", "trainer.total_batch_size=153600000"]
+    batch += ["trainer.budget_tokens=153600000"]  # one step: less is refused up front
     args = ["trainer.workers=2", "trainer.threads=1", *batch, "hydra.run.dir=run"]
     proc = run_cli(args, cwd=tmp_path, timeout=300, memory_limit=64 * 2**30)
     assert proc.returncode == 1, proc.stderr[-3000:]
