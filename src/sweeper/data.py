@@ -127,7 +127,6 @@ class ShardedTokens:
         self.shards = [np.asarray(shard) for shard in shards]
         self.offsets = list(itertools.accumulate((shard.size for shard in shards), initial=0))
         self.size = self.offsets[-1]
-        self.dtype = shards[0].dtype
 
     def __getitem__(self, key: slice) -> np.ndarray:
         if not isinstance(key, slice) or key.step not in (None, 1):
