@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from sweeper.cli import compose
+from sweeper.cli import compose, other_budgets_cleared
 from sweeper.config import ConfigError, load_run_config
 from sweeper.paths import config_dir
 
@@ -83,7 +83,7 @@ BAD_INPUTS = [
     (["foo.bar=1"], "foo"),
     (["+model.foo=1"], "foo"),
     (["trainer.budget_tokens=null"], "trainer.max_steps"),
-    (["trainer.max_steps=5"], "exactly one"),
+    (["trainer.max_steps=5", "trainer.budget_tokens=8192"], "exactly one"),
     (["scheduler.warmup_ratio=1.5"], "scheduler.warmup_ratio"),
     (["model.head_dim=48"], "model.head_dim"),
     (["trainer.max_loss_patience=0"], "trainer.max_loss_patience"),
@@ -150,11 +150,32 @@ def test_config_error_names_key_in_process():
         load_run_config({"model": {"depth": 0}})
 
 
+BUDGETS_CLEARED = [
+    # one budget named: the preset's others are cleared, whichever the preset set
+    (["trainer.max_steps=5"], ["budget_tokens", "budget_flops", "tokens_per_param"]),
+    (
+        ["trainer=gpu", "trainer.budget_flops=1e15"],
+        ["max_steps", "budget_tokens", "tokens_per_param"],
+    ),
+    (["-m", "trainer.max_steps=5,10"], ["budget_tokens", "budget_flops", "tokens_per_param"]),
+    (["trainer.budget_tokens=null", "trainer.max_steps=5"], ["budget_flops", "tokens_per_param"]),
+    # nothing chosen, or two: the command line is left as written (two are refused)
+    (["model.depth=2"], []),
+    (["trainer.budget_tokens=null"], []),
+    (["trainer.max_steps=5", "trainer.budget_tokens=8192"], []),
+    (["trainer.max_steps_x=5"], []),
+]
+
+
+@pytest.mark.parametrize("overrides, cleared", BUDGETS_CLEARED)
+def test_one_budget_on_the_command_line_replaces_the_presets(overrides, cleared):
+    assert other_budgets_cleared(overrides) == [f"trainer.{key}=null" for key in cleared]
+
+
 def test_single_run_writes_result_json(tmp_path):
     args = [
         "model=tiny",
-        "trainer.max_steps=4",
-        "trainer.budget_tokens=null",
+        "trainer.max_steps=4",  # in place of the cpu preset's budget_tokens
         "trainer.total_batch_size=512",
         "trainer.device_batch_size=8",
         "trainer.eval_every=2",

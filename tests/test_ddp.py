@@ -168,6 +168,22 @@ def test_a_hung_or_dead_rank_fails_the_run_within_the_timeout(ray_cluster, tmp_p
     assert time.monotonic() - start < 150
 
 
+def test_a_two_rank_run_from_the_command_line_shows_its_progress_once(tmp_path):
+    args = ["model=tiny", "trainer.workers=2", "trainer.threads=1", "trainer.budget_tokens=null"]
+    args += ["trainer.max_steps=3", "trainer.eval_tokens=1024", "hydra.run.dir=run"]
+    proc = run_cli(args, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    both = proc.stdout + proc.stderr
+    # rank 0's lines reach the terminal once: Ray Train's print patch also logged each
+    # one to stderr, and it logged every report's metrics dict there too
+    for line in ("run: 3 steps x 8192 tokens (accum 4, workers 2)", "step     3/3 | val bpb"):
+        assert both.count(line) == 1, both[-3000:]
+    assert "Reporting training result" not in both and "Requesting resources" not in both
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["status"] == "completed" and (result["steps"], result["workers"]) == (3, 2)
+    assert proc.stdout.strip().splitlines()[-1].startswith("completed: val_bpb ")
+
+
 def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_path):
     # the command a user types (no cluster of the tests': it starts its own). Each rank's
     # embedding output is 73 GiB, over the 64 GiB of address space given to the command
@@ -177,9 +193,11 @@ def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_pa
     args = ["trainer.workers=2", "trainer.threads=1", *batch, "hydra.run.dir=run"]
     proc = run_cli(args, cwd=tmp_path, timeout=300, memory_limit=64 * 2**30)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    # Ray streams the ranks' tracebacks in; the command's own line comes last
+    # a user's mistake, not a bug: no rank's traceback nor Ray Train's report of one
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: out of memory (asked for 73.2 GiB more): "), last
     assert "trainer.device_batch_size=300000" in last
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["status"] == "failed" and "can't allocate memory" in result["error"]
+    assert result["out_of_memory"] == "73.2 GiB"

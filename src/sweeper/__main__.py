@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from sweeper.cli import compose, fail
+from sweeper.cli import compose, fail, other_budgets_cleared
 from sweeper.config import ConfigError, check_platform_sections, load_run_config
 from sweeper.paths import config_dir
 
@@ -52,27 +52,35 @@ def run_job(cfg) -> float | None:
         if isinstance(error, KeyboardInterrupt):
             print(f"interrupted: status failed -> {out_dir}/result.json", file=sys.stderr)
             sys.exit(130)
-        from sweeper.runtime import out_of_memory, resolve_device
+        from sweeper.runtime import out_of_memory
 
         if asked := out_of_memory(error):  # a batch too big for the machine: not a bug
-            t = cfg.trainer
-            if t.workers > 1:  # the ranks' tracebacks, which Ray streams in, come first
-                import ray
-
-                ray.shutdown()
-            print(
-                f"error: out of memory (asked for {asked} more): trainer.device_batch_size="
-                f"{t.device_batch_size} x model.seq_len={cfg.model.seq_len} tokens per "
-                f"micro-batch do not fit on {resolve_device(t.device)}; lower trainer.device_batch_size "
-                f"(gradient accumulation keeps trainer.total_batch_size) -> {out_dir}/result.json",
-                file=sys.stderr,
-            )
-            sys.exit(1)
+            exit_out_of_memory(cfg, asked, out_dir)
         raise
     if cfg.trainer.workers == 1:  # a DDP run's rank 0 writes its own (distributed.py)
         write_result(out_dir, result)
+    elif result.get("out_of_memory"):  # the ranks recorded it and returned quietly
+        exit_out_of_memory(cfg, result["out_of_memory"], out_dir)
     print(f"{result['status']}: val_bpb {result['val_bpb']:.4f} -> {out_dir}/result.json")
     return result["val_bpb"]
+
+
+def exit_out_of_memory(cfg, asked: str, out_dir: str) -> None:
+    from sweeper.runtime import resolve_device
+
+    t = cfg.trainer
+    if t.workers > 1:  # flush what Ray still streams from the ranks before the last line
+        import ray
+
+        ray.shutdown()
+    print(
+        f"error: out of memory (asked for {asked} more): trainer.device_batch_size="
+        f"{t.device_batch_size} x model.seq_len={cfg.model.seq_len} tokens per "
+        f"micro-batch do not fit on {resolve_device(t.device)}; lower trainer.device_batch_size "
+        f"(gradient accumulation keeps trainer.total_batch_size) -> {out_dir}/result.json",
+        file=sys.stderr,
+    )
+    sys.exit(1)
 
 
 def write_result(out_dir: str, result: dict) -> None:
@@ -203,6 +211,9 @@ def main() -> None:
     args = sys.argv[1:]
     multirun = any(a in MULTIRUN_FLAGS for a in args)
     overrides = [a for a in args if a not in MULTIRUN_FLAGS]
+    if cleared := other_budgets_cleared(overrides):  # Hydra composes from sys.argv too
+        overrides += cleared
+        sys.argv += cleared
     if not any(a.split("=")[0] in HYDRA_FLAGS for a in overrides):
         try:
             # a multirun's jobs are checked before Hydra makes its multirun dir; the first

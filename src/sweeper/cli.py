@@ -72,6 +72,28 @@ def check_syntax(overrides: Sequence[str]) -> None:
             ) from None
 
 
+def other_budgets_cleared(overrides: Sequence[str]) -> list[str]:
+    """The `trainer.KEY=null` overrides that let one budget named on the command line
+    replace the trainer preset's own.
+
+    `trainer.max_steps=100` means "train 100 steps"; kept beside the preset's budget
+    (cpu: budget_tokens, gpu: tokens_per_param) it would make two, which a run refuses.
+    Budgets that the command line names itself, two of them, or one set to null, are left
+    as written: that choice is the user's, and two are still refused.
+    """
+    from sweeper.config import BUDGET_KEYS
+
+    named = {}
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key.startswith("trainer.") and key.removeprefix("trainer.") in BUDGET_KEYS:
+            named[key.removeprefix("trainer.")] = value
+    chosen = [key for key, value in named.items() if value.strip().lower() not in ("null", "")]
+    if len(chosen) != 1:
+        return []
+    return [f"trainer.{key}=null" for key in BUDGET_KEYS if key not in named]
+
+
 def first_failing(overrides: Sequence[str]) -> str | None:
     """The first override whose prefix of the command line no longer composes."""
     for end in range(1, len(overrides) + 1):

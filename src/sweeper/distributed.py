@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -23,8 +24,12 @@ def _worker_loop(config: dict) -> None:
     import torch
 
     from sweeper.checkpoint import load_latest_state, save_state
+    from sweeper.runtime import out_of_memory
     from sweeper.train import train
 
+    # Ray Train logs every report's metrics at INFO through a logger outside `ray.train`
+    # (LoggingConfig's level misses it), so a rank's root logger keeps to warnings
+    logging.getLogger().setLevel(logging.WARNING)
     rank = ray.train.get_context().get_world_rank()
     torch.set_num_threads(config["threads"])
     resume_state = None
@@ -44,7 +49,22 @@ def _worker_loop(config: dict) -> None:
         else:
             ray.train.report(metrics)
 
-    result = train(config["run"], report, resume_state=resume_state, verbose=config["verbose"])
+    try:
+        result = train(config["run"], report, resume_state=resume_state, verbose=config["verbose"])
+    except Exception as error:
+        asked = out_of_memory(error)
+        if not (asked and config.get("result_path")):
+            raise  # a bug keeps its traceback; inside Tune the trial fails with it
+        # A batch too big for the device, in a single run: every rank builds the same
+        # shapes, so every rank fails at the same allocation, before any collective that
+        # would wait on the others. Each returns quietly and rank 0 records the failure:
+        # raising would stream each rank's traceback and Ray Train's report of it to the
+        # user's terminal ahead of the driver's one line (__main__.run_ddp).
+        result = {
+            "status": "failed",
+            "error": f"{type(error).__name__}: {error}",
+            "out_of_memory": asked,
+        }
     if rank == 0 and config.get("result_path"):
         with open(config["result_path"], "w") as f:
             json.dump(result, f, indent=2)
@@ -147,6 +167,10 @@ def train_ddp(
     # Ray Train gives its workers 60 s to start; on a busy small machine, starting the
     # Python processes that import torch can take longer. Ray passes this on to its controller.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(WORKER_START_TIMEOUT_S))
+    # Ray Train turns a rank's print() into a log record that goes to stderr as well as
+    # the stdout Ray streams in, so each progress line reached a terminal twice. Off, a
+    # print is a print (the driver passes this on to the ranks, like the timeout above).
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     trainer = TorchTrainer(
         loop,
         train_loop_config={
@@ -168,6 +192,9 @@ def train_ddp(
             name=name,
             storage_path=storage_path,
             callbacks=callbacks,
+            # its INFO lines (each report's metrics, each worker group step) crowded out
+            # the run's own progress; they stay in Ray's log files and the dashboard
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             # Tune owns retries; a worker group that cannot start (its default: retried
             # forever, 60 s at a time) fails the trial after a few tries instead
             failure_config=ray.train.FailureConfig(
