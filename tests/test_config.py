@@ -84,6 +84,8 @@ BAD_INPUTS = [
     (["+model.foo=1"], "foo"),
     (["trainer.budget_tokens=null"], "trainer.max_steps"),
     (["trainer.max_steps=5", "trainer.budget_tokens=8192"], "exactly one"),
+    # a sweep writes its own budget into every trial: a trainer one would vanish unseen
+    (["+sweep=smoke", "trainer.max_steps=10"], "trainer.max_steps=10: a sweep gives every"),
     (["scheduler.warmup_ratio=1.5"], "scheduler.warmup_ratio"),
     (["model.head_dim=48"], "model.head_dim"),
     (["trainer.max_loss_patience=0"], "trainer.max_loss_patience"),

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from sweeper.cli import compose, fail, other_budgets_cleared
+from sweeper.cli import chosen_budgets, compose, fail, other_budgets_cleared
 from sweeper.config import ConfigError, check_platform_sections, load_run_config
 from sweeper.paths import config_dir
 
@@ -166,9 +166,17 @@ def validate(overrides: list[str]) -> None:
                 f"{what}choose another hydra.run.dir"
             )
     if "sweep" in cfg:
-        from sweeper.sweep.engine import validate_sweep
+        from sweeper.sweep.engine import trainable_target, validate_sweep
         from sweeper.tracking.mlflow_store import check_config
 
+        named = [
+            f"trainer.{k}={v}" for k, v in chosen_budgets(overrides).items() if v.lower() != "null"
+        ]
+        if named and not trainable_target(cfg):  # base_config would drop it unseen
+            raise ConfigError(
+                f"{named[0]}: a sweep gives every trial the same budget, "
+                "sweep.budget.tokens_per_trial (or sweep.budget.flops_per_trial); set that"
+            )
         spec = validate_sweep(cfg)
         check_config(cfg)  # an unreachable MLflow server: one line, nothing written
         if spec.resume and run_dir:
@@ -176,7 +184,7 @@ def validate(overrides: list[str]) -> None:
             # different sweep is refused before that, with the record of the old one intact
             from pathlib import Path
 
-            from sweeper.sweep.engine import base_config, resumable_state, trainable_target
+            from sweeper.sweep.engine import base_config, resumable_state
 
             resumable_state(
                 Path(run_dir).resolve(), spec, base_config(cfg, spec, trainable_target(cfg))

@@ -72,6 +72,18 @@ def check_syntax(overrides: Sequence[str]) -> None:
             ) from None
 
 
+def chosen_budgets(overrides: Sequence[str]) -> dict[str, str]:
+    """The trainer budgets the command line names, with their values (null included)."""
+    from sweeper.config import BUDGET_KEYS
+
+    named = {}
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key.startswith("trainer.") and key.removeprefix("trainer.") in BUDGET_KEYS:
+            named[key.removeprefix("trainer.")] = value.strip()
+    return named
+
+
 def other_budgets_cleared(overrides: Sequence[str]) -> list[str]:
     """The `trainer.KEY=null` overrides that let one budget named on the command line
     replace the trainer preset's own.
@@ -83,12 +95,8 @@ def other_budgets_cleared(overrides: Sequence[str]) -> list[str]:
     """
     from sweeper.config import BUDGET_KEYS
 
-    named = {}
-    for override in overrides:
-        key, _, value = override.lstrip("+~").partition("=")
-        if key.startswith("trainer.") and key.removeprefix("trainer.") in BUDGET_KEYS:
-            named[key.removeprefix("trainer.")] = value
-    chosen = [key for key, value in named.items() if value.strip().lower() not in ("null", "")]
+    named = chosen_budgets(overrides)
+    chosen = [key for key, value in named.items() if value.lower() not in ("null", "")]
     if len(chosen) != 1:
         return []
     return [f"trainer.{key}=null" for key in BUDGET_KEYS if key not in named]
