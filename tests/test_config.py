@@ -192,7 +192,8 @@ def test_single_run_writes_result_json(tmp_path):
     assert "val bpb" in proc.stdout  # progress was printed
 
 
-def test_an_interrupted_run_leaves_a_failed_result_json(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])  # Ctrl+C; kill, docker stop
+def test_an_interrupted_run_leaves_a_failed_result_json(tmp_path, signame):
     import signal
 
     args = [
@@ -216,7 +217,7 @@ def test_an_interrupted_run_leaves_a_failed_result_json(tmp_path):
         for line in proc.stdout:  # training has started once a step's line is printed
             if line.startswith("step"):
                 break
-        proc.send_signal(signal.SIGINT)  # Ctrl+C
+        proc.send_signal(getattr(signal, signame))
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     result = json.loads((tmp_path / "run" / "result.json").read_text())

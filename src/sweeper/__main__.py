@@ -10,7 +10,13 @@ import json
 import os
 import sys
 
-from sweeper.cli import chosen_budgets, compose, fail, other_budgets_cleared
+from sweeper.cli import (
+    chosen_budgets,
+    compose,
+    fail,
+    other_budgets_cleared,
+    stop_on_sigterm_as_on_ctrl_c,
+)
 from sweeper.config import ConfigError, check_platform_sections, load_run_config
 from sweeper.paths import config_dir
 
@@ -216,6 +222,7 @@ def multirun_jobs(overrides: list[str]) -> list[list[str]]:
 
 
 def main() -> None:
+    stop_on_sigterm_as_on_ctrl_c()
     args = sys.argv[1:]
     multirun = any(a in MULTIRUN_FLAGS for a in args)
     overrides = [a for a in args if a not in MULTIRUN_FLAGS]

@@ -72,6 +72,22 @@ def check_syntax(overrides: Sequence[str]) -> None:
             ) from None
 
 
+def stop_on_sigterm_as_on_ctrl_c() -> None:
+    """SIGTERM (`kill`, `docker stop`, a batch scheduler's time limit) ends a run or a sweep
+    the way Ctrl+C does: a single run writes its failed result.json, a sweep saves its state
+    and prints how to resume. Without this a sweep died at once, after Ray's dump of the
+    driver's native stack. Ray's ray.init installs that dump handler, so start_ray calls
+    this again after it."""
+    import os
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        # through SIGINT, not a raise here: inside tuner.fit() Tune's own SIGINT handler
+        # stops the trials and saves the experiment before it returns
+        signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(os.getpid(), signal.SIGINT))
+
+
 def chosen_budgets(overrides: Sequence[str]) -> dict[str, str]:
     """The trainer budgets the command line names, with their values (null included)."""
     from sweeper.config import BUDGET_KEYS

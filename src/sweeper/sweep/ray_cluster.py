@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 
+from sweeper.cli import stop_on_sigterm_as_on_ctrl_c
 from sweeper.config import ConfigError
 
 # persist the experiment state at most once a second rather than Tune's >= 10 s: a killed
@@ -190,6 +191,7 @@ def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
         raise ConfigError(
             f"ray.address={address}: cannot start or join Ray ({error}){hint}"
         ) from None
+    stop_on_sigterm_as_on_ctrl_c()  # ray.init put its own SIGTERM handler in place
     resources = ray.cluster_resources()
     url = context.dashboard_url
     print(
