@@ -118,6 +118,10 @@ def test_build_searcher_splits_the_space(search):
         assert set(param_space) == set(space.names) | set(space.fixed)
         assert type(alg).__name__ == "RunningVariantGenerator"
         assert alg.max_concurrent == 2
+    if search in ("tpe", "gp"):  # Optuna's INFO line per stage stays out of the output
+        import optuna
+
+        assert optuna.logging.get_verbosity() == optuna.logging.WARNING
 
 
 @pytest.mark.parametrize("scheduler", ["asha", "hyperband", "bohb"])

@@ -97,6 +97,8 @@ def random_start(search: str, space: Space, num_samples: int, given: int = 0) ->
 def _optuna_sampler(search: str, seed: int | None, num_samples: int) -> Any:
     import optuna
 
+    # its INFO line per stage ("A new study created in memory") is not the user's business
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     n_startup = startup_trials(num_samples)
     if search == "tpe":
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup)
