@@ -73,11 +73,12 @@ def check_syntax(overrides: Sequence[str]) -> None:
 
 
 def stop_on_sigterm_as_on_ctrl_c() -> None:
-    """SIGTERM (`kill`, `docker stop`, a batch scheduler's time limit) ends a run or a sweep
-    the way Ctrl+C does: a single run writes its failed result.json, a sweep saves its state
-    and prints how to resume. Without this a sweep died at once, after Ray's dump of the
-    driver's native stack. Ray's ray.init installs that dump handler, so start_ray calls
-    this again after it."""
+    """SIGTERM to the driver (`kill`, `docker stop`) ends a run or a sweep the way Ctrl+C
+    does: a single run writes its failed result.json, a sweep saves its state and prints
+    how to resume. Without this a sweep died at once, after Ray's dump of the driver's
+    native stack. Ray's ray.init installs that dump handler, so start_ray calls this again
+    after it. (A signal to the whole process group, as `timeout` sends, also ends Ray's own
+    processes at once: then only the state saved each second is left to resume from.)"""
     import os
     import signal
     import threading
