@@ -155,6 +155,45 @@ def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, 
     assert straight["val_bpb"] == survivor["metric"]
 
 
+def test_with_rung_cooldown_the_rung_ranks_cooled_forks_not_the_runs_as_they_are(
+    ray_cluster, tmp_path
+):
+    # successive halving over three LRs (found for this: at the rung, halfway through, the
+    # runs as they are and their cooled-down copies rank a different LR first, 0.027 apart)
+    overrides = [
+        "trainer.dtype=float32",  # the same rounding on every CPU
+        "sweep.stages.0.search=grid",
+        "sweep.stages.0.scheduler=hyperband",
+        "sweep.brackets=1",
+        "sweep.concurrency=1",
+        "sweep.stages.0.num_samples=1",
+        "~sweep.stages.0.params.optimizer.matrix_lr",
+        "+sweep.stages.0.params.optimizer.matrix_lr.grid=[0.01,0.16,0.3]",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+        "sweep.rung_cooldown=0.5",
+    ]
+    summary = sweep(tmp_path, *overrides)
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    lr_stage, batch_stage = state["stages"]
+    lr_of = {r["trial_id"]: r["params"]["optimizer.matrix_lr"] for r in lr_stage["records"]}
+    at_rung = {lr_of[r["trial_id"]]: r for r in lr_stage["reports"] if r["step"] == 8}
+    assert sorted(at_rung) == [0.01, 0.16, 0.3]
+    cooled_best = min(at_rung, key=lambda lr: at_rung[lr]["rung_val_bpb"])
+    live_best = min(at_rung, key=lambda lr: at_rung[lr]["val_bpb"])
+    assert cooled_best != live_best  # the case this test is for
+    (survivor,) = [r for r in lr_stage["records"] if r["status"] == "completed"]
+    assert survivor["params"] == {"optimizer.matrix_lr": cooled_best}
+    # the final value is the run's own (the fork is thrown away), and a fifo stage has no
+    # rungs: nothing to fork there
+    finals = [
+        r for r in lr_stage["reports"] if r["final"] and r["trial_id"] == survivor["trial_id"]
+    ]
+    assert finals[0]["rung_val_bpb"] == finals[0]["val_bpb"] == survivor["metric"]
+    assert all("rung_val_bpb" not in r for r in batch_stage["reports"])
+    assert "rung_val_bpb" in (tmp_path / "reports.csv").read_text().splitlines()[0]
+    assert not any("rung" in o for o in summary["best"]["overrides"])
+
+
 def test_a_stage_tries_its_given_points_first(ray_cluster, tmp_path, capsys):
     sweep(
         tmp_path,

@@ -103,7 +103,11 @@ def test_report_called_at_every_eval_with_the_contract_metrics():
 
 def test_divergence_ends_the_run_with_status_not_exception():
     seen = []
-    cfg = tiny(optimizer={"name": "adamw", "lr": 50.0}, trainer={"max_steps": 30})
+    # fp32 on every CPU: in bf16 (a CPU with native bf16) the same run wanders at 6-10 nats,
+    # never over the limit 6 steps in a row, and completes
+    cfg = tiny(
+        optimizer={"name": "adamw", "lr": 50.0}, trainer={"max_steps": 30, "dtype": "float32"}
+    )
     result = train(cfg, seen.append, verbose=False)
     assert result["status"] == "diverged"
     assert result["steps"] < 30
@@ -177,15 +181,19 @@ def test_divergence_watch_waits_out_a_spike_but_not_a_dead_output(
 
 def test_a_low_lr_spike_is_waited_out_and_a_collapse_to_a_uniform_guess_is_not():
     """Real runs of the search bench's trial (64 steps of 1024 tokens). A low-LR run spikes over the
-    limit for 3 steps and learns on: the default patience lets it, a patience of 1 does
+    limit for a few steps and learns on: the default patience lets it, a patience of 1 does
     not. AdamW at LR 100 spikes for 3 steps and then sits at ln(256) (under the limit)
     until its weights go NaN at step 18: the watch ends it at step 10, its 6th there."""
-    batch = {"total_batch_size": 1024, "max_steps": 64}
+    # fp32, as these runs were measured: in bf16 (a CPU with native bf16) the trajectories
+    # differ, and the low-LR run, for one, no longer spikes
+    batch = {"total_batch_size": 1024, "max_steps": 64, "dtype": "float32"}
     low_lr = {"matrix_lr": 0.001, "embedding_lr": 0.01}
     patient = train(tiny(optimizer=low_lr, trainer=batch), verbose=False)
     assert patient["status"] == "completed" and patient["steps"] == 64
     spiked = [loss > LIMIT for loss in patient["loss_trace"]]
-    assert 1 < sum(spiked) < 6  # the spike this test is about
+    assert (
+        0 < sum(spiked) < 6
+    )  # the spike this test is about (3 steps on an AVX2 CPU, 1 on AVX-512)
     assert patient["loss_trace"][-1] < patient["loss_trace"][spiked.index(True) - 1]
     hasty = train(tiny(optimizer=low_lr, trainer={**batch, "max_loss_patience": 1}), verbose=False)
     assert hasty["status"] == "diverged" and hasty["steps"] == spiked.index(True) + 1
@@ -275,6 +283,27 @@ def test_resume_from_state_continues_exactly():
     resumed = train(cfg, resume_state=states[0], verbose=False)
     assert resumed["loss_trace"] == full["loss_trace"]  # to the last bit
     assert resumed["val_bpb"] == full["val_bpb"]
+
+
+def test_a_cooldown_fork_at_a_rung_scores_the_run_and_leaves_it_exactly_as_it_was():
+    common = {"max_steps": 12, "eval_every": 3, "dtype": "float32"}
+    plain = train(tiny(trainer=common), verbose=False)
+    reports = []
+    rungs = {"rungs": [0.25, 0.5], "rung_cooldown": 0.5}
+    forked = train(tiny(trainer={**common, **rungs}), lambda m: reports.append(m), verbose=False)
+    # the fork trains a copy, which is thrown away: the run goes on to the last bit as before
+    assert forked["loss_trace"] == plain["loss_trace"]
+    assert forked["val_bpb"] == plain["val_bpb"]
+    assert [r["val_bpb"] for r in forked["history"]] == [r["val_bpb"] for r in plain["history"]]
+    by_step = {r["step"]: r for r in reports}
+    # at each rung (3 and 6 of 12 steps) the rank comes from the cooled copy, elsewhere it
+    # is the run's own value; a fork of half the steps so far, with the LR decayed to 0,
+    # scores better than the weights at the peak LR
+    for step in (3, 6):
+        assert by_step[step]["rung_val_bpb"] < by_step[step]["val_bpb"], by_step[step]
+    for step in (9, 12):
+        assert by_step[step]["rung_val_bpb"] == by_step[step]["val_bpb"]
+    assert "rung_val_bpb" not in plain["history"][0]  # off unless a sweep asks for it
 
 
 # A training step's shape, without the model: a burst of activation-sized blocks (0.5-3.5 MiB,

@@ -192,6 +192,10 @@ class TrainerConfig:
     threads: int | None = None
     checkpoint_every_eval: bool = False
     nan_at_step: int | None = None  # fault injection: see conf/trainer/cpu.yaml
+    # set by a sweep with sweep.rung_cooldown: fractions of the budget where its scheduler
+    # ranks trials, and the length of the cooled-down fork evaluated there (train.py)
+    rungs: list[float] = field(default_factory=list)
+    rung_cooldown: float = 0.0
 
     def __post_init__(self) -> None:
         _require(
@@ -223,6 +227,12 @@ class TrainerConfig:
         _positive("trainer.threads", self.threads)
         _require(self.seed >= 0, f"trainer.seed must be >= 0, got {self.seed}")
         _positive("trainer.nan_at_step", self.nan_at_step)
+        _require(
+            0 <= self.rung_cooldown <= 1,
+            f"trainer.rung_cooldown must be in [0, 1], got {self.rung_cooldown}",
+        )
+        for rung in self.rungs:
+            _require(0 < rung < 1, f"trainer.rungs must lie in (0, 1), got {rung}")
         budgets = [k for k in BUDGET_KEYS if getattr(self, k) is not None]
         _require(
             len(budgets) == 1,

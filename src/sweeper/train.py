@@ -10,6 +10,7 @@ checkpoint, it is also given `state=` a function returning the full resumable st
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import time
@@ -177,10 +178,75 @@ def train(
             "loss_trace": list(loss_trace),
         }
 
+    def optimizer_step(batch_step: int, lrm: float, momentum: float) -> torch.Tensor:
+        """One optimizer step on the batches of step `batch_step`; the summed micro-batch
+        losses. Also a cooldown fork's step (below), with its own LR."""
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+            if "nesterov" in group:  # Muon's group
+                group["momentum"] = momentum
+        # forward/backward over micro-batches; DDP all-reduces only on the last one
+        loss_sum = torch.zeros((), device=device)
+        for micro, (x, y) in enumerate(sampler.step_batches(batch_step, accum, device)):
+            sync = world == 1 or micro == accum - 1
+            with (
+                contextlib.nullcontext() if sync else train_model.no_sync(),
+                autocast_context(device, dtype),
+            ):
+                loss = train_model(x, y)
+                if batch_step + 1 == t.nan_at_step:  # injected fault: NaN gradients and weights
+                    loss = loss * float("nan")
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss_sum
+
+    def cooled_val_bpb(lrm: float, momentum: float) -> tuple[float, int]:
+        """val_bpb of a copy of the run cooled down from here, and the fork's steps.
+
+        Under WSD a run at its peak LR scores worse than it will after its decay, the more
+        so the higher the LR: a rung that ranks runs as they are stops high-LR runs that
+        would have won. The fork decays the LR linearly to the schedule's final value over
+        `rung_cooldown` x the steps so far, on the batches the run is about to see, is
+        evaluated, and is thrown away: model, optimizer and RNG go back exactly as they
+        were. Written here: torch has no fork of a training state, and the eighth session's
+        measurements (BENCHMARKS.md) ranked runs best this way (rho 0.94 against 0.86).
+        """
+        steps = max(1, round(t.rung_cooldown * step))
+        kept = {
+            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": copy.deepcopy(optimizer.state_dict()),
+            "rng": torch.get_rng_state(),
+        }
+        try:
+            final = cfg.scheduler.final_lr_frac
+            for i in range(steps):
+                optimizer_step(step + i, lrm + (final - lrm) * (i + 1) / steps, momentum)
+            value = evaluate(
+                train_model if world == 1 else model, data, cfg, device, dtype, rank, world
+            )
+        finally:
+            model.load_state_dict(kept["model"])
+            optimizer.load_state_dict(kept["optimizer"])
+            torch.set_rng_state(kept["rng"])
+        return value, steps
+
+    def progress() -> float:
+        """How far along its budget the run is, on the time axis a sweep's rungs use."""
+        if t.budget_flops:
+            return step * tokens_per_step * flops_per_token / t.budget_flops
+        if t.budget_tokens:
+            return step * tokens_per_step / t.budget_tokens
+        return step / total_steps
+
     # --- loop ----------------------------------------------------------------------------
     status, reason, val_bpb, train_loss = "completed", None, None, float("nan")
     train_seconds, window_tokens, window_start = 0.0, 0, time.perf_counter()
     tok_s, mfu, start_step = 0.0, None, step
+    rungs_ahead = sorted(r for r in t.rungs if r > progress()) if t.rung_cooldown else []
     try:
         while step < total_steps:
             # 1) schedule: LR multiplier on every group's peak, Muon momentum warm-up
@@ -198,28 +264,8 @@ def train(
                 cfg.optimizer.muon_momentum,
                 cfg.optimizer.muon_momentum_warmup,
             )
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * lrm
-                if "nesterov" in group:  # Muon's group
-                    group["momentum"] = momentum
-            # 2) forward/backward over micro-batches; DDP all-reduces only on the last one
-            loss_sum = torch.zeros((), device=device)
-            for micro, (x, y) in enumerate(sampler.step_batches(step, accum, device)):
-                sync = world == 1 or micro == accum - 1
-                with (
-                    contextlib.nullcontext() if sync else train_model.no_sync(),
-                    autocast_context(device, dtype),
-                ):
-                    loss = train_model(x, y)
-                    if step + 1 == t.nan_at_step:  # injected fault: NaN gradients, NaN weights
-                        loss = loss * float("nan")
-                (loss / accum).backward()
-                loss_sum += loss.detach()
-            # 3) clip and step
-            if t.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            # 2) forward/backward over the micro-batches, clip, step
+            loss_sum = optimizer_step(step, lrm, momentum)
             if world > 1:
                 torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
             train_loss = loss_sum.item() / accum
@@ -233,14 +279,14 @@ def train(
                 if step < total_steps:
                     # throughput excludes this first step: compilation and allocator warm-up
                     window_tokens, window_start = 0, time.perf_counter()
-            # 4) divergence fast-fail: NaN at once; over the limit or dead for the patience
+            # 3) divergence fast-fail: NaN at once; over the limit or dead for the patience
             reason = divergence.check(train_loss, step)
             if reason:
                 status = "diverged"
                 say(f"step {step}: diverged: {reason}")
             now = time.perf_counter()
             last = step == total_steps or status == "diverged"
-            # 5) progress line
+            # 4) progress line
             if step % t.log_every == 0 or last:
                 elapsed = now - window_start
                 train_seconds += elapsed
@@ -253,7 +299,7 @@ def train(
                     f"eta {eta:.0f}s"
                 )
                 window_tokens, window_start = 0, time.perf_counter()
-            # 6) evaluate and report
+            # 5) evaluate (and, at a sweep's rung, a cooled-down fork) and report
             if last or is_eval_step(step, total_steps, eval_every):
                 eval_start = time.perf_counter()
                 if status == "diverged":
@@ -263,6 +309,18 @@ def train(
                         train_model if world == 1 else model, data, cfg, device, dtype, rank, world
                     )
                     say(f"step {step:5d}/{total_steps} | val bpb {val_bpb:.4f}")
+                rung_val_bpb = val_bpb
+                at_rung = bool(rungs_ahead) and progress() >= rungs_ahead[0]
+                while rungs_ahead and progress() >= rungs_ahead[0]:
+                    rungs_ahead.pop(0)
+                if at_rung and not last:
+                    cooled, fork_steps = cooled_val_bpb(lrm, momentum)
+                    if math.isfinite(cooled):  # a fork that blew up says nothing of the run
+                        rung_val_bpb = cooled
+                    say(
+                        f"step {step:5d}/{total_steps} | val bpb {cooled:.4f} after a "
+                        f"{fork_steps}-step cooldown fork (a rung)"
+                    )
                 tokens = step * tokens_per_step
                 metrics = {
                     "step": step,
@@ -277,6 +335,8 @@ def train(
                     "mfu": mfu,
                     "status": status if last else "running",
                 }
+                if t.rung_cooldown:  # what the sweep's rungs rank: see cooled_val_bpb
+                    metrics["rung_val_bpb"] = rung_val_bpb
                 if reason:
                     metrics["reason"] = reason
                 history.append(metrics)

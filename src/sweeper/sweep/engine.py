@@ -31,7 +31,13 @@ from sweeper.sweep.spec import (
 )
 from sweeper.sweep.stages import apply_params, get_dotted, pick_best
 from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
-from sweeper.sweep.trainable import TrialContext, batch_of, load_target, trial_config
+from sweeper.sweep.trainable import (
+    RUNG_METRIC,
+    TrialContext,
+    batch_of,
+    load_target,
+    trial_config,
+)
 
 # Ray's OOM kill of a worker, the CPU allocator's refusal, torch's CUDA OutOfMemoryError
 OUT_OF_MEMORY_SIGNS = ("low on memory", "can't allocate memory", "OutOfMemoryError")
@@ -403,7 +409,8 @@ def stage_context(
     spec: SweepSpec, stage, base: dict, target: str | None, storage: str | None = None
 ) -> TrialContext:
     space = stage_space(spec, stage, flatten(base))
-    pausing = spec.stage_scheduler(stage) in ("hyperband", "bohb")
+    scheduler = spec.stage_scheduler(stage)
+    pausing = scheduler in ("hyperband", "bohb")
     return TrialContext(
         metric=spec.metric,
         penalty=default_penalty(spec, base, target),
@@ -417,7 +424,18 @@ def stage_context(
         gpus=spec.gpus_per_trial,
         sampled=tuple(space.names),
         storage=storage,
+        rungs=rung_fractions(spec, scheduler, target) if spec.rung_cooldown else (),
+        rung_cooldown=spec.rung_cooldown,
     )
+
+
+def rung_fractions(spec: SweepSpec, scheduler: str, target: str | None) -> tuple[float, ...]:
+    """Where the stage's scheduler ranks trials, as fractions of a trial's budget."""
+    from sweeper.sweep.algorithms import rungs
+
+    _, max_t = time_axis(spec, target)
+    stops = rungs(scheduler, max_t, max_t * spec.grace_fraction, spec.reduction_factor)
+    return tuple(stop / max_t for stop in stops)
 
 
 def run_stage(
@@ -469,7 +487,9 @@ def run_stage(
     )
     scheduler = build_scheduler(
         scheduler_name,
-        metric=spec.metric,
+        # with rung forks, trials are ranked at the rungs by their cooled-down copies; the
+        # searcher, the records and the plots keep the run's own val_bpb
+        metric=RUNG_METRIC if ctx.rungs else spec.metric,
         mode=spec.mode,
         time_attr=time_attr,
         max_t=max_t,
@@ -508,6 +528,9 @@ def run_stage(
     notes = [
         f"{len(points)} given point{'s' * (len(points) > 1)} first" if points else None,
         f"rungs at {', '.join(f'{t / max_t:.0%}' for t in stops)} of it" if stops else None,
+        f"each ranked on a copy cooled down over {spec.rung_cooldown:.0%} of its steps"
+        if ctx.rungs
+        else None,
         f"{min(spec.brackets, levels)} of its {levels} brackets"
         if spec.brackets and scheduler_name in ("hyperband", "bohb")
         else None,

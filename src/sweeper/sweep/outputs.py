@@ -10,6 +10,7 @@ from typing import Any
 
 from sweeper.sweep.spec import SweepSpec
 from sweeper.sweep.state import SweepState, write_json_atomic
+from sweeper.sweep.trainable import RUNG_METRIC
 
 
 # --- the baseline: the unmodified config under the same budget --------------------------
@@ -42,6 +43,8 @@ def _baseline_run(base: dict, metric: str, target: str | None, threads: int, gpu
             )
             with open(f"{folder}/result.json") as f:
                 result = json.load(f)
+            if result.get("out_of_memory"):  # the ranks recorded it quietly (distributed.py)
+                raise RuntimeError(result["error"])
     else:
         from sweeper.train import train
 
@@ -138,6 +141,8 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
     ]
     if metric not in columns:
         columns.insert(7, metric)
+    if any(RUNG_METRIC in r for r in reports):
+        columns.insert(columns.index("val_bpb") + 1, RUNG_METRIC)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from sweeper.sweep.space import to_builtin
-from sweeper.sweep.trainable import TrialContext, trial_config
+from sweeper.sweep.trainable import RUNG_METRIC, TrialContext, trial_config
 
 REPORT_COLUMNS = (
     "step",
@@ -97,6 +97,8 @@ def collect_results(
                         "status": status,
                         **{c: row.get(c) for c in REPORT_COLUMNS},
                         metric: row.get(metric),
+                        # what the scheduler ranked, where the sweep forks trials at rungs
+                        **({RUNG_METRIC: row[RUNG_METRIC]} if RUNG_METRIC in row else {}),
                         "total_batch_size": trainer_cfg.get("total_batch_size"),
                         "peak_lr": peak_lr,
                         # the compute budget of an IsoFLOP grid point, on final reports only

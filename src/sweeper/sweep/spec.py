@@ -77,6 +77,7 @@ class SweepSpec:
     reports_per_trial: int = 8
     grace_fraction: float = 0.25
     reduction_factor: float = 3.0
+    rung_cooldown: float = 0.0  # > 0: rungs rank a cooled-down fork of each trial (train.py)
     brackets: int | None = None  # null: all of HyperBand's, ASHA's one
     bohb: BohbSpec = field(default_factory=BohbSpec)
     penalty: float | None = None
@@ -262,6 +263,15 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
     _check(
         spec.reduction_factor > 1,
         f"sweep.reduction_factor must be > 1, got {spec.reduction_factor}",
+    )
+    _check(
+        0 <= spec.rung_cooldown <= 1,
+        f"sweep.rung_cooldown must be in [0, 1], got {spec.rung_cooldown}",
+    )
+    _check(
+        not spec.rung_cooldown or (not custom_trainable and spec.metric == "val_bpb"),
+        "sweep.rung_cooldown forks sweeper's own training and scores val_bpb; "
+        f"got {'a custom trainable' if custom_trainable else f'sweep.metric={spec.metric}'}",
     )
     _check(
         spec.brackets is None or spec.brackets >= 1,

@@ -40,6 +40,12 @@ class TrialContext:
     gpus: float = 0.0  # sweep.gpus_per_trial
     sampled: tuple[str, ...] = field(default_factory=tuple)
     storage: str | None = None  # the sweep's Ray storage path (DDP trials put their runs there)
+    rungs: tuple[float, ...] = ()  # where the scheduler ranks trials, as fractions of the budget
+    rung_cooldown: float = 0.0  # sweep.rung_cooldown: the cooled-down fork ranked there
+
+
+# the metric a stage's scheduler ranks when sweep.rung_cooldown forks trials at its rungs
+RUNG_METRIC = "rung_val_bpb"
 
 
 class Diverged(Exception):
@@ -86,6 +92,8 @@ def penalise(metrics: dict, metric: str, penalty: float) -> tuple[dict, bool]:
     if diverged:
         metrics.setdefault("reason", f"{metric} was {value}")
         metrics.update({metric: penalty, "status": "diverged"})
+        if RUNG_METRIC in metrics:  # what the scheduler ranks, with rung forks on
+            metrics[RUNG_METRIC] = penalty
     return metrics, diverged
 
 
@@ -198,6 +206,15 @@ def run_trial(config: dict, base: dict, ctx: TrialContext) -> None:
         reporter.close()
 
 
+def with_run_settings(run_cfg: dict, ctx: TrialContext) -> None:
+    """How the stage runs its trials, not what they train (left out of the recorded
+    config, so the reproduce line stays a plain run): checkpoints, rung forks."""
+    trainer = run_cfg["trainer"]
+    trainer["checkpoint_every_eval"] = ctx.checkpoint
+    if ctx.rung_cooldown and ctx.rungs:
+        trainer.update(rungs=list(ctx.rungs), rung_cooldown=ctx.rung_cooldown)
+
+
 def _run_one_process_trial(run_cfg: dict, ctx: TrialContext, report) -> None:
     from ray import tune
 
@@ -210,7 +227,7 @@ def _run_one_process_trial(run_cfg: dict, ctx: TrialContext, report) -> None:
 
     from sweeper.train import train
 
-    run_cfg["trainer"]["checkpoint_every_eval"] = ctx.checkpoint
+    with_run_settings(run_cfg, ctx)
     torch.set_num_threads(ctx.threads)
     resume_state = None
     checkpoint = tune.get_checkpoint()
@@ -225,7 +242,7 @@ def _run_ddp_trial(run_cfg: dict, ctx: TrialContext) -> None:
 
     from sweeper.distributed import train_ddp
 
-    run_cfg["trainer"]["checkpoint_every_eval"] = ctx.checkpoint
+    with_run_settings(run_cfg, ctx)
     train_ddp(
         run_cfg,
         cpus_per_worker=ctx.threads,
