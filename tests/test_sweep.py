@@ -122,23 +122,30 @@ def test_a_diverging_trial_is_stopped_with_a_penalty_and_the_sweep_finishes(ray_
     assert summary["stages"][0]["best_params"] == {"optimizer.lr": 0.003}
 
 
-def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, tmp_path):
-    from sweeper.sweep.stages import apply_params
-    from sweeper.sweep.trainable import placed
-    from sweeper.train import train
-
-    # successive halving over a grid, one trial at a time: the first (the best LR) reaches
-    # the rung, is paused there with a checkpoint until the other two have, then goes on
-    overrides = [
+def halving_over_matrix_lrs(grid: str) -> list[str]:
+    """Successive halving over a grid of three matrix LRs, one trial at a time: the best at
+    the rung (halfway through a trial) goes on, the others stop there. The batch stage
+    that follows is a single point."""
+    return [
         "sweep.stages.0.search=grid",
         "sweep.stages.0.scheduler=hyperband",
         "sweep.brackets=1",
         "sweep.concurrency=1",
         "sweep.stages.0.num_samples=1",
         "~sweep.stages.0.params.optimizer.matrix_lr",
-        "+sweep.stages.0.params.optimizer.matrix_lr.grid=[0.03,0.001,0.002]",
+        f"+sweep.stages.0.params.optimizer.matrix_lr.grid={grid}",
         "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
     ]
+
+
+def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, tmp_path):
+    from sweeper.sweep.stages import apply_params
+    from sweeper.sweep.trainable import placed
+    from sweeper.train import train
+
+    # the first LR (the best) reaches the rung, is paused there with a checkpoint until the
+    # other two have, then goes on
+    overrides = halving_over_matrix_lrs("[0.03,0.001,0.002]")
     sweep(tmp_path, *overrides)
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     (survivor,) = [r for r in state["stages"][0]["records"] if r["status"] == "completed"]
@@ -160,18 +167,8 @@ def test_with_rung_cooldown_the_rung_ranks_cooled_forks_not_the_runs_as_they_are
 ):
     # successive halving over three LRs (found for this: at the rung, halfway through, the
     # runs as they are and their cooled-down copies rank a different LR first, 0.027 apart)
-    overrides = [
-        "trainer.dtype=float32",  # the same rounding on every CPU
-        "sweep.stages.0.search=grid",
-        "sweep.stages.0.scheduler=hyperband",
-        "sweep.brackets=1",
-        "sweep.concurrency=1",
-        "sweep.stages.0.num_samples=1",
-        "~sweep.stages.0.params.optimizer.matrix_lr",
-        "+sweep.stages.0.params.optimizer.matrix_lr.grid=[0.01,0.16,0.3]",
-        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
-        "sweep.rung_cooldown=0.5",
-    ]
+    overrides = halving_over_matrix_lrs("[0.01,0.16,0.3]")
+    overrides += ["trainer.dtype=float32", "sweep.rung_cooldown=0.5"]  # fp32: same on every CPU
     summary = sweep(tmp_path, *overrides)
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     lr_stage, batch_stage = state["stages"]
