@@ -452,7 +452,7 @@ def run_stage(
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
-    from sweeper.sweep.algorithms import build_scheduler, build_searcher, random_start, rungs
+    from sweeper.sweep.algorithms import build_scheduler, build_searcher, random_start
     from sweeper.sweep.callbacks import FlopCap, ProgressCallback
     from sweeper.sweep.results import collect_results
     from sweeper.sweep.space import is_pure_grid
@@ -523,11 +523,11 @@ def run_stage(
         checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
     )
     experiment = out / "ray" / run_config.name
-    stops = rungs(scheduler_name, max_t, max_t * spec.grace_fraction, spec.reduction_factor)
+    stops = rung_fractions(spec, scheduler_name, target)
     levels = len(stops) + 1  # HyperBand's brackets: one per budget level
     notes = [
         f"{len(points)} given point{'s' * (len(points) > 1)} first" if points else None,
-        f"rungs at {', '.join(f'{t / max_t:.0%}' for t in stops)} of it" if stops else None,
+        f"rungs at {', '.join(f'{f:.0%}' for f in stops)} of it" if stops else None,
         f"each ranked on a copy cooled down over {spec.rung_cooldown:.0%} of its steps"
         if ctx.rungs
         else None,
