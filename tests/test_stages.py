@@ -8,13 +8,12 @@ from sweeper.cli import compose
 from sweeper.config import ConfigError
 from sweeper.sweep.engine import (
     SweepFailed,
-    base_config,
     baseline_stage,
     hydra_value,
     idle_gpus_hint,
     reproduce_overrides,
-    validate_sweep,
 )
+from sweeper.sweep.preflight import base_config, validate_sweep
 from sweeper.sweep.results import error_summary
 from sweeper.sweep.spec import load_sweep_spec
 from sweeper.sweep.stages import apply_params, follow_batch_size, lr_scale, pick_best

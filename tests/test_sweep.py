@@ -9,7 +9,8 @@ import pytest
 from sweeper.cli import compose
 from sweeper.config import ConfigError, load_run_config
 from sweeper.model import GPT, GPTShape
-from sweeper.sweep.engine import base_config, run_sweep, validate_sweep
+from sweeper.sweep.engine import run_sweep
+from sweeper.sweep.preflight import base_config, validate_sweep
 
 from .conftest import TINY_SWEEP as TINY
 from .conftest import run_cli
@@ -251,7 +252,7 @@ RESUMED_WITH = [  # (changes on resume, what the refusal names; None: the resume
 
 @pytest.mark.parametrize("changes, names", RESUMED_WITH, ids=[" ".join(c) for c, _ in RESUMED_WITH])
 def test_a_run_dir_resumes_only_the_sweep_that_wrote_it(tmp_path, changes, names):
-    from sweeper.sweep.engine import base_config, validate_sweep
+    from sweeper.sweep.preflight import base_config, validate_sweep
     from sweeper.sweep.state import SweepState, sweep_definition
 
     # the state a finished smoke sweep leaves (no need to train it: only its record counts)

@@ -640,7 +640,8 @@ def test_calls_a_dead_server_never_took_are_kept_and_sent_by_the_next_driver(tmp
 # --- the tracker's trial bookkeeping, with stand-in Tune trials (no Ray) ---------------------
 def test_paused_resumed_and_restarted_trials_keep_one_run(tmp_path, monkeypatch):
     from sweeper.cli import compose
-    from sweeper.sweep.engine import base_config, stage_context, validate_sweep
+    from sweeper.sweep.engine import stage_context
+    from sweeper.sweep.preflight import base_config, validate_sweep
     from sweeper.tracking import make_tracker
 
     monkeypatch.chdir(tmp_path)

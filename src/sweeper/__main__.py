@@ -172,7 +172,7 @@ def validate(overrides: list[str]) -> None:
                 f"{what}choose another hydra.run.dir"
             )
     if "sweep" in cfg:
-        from sweeper.sweep.engine import trainable_target, validate_sweep
+        from sweeper.sweep.preflight import trainable_target, validate_sweep
         from sweeper.tracking.mlflow_store import check_config
 
         named = [
@@ -190,7 +190,7 @@ def validate(overrides: list[str]) -> None:
             # different sweep is refused before that, with the record of the old one intact
             from pathlib import Path
 
-            from sweeper.sweep.engine import base_config, resumable_state
+            from sweeper.sweep.preflight import base_config, resumable_state
 
             resumable_state(
                 Path(run_dir).resolve(), spec, base_config(cfg, spec, trainable_target(cfg))

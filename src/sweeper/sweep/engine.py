@@ -11,33 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import math
-import os
 import signal
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from sweeper.config import BUILTIN_TRAINABLE, RUN_SECTIONS, ConfigError, load_run_config
-from sweeper.sweep.spec import (
-    SweepSpec,
-    flatten,
-    load_sweep_spec,
-    stage_points,
-    stage_space,
-    validate_spec,
-)
-from sweeper.sweep.stages import apply_params, get_dotted, pick_best
-from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
-from sweeper.sweep.trainable import (
-    RUNG_METRIC,
-    TrialContext,
-    batch_of,
-    load_target,
-    trial_config,
-)
+from sweeper.config import load_run_config
+from sweeper.sweep.preflight import base_config, resumable_state, trainable_target, validate_sweep
+from sweeper.sweep.spec import SweepSpec, flatten, stage_points, stage_space
+from sweeper.sweep.stages import pick_best
+from sweeper.sweep.state import SweepState, sweep_definition
+from sweeper.sweep.trainable import RUNG_METRIC, TrialContext, batch_of, trial_config
 
 # Ray's OOM kill of a worker, the CPU allocator's refusal, torch's CUDA OutOfMemoryError
 OUT_OF_MEMORY_SIGNS = ("low on memory", "can't allocate memory", "OutOfMemoryError")
@@ -58,165 +44,6 @@ class SweepFailed(Exception):
             f"every trial of stage '{stage}' failed: {error or 'unknown error'}{hint}; "
             f"earlier stages are kept: continue with sweep.resume=true hydra.run.dir={out}"
         )
-
-
-def trainable_target(cfg) -> str | None:
-    """The user's function ("pkg.module.fn"), or None for sweeper's own training run."""
-    target = cfg.get("trainable", {}).get("_target_", BUILTIN_TRAINABLE)
-    return None if target == BUILTIN_TRAINABLE else target
-
-
-def validate_sweep(cfg) -> SweepSpec:
-    """Every check that can run before Ray starts; raises ConfigError."""
-    from omegaconf import OmegaConf
-
-    spec = load_sweep_spec(cfg.sweep)
-    target = trainable_target(cfg)
-    run_values = flatten(OmegaConf.to_container(cfg, resolve=True))
-    validate_spec(spec, run_values, custom_trainable=target is not None)
-    if target:
-        try:
-            fn = load_target(target)
-        except (ImportError, AttributeError, ValueError) as error:
-            raise ConfigError(f"trainable._target_={target} cannot be imported: {error}") from None
-        check_trainable_signature(target, fn)
-    else:
-        check_stage_values(spec, base_config(cfg, spec, None))
-        threads = cfg.trainer.get("threads")
-        if threads is not None and threads != spec.trial_threads:  # it would be ignored
-            raise ConfigError(
-                f"trainer.threads={threads}: a trial trains on its CPU share, "
-                f"sweep.cpus_per_trial={spec.cpus_per_trial:g} ({spec.trial_threads} "
-                f"thread{'s' if spec.trial_threads > 1 else ''}); set that instead"
-            )
-        one_process = int(cfg.trainer.workers) == 1
-        if cfg.trainer.device == "cuda" and one_process and not spec.gpus_per_trial:
-            raise ConfigError(
-                "trainer.device=cuda but sweep.gpus_per_trial=0: give each trial a GPU "
-                "(sweep.gpus_per_trial=1, or 0.5 for two trials on one)"
-            )
-    if not cfg.get("ray", {}).get("address"):
-        from sweeper.sweep.ray_cluster import local_cluster_size
-
-        workers = 1 if target else int(cfg.trainer.workers)
-        check_trial_fits(spec, workers, *local_cluster_size(cfg.ray))
-    return spec
-
-
-def check_trainable_signature(target: str, fn: Any) -> None:
-    """A user's trainable is called as fn(config, report): anything else would fail in
-    every trial, after Ray started."""
-    import inspect
-
-    usage = f"trainable._target_={target} must be a function of (config, report)"
-    if not callable(fn):
-        raise ConfigError(f"{usage}; it is a {type(fn).__name__}")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # some builtins have none to read: let the trial say
-        return
-    try:
-        signature.bind({}, print)
-    except TypeError as error:
-        raise ConfigError(f"{usage}; its signature is {signature} ({error})") from None
-
-
-def resumable_state(out: Path, spec: SweepSpec, base: dict) -> SweepState | None:
-    """The saved state of the sweep in `out` (None: nothing saved), if it is this sweep."""
-    state = SweepState.load(out)
-    if state is not None:
-        try:
-            check_resumable(state, spec.name, base, sweep_definition(spec))
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-    return state
-
-
-def check_trial_fits(spec: SweepSpec, workers: int, cpus: float, gpus: float) -> None:
-    """One trial's CPUs and GPUs (per DDP rank, times the ranks) must fit the local cluster:
-    Ray would otherwise keep such a trial pending for ever, with a warning in its logs."""
-    ranks = f" x {workers} ranks (trainer.workers)" if workers > 1 else ""
-    for kind, per_trial, have in (
-        ("cpu", spec.cpus_per_trial, cpus),
-        ("gpu", spec.gpus_per_trial, gpus),
-    ):
-        need = per_trial * workers
-        if need > have:
-            raise ConfigError(
-                f"sweep.{kind}s_per_trial={per_trial:g}{ranks} needs {need:g} {kind.upper()}"
-                f"{'' if need == 1 else 's'} per trial, but the local Ray cluster has "
-                f"{have:g} (ray.num_{kind}s); "
-                "ask for less, or join a bigger cluster with ray.address"
-            )
-
-
-# a stage's values are also checked together, every combination, when there are at most
-# this many: a budget in FLOPs with the deepest model of a grid can be under one step
-COMBINATIONS_CHECKED = 128
-
-
-def check_stage_values(spec: SweepSpec, base: dict) -> None:
-    """Each value a stage can hand a trial, written alone into the base config, must make a
-    valid run. Otherwise a grid batch size that is no multiple of a micro-batch, or a fixed
-    LR below zero, fails every trial it reaches after Ray has started and the run dir is
-    written. Ranges are checked at both ends, and integer ranges also one step in from the
-    low end: a constraint like "a multiple of 4096" fails there, and a grid or choice is
-    what such a key needs. Then the values together, where the combinations are few.
-    Later stages start from earlier stages' best, which satisfies the same schema."""
-    from sweeper.budget import check_budget
-
-    check_budget(load_run_config(base))  # the budget written in, before any stage's values
-    frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
-    frozen = {key: value for key, value in frozen.items() if value is not None}
-    for stage in spec.stages:
-        space = stage_space(spec, stage, frozen)
-        options = {key: [(value, "fixed")] for key, value in space.fixed.items()}
-        for param in space.params:
-            if param.values:
-                values = list(param.values)
-            else:
-                values = [param.low, param.high]
-                if param.integer and param.low + 1 < param.high:
-                    values.insert(1, param.low + 1)
-                values = [int(v) if param.integer else v for v in values]
-            options[param.name] = [(value, param.kind) for value in values]
-        candidates = [{key: option} for key, choices in options.items() for option in choices]
-        if 1 < len(options) and math.prod(map(len, options.values())) <= COMBINATIONS_CHECKED:
-            candidates += [
-                dict(zip(options, combo)) for combo in itertools.product(*options.values())
-            ]
-        for candidate in candidates:
-            try:
-                run = load_run_config(apply_params(base, {k: v for k, (v, _) in candidate.items()}))
-                check_budget(run)
-            except ConfigError as error:
-                shown = ", ".join(f"{k}={v} ({kind})" for k, (v, kind) in candidate.items())
-                raise ConfigError(
-                    f"sweep stage '{stage.name}': {shown} "
-                    f"{'is' if len(candidate) == 1 else 'together are'} not a valid run: {error}"
-                ) from None
-
-
-def base_config(cfg, spec: SweepSpec, target: str | None) -> dict:
-    """The plain nested dict every trial starts from, with the sweep's budget written in
-    and relative paths made absolute (Ray runs trials in their own working directories)."""
-    from omegaconf import OmegaConf
-
-    tree = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("sweep", "ray", "mlflow", "trainable", "hydra", "fit"):
-        tree.pop(key, None)
-    if target:
-        return tree
-    trainer = tree["trainer"]
-    for key in ("max_steps", "budget_tokens", "budget_flops", "tokens_per_param"):
-        trainer[key] = None
-    trainer["budget_tokens"] = spec.budget.tokens_per_trial
-    trainer["budget_flops"] = spec.budget.flops_per_trial
-    trainer["num_evals"] = spec.reports_per_trial
-    for key in ("path", "val_path"):
-        if tree["data"].get(key):
-            tree["data"][key] = os.path.abspath(tree["data"][key])
-    return {k: tree[k] for k in RUN_SECTIONS}
 
 
 def default_penalty(spec: SweepSpec, base: dict, target: str | None) -> float:

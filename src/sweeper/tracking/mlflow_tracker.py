@@ -59,7 +59,7 @@ class MlflowTracker:
     def __init__(self, cfg, spec, out_dir):
         from mlflow import MlflowClient
 
-        from sweeper.sweep.engine import base_config, trainable_target
+        from sweeper.sweep.preflight import base_config, trainable_target
 
         mlflow_cfg = cfg.get("mlflow") or {}
         self.uri = resolve_tracking_uri(mlflow_cfg.get("tracking_uri"))
