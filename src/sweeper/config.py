@@ -185,7 +185,7 @@ class TrainerConfig:
     log_every: int = 5
     grad_clip: float = 1.0
     max_loss: float | None = None
-    max_loss_patience: int = 6
+    max_loss_patience: int = 10
     seed: int = 0
     workers: int = 1
     dist_timeout_s: int = 60

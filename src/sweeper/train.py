@@ -51,10 +51,11 @@ class DivergenceWatch:
     A NaN/inf loss is a divergence at once. So is a loss over `max_loss` for `patience`
     steps in a row, and a loss at exactly ln(V) for `patience` steps in a row once it has
     been off it: a dead output, every logit equal, guessing uniformly. Both were measured on
-    the search bench's model: all 15 runs of its low-LR corner went over 1.5 ln(V) for 1-5
-    steps and went on to learn, while AdamW at LR 30 or 100 went over the limit for a few
-    steps, then fell to ln(V), under the limit, and stayed there until its weights went
-    NaN. A run that has never moved off ln(V) (a tiny LR) is left alone.
+    the search bench's model: runs of its low-LR corner went over 1.5 ln(V) for 1-5 steps
+    (AMD EPYC) or 3-6 (Intel Xeon with AVX-512) and went on to learn, while AdamW at LR 30
+    or 100 went over the limit for a few steps, then fell to ln(V), under the limit, and
+    stayed there until its weights went NaN (LR 100: at step 18, its 14th at ln(V)). A run
+    that has never moved off ln(V) (a tiny LR) is left alone.
     """
 
     # a dead output gives ln(V) to ~1e-6; a live one is 2e-4 or more off it even at init
