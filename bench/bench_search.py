@@ -45,6 +45,7 @@ COMMON = [
     "sweep.baseline=false",
     "mlflow.enabled=false",
     "sweep.grace_fraction=0.125",  # 8 of 64 steps (see above); hyperband/bohb round to 1/3
+    "sweep.rung_cooldown=0",  # the schedulers as published, as every figure here was measured
     "sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.001,0.3]",
     "sweep.stages.0.params.optimizer.embedding_lr.log_uniform=[0.01,3.0]",
 ]

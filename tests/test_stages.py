@@ -259,3 +259,27 @@ def test_a_stage_that_ran_out_of_memory_says_how_to_give_trials_more(tmp_path, e
     message = str(SweepFailed("lr", error, tmp_path))
     assert message.startswith(f"every trial of stage 'lr' failed: {error}")
     assert ("sweep.concurrency=1" in message) == hinted, message
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["+sweep=lr_bs"], 0.25),  # null: sweeper's own training forks at the rungs
+        (["+sweep=full"], 0.25),
+        (["+sweep=lr", "sweep.rung_cooldown=0.5"], 0.5),  # a number is taken as it is
+        (["+sweep=lr_bs", "sweep.rung_cooldown=0"], 0.0),
+        (["+sweep=smoke"], 0.0),  # the quickest look: no forks
+        # a user's function has no fork to make: null is 0, where a number is refused
+        (["+sweep=lr", "trainable._target_=tests.user_functions.noisy_bowl"], 0.0),
+        # another metric has no cooled value to rank
+        (["+sweep=lr", "sweep.metric=train_loss"], 0.0),
+    ],
+)
+def test_rung_cooldown_null_forks_only_where_a_fork_can_be_made_and_scored(overrides, expected):
+    assert validate_sweep(compose(overrides)).rung_cooldown == expected
+
+
+def test_a_rung_cooldown_asked_of_a_users_function_is_refused():
+    target = "trainable._target_=tests.user_functions.noisy_bowl"
+    with pytest.raises(ConfigError, match="sweep.rung_cooldown forks sweeper's own training"):
+        validate_sweep(compose(["+sweep=lr", target, "sweep.rung_cooldown=0.25"]))

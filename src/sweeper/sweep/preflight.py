@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from sweeper.config import BUILTIN_TRAINABLE, RUN_SECTIONS, ConfigError, load_run_config
-from sweeper.sweep.spec import SweepSpec, flatten, load_sweep_spec, stage_space, validate_spec
+from sweeper.sweep.spec import (
+    SweepSpec,
+    flatten,
+    load_sweep_spec,
+    rung_cooldown_for,
+    stage_space,
+    validate_spec,
+)
 from sweeper.sweep.stages import apply_params, get_dotted
 from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
 from sweeper.sweep.trainable import load_target
@@ -35,6 +42,8 @@ def validate_sweep(cfg) -> SweepSpec:
     target = trainable_target(cfg)
     run_values = flatten(OmegaConf.to_container(cfg, resolve=True))
     validate_spec(spec, run_values, custom_trainable=target is not None)
+    # from here on a number: what the trials, the resume check and the summary see
+    spec.rung_cooldown = rung_cooldown_for(spec, custom_trainable=target is not None)
     if target:
         try:
             fn = load_target(target)

@@ -77,7 +77,8 @@ class SweepSpec:
     reports_per_trial: int = 8
     grace_fraction: float = 0.25
     reduction_factor: float = 3.0
-    rung_cooldown: float = 0.0  # > 0: rungs rank a cooled-down fork of each trial (train.py)
+    # > 0: rungs rank a cooled-down fork of each trial (train.py); null: see rung_cooldown_for
+    rung_cooldown: float | None = None
     brackets: int | None = None  # null: all of HyperBand's, ASHA's one
     bohb: BohbSpec = field(default_factory=BohbSpec)
     penalty: float | None = None
@@ -97,6 +98,22 @@ class SweepSpec:
 
     def stage_scheduler(self, stage: StageSpec) -> str:
         return stage.scheduler or self.scheduler
+
+
+# sweep.rung_cooldown when it is null, for sweeper's own training ranked on val_bpb: the
+# fraction of a trial's steps so far that its fork at a rung cools down over. Measured on
+# lr_bs over seven seeds (BENCHMARKS.md, "Rungs that rank cooled-down forks").
+AUTO_RUNG_COOLDOWN = 0.25
+
+
+def rung_cooldown_for(spec: SweepSpec, custom_trainable: bool) -> float:
+    """sweep.rung_cooldown as the sweep runs it. Null (the default) forks where a fork can
+    be made and scored: sweeper's own training, ranked on val_bpb (a user's function has no
+    fork, and another metric no cooled value to rank). A number is taken as it is
+    (validate_spec refuses one that cannot fork)."""
+    if spec.rung_cooldown is not None:
+        return spec.rung_cooldown
+    return 0.0 if custom_trainable or spec.metric != "val_bpb" else AUTO_RUNG_COOLDOWN
 
 
 def load_sweep_spec(tree: Any) -> SweepSpec:
@@ -265,8 +282,8 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
         f"sweep.reduction_factor must be > 1, got {spec.reduction_factor}",
     )
     _check(
-        0 <= spec.rung_cooldown <= 1,
-        f"sweep.rung_cooldown must be in [0, 1], got {spec.rung_cooldown}",
+        spec.rung_cooldown is None or 0 <= spec.rung_cooldown <= 1,
+        f"sweep.rung_cooldown must be in [0, 1] or null, got {spec.rung_cooldown}",
     )
     _check(
         not spec.rung_cooldown or (not custom_trainable and spec.metric == "val_bpb"),
