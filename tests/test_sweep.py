@@ -190,6 +190,11 @@ def test_with_rung_cooldown_the_rung_ranks_cooled_forks_not_the_runs_as_they_are
     assert all("rung_val_bpb" not in r for r in batch_stage["reports"])
     assert "rung_val_bpb" in (tmp_path / "reports.csv").read_text().splitlines()[0]
     assert not any("rung" in o for o in summary["best"]["overrides"])
+    # the sweep's compute counts the forks' training too; each run's flops stay its own
+    records = lr_stage["records"] + batch_stage["records"]
+    forks = sum(r["fork_flops"] or 0.0 for r in records)
+    assert forks > 0 and all(r["fork_flops"] is None for r in batch_stage["records"])
+    assert summary["total_flops"] == pytest.approx(sum(r["flops"] for r in records) + forks)
 
 
 def test_a_stage_tries_its_given_points_first(ray_cluster, tmp_path, capsys):

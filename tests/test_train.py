@@ -307,6 +307,16 @@ def test_a_cooldown_fork_at_a_rung_scores_the_run_and_leaves_it_exactly_as_it_wa
     for step in (9, 12):
         assert by_step[step]["rung_val_bpb"] == by_step[step]["val_bpb"]
     assert "rung_val_bpb" not in plain["history"][0]  # off unless a sweep asks for it
+    # the forks' compute is counted apart from the run's: 2 steps at step 3 (half of 3,
+    # rounded), 3 at step 6; `flops` stays the run's own, the same as without forks
+    step_flops = forked["flops"] / forked["steps"]
+    assert [by_step[s]["fork_flops"] for s in (3, 6, 9, 12)] == [
+        2 * step_flops,
+        5 * step_flops,
+        5 * step_flops,
+        5 * step_flops,
+    ]
+    assert [r["flops"] for r in forked["history"]] == [r["flops"] for r in plain["history"]]
 
 
 # A training step's shape, without the model: a burst of activation-sized blocks (0.5-3.5 MiB,

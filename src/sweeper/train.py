@@ -248,6 +248,9 @@ def train(
     train_seconds, window_tokens, window_start = 0.0, 0, time.perf_counter()
     tok_s, mfu, start_step = 0.0, None, step
     rungs_ahead = sorted(r for r in t.rungs if r > progress()) if t.rung_cooldown else []
+    # training FLOPs of the cooldown forks so far: compute the sweep spent, though not the
+    # run's own (its `flops`, the scaling fits' axis, leaves them out)
+    fork_flops = history[-1].get("fork_flops", 0.0) if history else 0.0
     try:
         while step < total_steps:
             # 1) schedule: LR multiplier on every group's peak, Muon momentum warm-up
@@ -316,6 +319,7 @@ def train(
                     rungs_ahead.pop(0)
                 if at_rung and not last:
                     cooled, fork_steps = cooled_val_bpb(lrm, momentum)
+                    fork_flops += fork_steps * tokens_per_step * flops_per_token
                     if math.isfinite(cooled):  # a fork that blew up says nothing of the run
                         rung_val_bpb = cooled
                     say(
@@ -338,6 +342,7 @@ def train(
                 }
                 if t.rung_cooldown:  # what the sweep's rungs rank: see cooled_val_bpb
                     metrics["rung_val_bpb"] = rung_val_bpb
+                    metrics["fork_flops"] = fork_flops
                 if reason:
                     metrics["reason"] = reason
                 history.append(metrics)

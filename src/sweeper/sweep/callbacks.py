@@ -68,14 +68,17 @@ class ProgressCallback(tune.Callback):
 
 
 class FlopCap(tune.Stopper):
-    """Stops the sweep once the training FLOPs of all trials reach `max_flops`."""
+    """Stops the sweep once the training FLOPs of all trials (rung cooldown forks included)
+    reach `max_flops`."""
 
     def __init__(self, max_flops: float, already: float = 0.0):
         self.max_flops, self.already = max_flops, already
         self.latest: dict[str, float] = {}
 
     def __call__(self, trial_id, result) -> bool:
-        self.latest[trial_id] = float(result.get("flops") or 0.0)
+        self.latest[trial_id] = float(result.get("flops") or 0.0) + float(
+            result.get("fork_flops") or 0.0
+        )
         return False
 
     def stop_all(self) -> bool:

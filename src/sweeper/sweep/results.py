@@ -74,6 +74,7 @@ def collect_results(
                 else None,
                 "tokens": metrics.get("tokens"),
                 "flops": metrics.get("flops"),
+                "fork_flops": metrics.get("fork_flops"),  # rung cooldown forks' training
                 "batch_size": effective.get("trainer", {}).get("total_batch_size"),
                 "lr": metrics.get("lr"),
                 "error": error_summary(str(result.error)) if result.error else None,
@@ -97,8 +98,9 @@ def collect_results(
                         "status": status,
                         **{c: row.get(c) for c in REPORT_COLUMNS},
                         metric: row.get(metric),
-                        # what the scheduler ranked, where the sweep forks trials at rungs
-                        **({RUNG_METRIC: row[RUNG_METRIC]} if RUNG_METRIC in row else {}),
+                        # what the scheduler ranked where the sweep forks trials at rungs,
+                        # and the forks' training FLOPs so far
+                        **{k: row[k] for k in (RUNG_METRIC, "fork_flops") if k in row},
                         "total_batch_size": trainer_cfg.get("total_batch_size"),
                         "peak_lr": peak_lr,
                         # the compute budget of an IsoFLOP grid point, on final reports only

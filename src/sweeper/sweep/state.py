@@ -87,7 +87,10 @@ class SweepState:
         return len(self.all_records())
 
     def total_flops(self) -> float:
-        return sum(r.get("flops") or 0.0 for r in self.all_records())
+        """Training FLOPs the sweep spent: its trials' runs and their rung cooldown forks."""
+        return sum(
+            (r.get("flops") or 0.0) + (r.get("fork_flops") or 0.0) for r in self.all_records()
+        )
 
 
 # sweep keys a resumed sweep may change: they decide how many trials run, where and how
