@@ -141,8 +141,9 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
     ]
     if metric not in columns:
         columns.insert(7, metric)
-    if any(RUNG_METRIC in r for r in reports):
+    if any(RUNG_METRIC in r for r in reports):  # a stage forked trials at its rungs
         columns.insert(columns.index("val_bpb") + 1, RUNG_METRIC)
+        columns.insert(columns.index("flops") + 1, "fork_flops")
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()
