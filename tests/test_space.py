@@ -16,6 +16,7 @@ from sweeper.sweep.space import (
     narrow_log_band,
     parse_points,
     parse_space,
+    range_edge,
     to_builtin,
     to_configspace,
     to_optuna,
@@ -249,6 +250,40 @@ def test_grid_size_and_purity(params, size, pure):
     space = parse_space(params)
     assert grid_size(space) == size
     assert is_pure_grid(space) is pure
+
+
+@pytest.mark.parametrize(
+    ("spec", "value", "side"),
+    [
+        # log scale: [0.001, 0.1] spans two decades, so the outer tenths end at 10^-2.8 and 10^-1.2
+        ({"log_uniform": [0.001, 0.1]}, 0.0015, "low"),
+        ({"log_uniform": [0.001, 0.1]}, 0.0017, None),  # 0.0015 and 0.0017 straddle 10^-2.8
+        ({"log_uniform": [0.001, 0.1]}, 0.01, None),  # the middle on a log scale
+        ({"log_uniform": [0.001, 0.1]}, 0.06, None),
+        ({"log_uniform": [0.001, 0.1]}, 0.07, "high"),  # 0.0631 is the top tenth's start
+        ({"log_uniform": [0.001, 0.1]}, 0.1, "high"),
+        ({"uniform": [0.0, 1.0]}, 0.1, "low"),  # linear scale, the bound's tenth included
+        ({"uniform": [0.0, 1.0]}, 0.05, "low"),
+        ({"uniform": [0.0, 1.0]}, 0.5, None),
+        ({"uniform": [0.0, 1.0]}, 0.95, "high"),
+        ({"int": [2, 12]}, 2, "low"),
+        ({"int": [2, 12]}, 3, "low"),
+        ({"int": [2, 12]}, 4, None),
+        ({"int": [2, 12]}, 12, "high"),
+        ({"log_int": [64, 1024]}, 64, "low"),
+        ({"log_int": [64, 1024]}, 256, None),
+        ({"grid": [4096, 8192, 16384]}, 4096, "low"),  # the smallest of three or more
+        ({"grid": [16384, 4096, 8192]}, 16384, "high"),  # by value, not by position
+        ({"grid": [4096, 8192, 16384]}, 8192, None),
+        ({"choice": [0.0, 0.05, 0.1, 0.2]}, 0.2, "high"),
+        ({"grid": [4096, 8192]}, 4096, None),  # two values: every winner is an end
+        ({"choice": ["adamw", "muon_adamw", "sgd"]}, "adamw", None),  # no order
+        ({"choice": [1, "x", 3]}, 1, None),  # a mixed list has no order either
+    ],
+)
+def test_range_edge_flags_a_best_value_at_either_end(spec, value, side):
+    (param,) = parse_space({LR: spec}).params
+    assert range_edge(param, value) == side
 
 
 def test_narrow_log_band_round_trips_through_parse():

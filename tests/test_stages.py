@@ -144,6 +144,40 @@ def test_retune_rule_searches_a_narrow_band_around_each_frozen_lr():
     assert specs["trainer.total_batch_size"].kind == "choice"
 
 
+def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
+    from sweeper.sweep.outputs import range_edges
+    from sweeper.sweep.spec import StageSpec, SweepSpec
+
+    lr = StageSpec(name="lr", params={"optimizer": {"matrix_lr": {"log_uniform": [0.004, 0.1]}}})
+    batch = {"trainer": {"total_batch_size": {"grid": [4096, 8192, 16384]}}}
+    bs = StageSpec(name="bs", lr_rule="retune", retune_factor=2.0, params=batch)
+    spec = SweepSpec(stages=[lr, bs], lr_keys=["optimizer.matrix_lr"])
+    start = {"optimizer": {"matrix_lr": 0.02}, "trainer": {"total_batch_size": 8192}}
+
+    def best(**params):
+        return {"params": {key.replace("__", "."): v for key, v in params.items()}}
+
+    (top,) = range_edges(spec, "lr", start, best(optimizer__matrix_lr=0.09))
+    assert (top["param"], top["value"], top["side"]) == ("optimizer.matrix_lr", 0.09, "high")
+    assert top["note"] == (
+        "best optimizer.matrix_lr=0.09 is at the high end of its range [0.004, 0.1]: "
+        "the optimum may lie above it; widen the range"
+    )
+    assert range_edges(spec, "lr", start, best(optimizer__matrix_lr=0.02)) == []
+    assert range_edges(spec, "lr", start, None) == []  # every trial diverged or failed
+    # the retune stage: its LR band [0.01, 0.04] is centred on the frozen 0.02, not the user's
+    edges = range_edges(
+        spec, "bs", start, best(optimizer__matrix_lr=0.0105, trainer__total_batch_size=4096)
+    )
+    notes = {edge["param"]: edge["note"] for edge in edges}
+    assert notes["trainer.total_batch_size"].endswith(
+        "of its values [4096, 8192, 16384]: the optimum may lie below it; add values beyond it"
+    )
+    assert notes["optimizer.matrix_lr"].endswith(
+        "range [0.01, 0.04]: the optimum may lie below it; raise sweep.stages.1.retune_factor (2)"
+    )
+
+
 def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
     from sweeper.config import ConfigError
     from sweeper.sweep.spec import StageSpec, SweepSpec, stage_points

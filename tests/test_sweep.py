@@ -139,7 +139,7 @@ def halving_over_matrix_lrs(grid: str) -> list[str]:
     ]
 
 
-def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, tmp_path):
+def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, tmp_path, capsys):
     from sweeper.sweep.stages import apply_params
     from sweeper.sweep.trainable import placed
     from sweeper.train import train
@@ -147,10 +147,16 @@ def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, 
     # the first LR (the best) reaches the rung, is paused there with a checkpoint until the
     # other two have, then goes on
     overrides = halving_over_matrix_lrs("[0.03,0.001,0.002]")
-    sweep(tmp_path, *overrides)
+    summary = sweep(tmp_path, *overrides)
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     (survivor,) = [r for r in state["stages"][0]["records"] if r["status"] == "completed"]
     assert survivor["params"] == {"optimizer.matrix_lr": 0.03}
+    # the largest LR of the grid won: the sweep says a larger one may be better still, under
+    # the stage's table and in the summary; the one-point batch stage has no ends
+    (edge,) = summary["stages"][0]["at_range_edge"]
+    assert (edge["param"], edge["value"], edge["side"]) == ("optimizer.matrix_lr", 0.03, "high")
+    assert summary["stages"][1]["at_range_edge"] == []
+    assert capsys.readouterr().out.count(f"note: {edge['note']}") == 2
     lines = (Path(survivor["path"]) / "result.json").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     # Ray counts iterations since the last restore: it restarted from the checkpoint

@@ -221,12 +221,13 @@ def run_stages(
         if all(r["status"] == "failed" for r in records):
             raise SweepFailed(stage.name, records[0]["error"], out)
         best = pick_best(records, spec.metric, spec.mode)
+        edges = outputs.range_edges(spec, stage.name, current, best)
         if best is not None:
             current = trial_config(
                 best["params"], current, stage_context(spec, stage, current, target)
             )
         state.finish_stage(stage.name, records, reports, best, current, time.time() - started)
-        outputs.print_stage_table(stage.name, records, best, spec)
+        outputs.print_stage_table(stage.name, records, best, spec, edges)
         if state.total_flops() >= (spec.max_flops or math.inf):
             print("the sweep's FLOP cap is reached: no further stages")
             break

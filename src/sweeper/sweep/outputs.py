@@ -8,7 +8,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from sweeper.sweep.spec import SweepSpec
+from sweeper.sweep.space import range_edge
+from sweeper.sweep.spec import SweepSpec, flatten, flatten_params, stage_space
 from sweeper.sweep.state import SweepState, write_json_atomic
 from sweeper.sweep.trainable import RUNG_METRIC
 
@@ -94,8 +95,54 @@ class Baseline:
             return {"value": None, "status": "failed", "error": str(error).splitlines()[0]}
 
 
+# --- best values at the edge of their range --------------------------------------------
+def range_edges(spec: SweepSpec, stage_name: str, start: dict, best: dict | None) -> list[dict]:
+    """The stage's best values that sit at an end of their search range (`range_edge`):
+    the optimum may lie outside it. `start` is the config the stage started from (its
+    lr_rule=retune bands are centred on that config's LRs)."""
+    if best is None:
+        return []
+    index, stage = next((i, s) for i, s in enumerate(spec.stages) if s.name == stage_name)
+    declared = set(flatten_params(stage.params))
+    edges = []
+    for param in stage_space(spec, stage, flatten(start)).params:
+        value = best["params"].get(param.name)
+        side = range_edge(param, value)
+        if side is None:
+            continue
+        if param.low is not None:
+            scope, hint = f"range [{_fmt(param.low)}, {_fmt(param.high)}]", "widen the range"
+        else:
+            scope, hint = f"values {list(param.values)}", "add values beyond it"
+        if param.name not in declared:  # an lr_rule=retune band around a frozen LR
+            hint = f"raise sweep.stages.{index}.retune_factor ({stage.retune_factor:g})"
+        edges.append(
+            {
+                "param": param.name,
+                "value": value,
+                "side": side,
+                "note": f"best {param.name}={_fmt(value)} is at the {side} end of its "
+                f"{scope}: the optimum may lie {'above' if side == 'high' else 'below'} "
+                f"it; {hint}",
+            }
+        )
+    return edges
+
+
+def stage_starts(state: SweepState, base: dict) -> list[dict]:
+    """The config each finished stage started from: the one before it ended with."""
+    starts = [base] + [stage["base_after"] for stage in state.stages]
+    return starts[: len(state.stages)]
+
+
 # --- tables ----------------------------------------------------------------------------
-def print_stage_table(stage: str, records: list[dict], best: dict | None, spec: SweepSpec) -> None:
+def print_stage_table(
+    stage: str,
+    records: list[dict],
+    best: dict | None,
+    spec: SweepSpec,
+    edges: list[dict] = (),
+) -> None:
     keys = sorted({k for r in records for k in r["params"]})
     order = sorted(records, key=lambda r: (r["metric"] is None, _signed(r["metric"], spec.mode)))
     count = f"{len(records)} trial{'s' * (len(records) != 1)}"
@@ -110,6 +157,8 @@ def print_stage_table(stage: str, records: list[dict], best: dict | None, spec: 
         ]
         mark = "  <- best" if best is not None and r["trial_id"] == best["trial_id"] else ""
         print("  " + " | ".join(cells) + mark)
+    for edge in edges:
+        print(f"  note: {edge['note']}")
     print()
 
 
@@ -159,7 +208,7 @@ def write_all(
     records, reports = state.all_records(), state.all_reports()
     write_reports_csv(out / "reports.csv", reports, spec.metric)
     stages = []
-    for stage in state.stages:
+    for stage, start in zip(state.stages, stage_starts(state, base), strict=True):
         best = stage["best"]
         stages.append(
             {
@@ -169,6 +218,7 @@ def write_all(
                 "statuses": _count(stage["records"]),
                 "best_value": best["metric"] if best else None,
                 "best_params": best["params"] if best else None,
+                "at_range_edge": range_edges(spec, stage["name"], start, best),
             }
         )
     final = state.stages[-1]["base_after"] if state.stages else base
@@ -293,6 +343,8 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
             f"  stage {stage['name']:<14} best {spec.metric} "
             f"{value if value is None else f'{value:.4f}'} with {stage['best_params']}"
         )
+        for edge in stage["at_range_edge"]:
+            print(f"    note: {edge['note']}")
     base = (summary.get("baseline") or {}).get("value")
     best = (summary.get("best") or {}).get("value")
     if base is not None and best is not None and math.isfinite(base):

@@ -232,6 +232,29 @@ def narrow_log_band(value: float, factor: float) -> dict[str, list[float]]:
     return {"log_uniform": [value / factor, value * factor]}
 
 
+# A best value this close to a bound, as a share of the range on the spec's own scale, is
+# flagged: with a stage's handful of trials, the optimum may lie outside the range.
+EDGE_FRACTION = 0.1
+
+
+def range_edge(param: ParamSpec, value: Any, fraction: float = EDGE_FRACTION) -> str | None:
+    """'low' or 'high' when `value` sits at that end of `param`'s range: within `fraction`
+    of the range from a bound (log scale for log kinds), or the smallest or largest of
+    three or more numeric grid/choice values. None inside the range, for categorical values,
+    and for two-value lists (where every winner is an end)."""
+    if not _is_number(value):
+        return None
+    if param.kind in LIST_KINDS:
+        values = param.values
+        if len(values) < 3 or not all(_is_number(v) for v in values):
+            return None
+        return "low" if value == min(values) else "high" if value == max(values) else None
+    scale = math.log if param.log else float
+    low, high = scale(param.low), scale(param.high)
+    position = (scale(value) - low) / (high - low)
+    return "low" if position <= fraction else "high" if position >= 1 - fraction else None
+
+
 def _refuse_grid(param: ParamSpec, backend: str) -> None:
     if param.kind == "grid":
         raise _fail(param.name, f"grid values cannot be sampled by {backend}; use choice")
