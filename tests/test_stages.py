@@ -178,6 +178,39 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
     )
 
 
+def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from sweeper.sweep.plots import plot_stage_lr
+    from sweeper.sweep.spec import SweepSpec
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    records = [
+        {"stage": "lr", "trial_id": str(i), "status": status, "metric": metric, "params": p}
+        for i, (status, metric, p) in enumerate(
+            [
+                ("completed", 3.1, {"optimizer.matrix_lr": 0.09, "trainer.total_batch_size": 512}),
+                ("completed", 3.3, {"optimizer.matrix_lr": 0.02, "trainer.total_batch_size": 1024}),
+                ("pruned", 3.6, {"optimizer.matrix_lr": 0.005, "trainer.total_batch_size": 512}),
+            ]
+        )
+    ]
+    spec = SweepSpec(lr_keys=["optimizer.matrix_lr"])
+    ranges = {"optimizer.matrix_lr": (0.004, 0.1)}  # the batch size was a grid: no range
+    plot_stage_lr(tmp_path / "s.png", records, spec, records[0], ranges)
+    (fig,) = drawn
+    lr_ax, batch_ax = fig.axes
+    assert [line.get_xdata()[0] for line in lr_ax.get_lines()] == [0.004, 0.1]
+    assert batch_ax.get_lines() == []
+    stars = [c for c in lr_ax.collections if c.get_label() == "best"]
+    assert [tuple(c.get_offsets()[0]) for c in stars] == [(0.09, 3.1)]
+    assert lr_ax.get_xscale() == "log"
+    assert {"best", "search range"} <= {t.get_text() for t in lr_ax.get_legend().get_texts()}
+    plot_stage_lr(tmp_path / "s.png", records, spec)  # no best (all diverged), no ranges
+    assert not [c for c in drawn[1].axes[0].collections if c.get_label() == "best"]
+
+
 def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
     from sweeper.config import ConfigError
     from sweeper.sweep.spec import StageSpec, SweepSpec, stage_points

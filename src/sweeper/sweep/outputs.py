@@ -102,10 +102,10 @@ def range_edges(spec: SweepSpec, stage_name: str, start: dict, best: dict | None
     lr_rule=retune bands are centred on that config's LRs)."""
     if best is None:
         return []
-    index, stage = next((i, s) for i, s in enumerate(spec.stages) if s.name == stage_name)
+    index, stage = _stage_spec(spec, stage_name)
     declared = set(flatten_params(stage.params))
     edges = []
-    for param in stage_space(spec, stage, flatten(start)).params:
+    for param in _searched(spec, stage_name, start):
         value = best["params"].get(param.name)
         side = range_edge(param, value)
         if side is None:
@@ -127,6 +127,23 @@ def range_edges(spec: SweepSpec, stage_name: str, start: dict, best: dict | None
             }
         )
     return edges
+
+
+def _stage_spec(spec: SweepSpec, stage_name: str):
+    return next((i, s) for i, s in enumerate(spec.stages) if s.name == stage_name)
+
+
+def _searched(spec: SweepSpec, stage_name: str, start: dict):
+    """The params a stage searched, as ParamSpecs (its retune bands included)."""
+    _, stage = _stage_spec(spec, stage_name)
+    return stage_space(spec, stage, flatten(start)).params
+
+
+def search_ranges(spec: SweepSpec, stage_name: str, start: dict) -> dict[str, tuple]:
+    """name -> (low, high) of each ranged param the stage searched (for its plot)."""
+    return {
+        p.name: (p.low, p.high) for p in _searched(spec, stage_name, start) if p.low is not None
+    }
 
 
 def stage_starts(state: SweepState, base: dict) -> list[dict]:
@@ -246,8 +263,11 @@ def write_all(
         "elapsed_s": state.elapsed,
     }
     plots = [plot_learning_curves(out / "learning_curves.png", reports, spec.metric)]
-    for stage in state.stages:
-        plots.append(plot_stage_lr(out / f"stage_{stage['name']}.png", stage["records"], spec))
+    for stage, start in zip(state.stages, stage_starts(state, base), strict=True):
+        name = stage["name"]
+        ranges = search_ranges(spec, name, start)
+        path = out / f"stage_{name}.png"
+        plots.append(plot_stage_lr(path, stage["records"], spec, stage["best"], ranges))
     summary["plots"] = [p.name for p in plots if p]
     summary["fit"] = _fit(out, reports, spec, fit_cfg or {})
     write_json_atomic(out / "summary.json", summary)

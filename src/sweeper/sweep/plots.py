@@ -58,12 +58,21 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
     return path
 
 
-def plot_stage_lr(path: Path, records: list[dict], spec) -> Path | None:
+def plot_stage_lr(
+    path: Path,
+    records: list[dict],
+    spec,
+    best: dict | None = None,
+    ranges: dict[str, tuple[float, float]] | None = None,
+) -> Path | None:
     """The metric against each numeric parameter the stage tuned, LRs first (in the order
     of sweep.lr_keys: the matrix LR leads). Pruned trials are hollow: their last report
-    came before the full budget, so their values sit higher than they would have ended."""
+    came before the full budget, so their values sit higher than they would have ended.
+    The best trial is a star, and dashed lines mark each param's search range (`ranges`:
+    name -> (low, high)), so a best value at an end of it shows."""
     from matplotlib.ticker import NullFormatter
 
+    ranges = ranges or {}
     tuned = sorted({k for r in records for k in r["params"]})
     order = [k for k in spec.lr_keys if k in tuned] + [k for k in tuned if k not in spec.lr_keys]
     keys = [k for k in order if all(isinstance(r["params"].get(k), int | float) for r in records)][
@@ -87,7 +96,24 @@ def plot_stage_lr(path: Path, records: list[dict], spec) -> Path | None:
                     edgecolors=color,
                     facecolors="none" if hollow else color,
                 )
+        if best is not None and best.get("metric") is not None:
+            ax.scatter(
+                [best["params"][key]],
+                [best["metric"]],
+                s=220,
+                marker="*",
+                color="tab:orange",
+                edgecolors="black",
+                linewidths=0.6,
+                zorder=3,
+                label="best",
+            )
         values = [r["params"][key] for r in points]
+        for i, bound in enumerate(ranges.get(key, ())):
+            ax.axvline(
+                bound, color="0.5", linestyle="--", lw=1, label="search range" if i else None
+            )
+            values.append(bound)
         if min(values) > 0 and max(values) / min(values) > 3:
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap
