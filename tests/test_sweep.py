@@ -250,9 +250,42 @@ def test_resume_skips_finished_stages(ray_cluster, tmp_path):
         )
 
 
+def test_fresh_seeds_confirm_the_best_against_the_baseline_and_a_resume_adds_seeds(
+    ray_cluster, tmp_path, capsys
+):
+    from sweeper.sweep.confirm import with_seed
+    from sweeper.sweep.trainable import placed
+    from sweeper.train import train
+
+    fixed = [
+        "sweep.stages.0.num_samples=2",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    ]
+    first = sweep(tmp_path, *fixed, "sweep.confirm_seeds=1")
+    confirmed = first["confirmation"]
+    assert confirmed["seeds"] == [1] and confirmed["paired"] == 1
+    out = capsys.readouterr().out
+    assert "confirm: training the best config and the baseline on fresh seeds 1 (2 runs)" in out
+    assert "fresh seeds 1: best val_bpb" in out
+    # seed 1 is the best config trained again, placed as its trial was, on another seed
+    final = json.loads((tmp_path / "sweep_state.json").read_text())["stages"][-1]["base_after"]
+    again = train(placed(with_seed(final, 1), 1, 0), verbose=False)
+    assert again["val_bpb"] == confirmed["best"][0] != first["best"]["value"]
+    assert confirmed["improvement_mean"] == confirmed["baseline"][0] - confirmed["best"][0]
+
+    # a finished sweep asks for one more seed: only that seed's two runs train
+    resumed = sweep(tmp_path, *fixed, "sweep.confirm_seeds=2", "sweep.resume=true")
+    out = capsys.readouterr().out
+    assert "on fresh seeds 1, 2 (2 runs)" in out and "[lr] finished in an earlier run" in out
+    assert resumed["confirmation"]["seeds"] == [1, 2] and resumed["trials"] == first["trials"]
+    assert resumed["confirmation"]["best"][0] == confirmed["best"][0]
+    assert resumed["confirmation"]["best"][1] not in confirmed["best"]
+
+
 RESUMED_WITH = [  # (changes on resume, what the refusal names; None: the resume goes ahead)
     ([], None),
     (["sweep.max_trials=40", "sweep.concurrency=1", "sweep.max_seconds=600"], None),
+    (["sweep.confirm_seeds=3"], None),  # fresh seeds after the stages: a finished sweep adds them
     (["sweep.budget.tokens_per_trial=60000"], "sweep.budget.tokens_per_trial 120000.0 -> 60000.0"),
     (["sweep.stages.1.params.trainer.total_batch_size.grid=[1024]"], "grid [512, 2048] -> [1024]"),
     (["sweep.stages.0.search=tpe"], "sweep.stages.0.search 'random' -> 'tpe'"),
@@ -381,6 +414,7 @@ REFUSED = [
     (["sweep.budget.tokens_per_trial=0"], "sweep.budget.tokens_per_trial must be > 0, got 0"),
     (["+sweep.budget.tokens_per_trail=1"], "did you mean sweep.budget.tokens_per_trial?"),
     (["sweep.seed=-1"], "sweep.seed must be >= 0"),
+    (["sweep.confirm_seeds=-1"], "sweep.confirm_seeds must be >= 0, got -1"),
     (["sweep.metric=accuracy"], "sweep.metric must be one of val_bpb, train_loss"),
     (["sweep.search=foo"], "sweep.search must be one of random"),
     (["sweep.stages.0.num_samples=1.5"], "sweep.stages.0.num_samples"),

@@ -80,6 +80,7 @@ def time_axis(spec: SweepSpec, target: str | None) -> tuple[str, float]:
 
 def run_sweep(cfg, out_dir: str) -> float | None:
     from sweeper.sweep import outputs
+    from sweeper.sweep.confirm import run_confirmation
     from sweeper.sweep.ray_cluster import start_ray
 
     spec = validate_sweep(cfg)
@@ -119,6 +120,7 @@ def run_sweep(cfg, out_dir: str) -> float | None:
         if baseline is not None:
             state.set_baseline(baseline.collect())
             tracker.log_baseline(state.baseline)
+        run_confirmation(spec, state, base, target)
     except BaseException as error:
         # Ctrl+C or a crash: close the tracker's runs honestly, keep the state on disk
         if isinstance(error, KeyboardInterrupt):

@@ -15,7 +15,8 @@ from sweeper.sweep.trainable import RUNG_METRIC
 
 
 # --- the baseline: the unmodified config under the same budget --------------------------
-def _baseline_run(base: dict, metric: str, target: str | None, threads: int, gpus: float) -> dict:
+def train_once(base: dict, metric: str, target: str | None, threads: int, gpus: float) -> dict:
+    """One run of a config outside Tune, placed as a trial is (the baseline, confirmations)."""
     import torch
 
     if target:
@@ -60,6 +61,19 @@ def _baseline_run(base: dict, metric: str, target: str | None, threads: int, gpu
     }
 
 
+def launch_once(config: dict, spec: SweepSpec, target: str | None):
+    """`train_once` as a Ray task holding one trial's resources; returns its ObjectRef."""
+    import ray
+
+    ddp = not target and config["trainer"]["workers"] > 1
+    # a DDP run only launches a TorchTrainer, whose ranks hold the resources
+    remote = ray.remote(
+        num_cpus=0 if ddp else spec.cpus_per_trial,
+        num_gpus=0 if ddp else spec.gpus_per_trial,
+    )(train_once)
+    return remote.remote(config, spec.metric, target, spec.trial_threads, spec.gpus_per_trial)
+
+
 class Baseline:
     """The baseline run on Ray, holding one trial's resources. It starts beside stage
     `beside` (see engine.baseline_stage), or after the stages if the sweep ends first."""
@@ -71,19 +85,8 @@ class Baseline:
     def launch(self, where: str) -> None:
         if self.job is not None:
             return
-        import ray
-
-        spec = self.spec
-        ddp = not self.target and self.base["trainer"]["workers"] > 1
-        # a DDP baseline only launches a TorchTrainer, whose ranks hold the resources
-        remote = ray.remote(
-            num_cpus=0 if ddp else spec.cpus_per_trial,
-            num_gpus=0 if ddp else spec.gpus_per_trial,
-        )(_baseline_run)
         print(f"baseline: training the unmodified config under the same budget, {where}")
-        self.job = remote.remote(
-            self.base, spec.metric, self.target, spec.trial_threads, spec.gpus_per_trial
-        )
+        self.job = launch_once(self.base, self.spec, self.target)
 
     def collect(self) -> dict:
         import ray
@@ -219,6 +222,7 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
 def write_all(
     out: Path, spec: SweepSpec, state: SweepState, base: dict, fit_cfg: dict | None = None
 ) -> dict:
+    from sweeper.sweep.confirm import confirmation_summary
     from sweeper.sweep.engine import reproduce_overrides
     from sweeper.sweep.plots import plot_learning_curves, plot_stage_lr
 
@@ -258,6 +262,7 @@ def write_all(
         "improvement": (baseline["value"] - best_value) * (1 if spec.mode == "min" else -1)
         if baseline.get("value") is not None and best_value is not None
         else None,
+        "confirmation": confirmation_summary(spec, state, base),
         "trials": len(records),
         "total_flops": state.total_flops(),
         "elapsed_s": state.elapsed,
@@ -372,6 +377,11 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
             f"  baseline {spec.metric} {base:.4f} -> best {best:.4f} "
             f"({summary['improvement']:+.4f} better)"
         )
+    if summary.get("confirmation"):
+        from sweeper.sweep.confirm import confirmation_lines
+
+        for line in confirmation_lines(summary["confirmation"], spec.metric):
+            print(f"  {line}")
     if summary.get("best"):
         print(f"  reproduce: {reproduce_command(summary['best']['overrides'])}")
     fit = summary.get("fit") or {}

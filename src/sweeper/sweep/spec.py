@@ -84,6 +84,9 @@ class SweepSpec:
     penalty: float | None = None
     seed: int = 0
     baseline: bool = True
+    # after the stages: the best config and the baseline trained again on this many fresh
+    # seeds (trainer.seed + 1, + 2, ...), the improvement against seed-to-seed noise
+    confirm_seeds: int = 0
     max_failures: int = 1
     resume: bool = False
     lr_keys: list[str] = field(default_factory=list)
@@ -249,6 +252,7 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
         f"sweep.scheduler must be one of {', '.join(SCHEDULERS)}, got {spec.scheduler!r}",
     )
     _check(spec.seed >= 0, f"sweep.seed must be >= 0, got {spec.seed}")
+    _check(spec.confirm_seeds >= 0, f"sweep.confirm_seeds must be >= 0, got {spec.confirm_seeds}")
     _check(
         spec.penalty is None or math.isfinite(spec.penalty),
         f"sweep.penalty must be a finite number or null, got {spec.penalty}",

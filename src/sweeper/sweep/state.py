@@ -31,6 +31,8 @@ class SweepState:
     base: dict
     stages: list[dict] = field(default_factory=list)  # finished stages, in order
     baseline: dict | None = None
+    # sweep.confirm_seeds' runs: {"overrides": the best's, "runs": {seed: {best, baseline}}}
+    confirmation: dict | None = None
     elapsed: float = 0.0
     # what made the trials (sweep_definition); None in states written before it was kept
     definition: dict | None = None
@@ -77,6 +79,10 @@ class SweepState:
         self.baseline = baseline
         self.save()
 
+    def set_confirmation(self, confirmation: dict) -> None:
+        self.confirmation = confirmation
+        self.save()
+
     def all_records(self) -> list[dict]:
         return [r for s in self.stages for r in s["records"]]
 
@@ -99,6 +105,7 @@ class SweepState:
 OPERATIONAL_KEYS = frozenset(
     {
         "resume",
+        "confirm_seeds",  # runs after the stages, on top of them: a finished sweep can add it
         "concurrency",
         "max_failures",
         "max_trials",

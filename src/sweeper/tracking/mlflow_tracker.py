@@ -127,10 +127,14 @@ class MlflowTracker:
         out = Path(out_dir)
         metric = self.spec.metric
         best, baseline = summary.get("best") or {}, summary.get("baseline") or {}
+        confirmation = summary.get("confirmation") or {}
         values = {
             f"best_{metric}": best.get("value"),
             f"baseline_{metric}": baseline.get("value"),
             "improvement": summary.get("improvement"),
+            # sweep.confirm_seeds: the same over fresh seeds, and its spread
+            "confirm_improvement_mean": confirmation.get("improvement_mean"),
+            "confirm_improvement_std": confirmation.get("improvement_std"),
             "trials": summary.get("trials"),
             "total_flops": summary.get("total_flops"),
             "elapsed_s": summary.get("elapsed_s"),

@@ -1,0 +1,161 @@
+"""The best config and the baseline trained again on fresh seeds (`sweep.confirm_seeds`).
+
+A sweep picks its best trial out of many runs on one seed, so the best value is partly luck
+(the winner's curse), and on the default run two seeds alone differ by ~0.1 bpb
+(BENCHMARKS.md). Runs on seeds the sweep never used, paired by seed, show whether the
+improvement stands above that noise. The stats use the fresh seeds only, for that reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+
+from sweeper.sweep.outputs import launch_once
+from sweeper.sweep.spec import SweepSpec
+from sweeper.sweep.state import SweepState, as_json
+
+
+def fresh_seeds(base: dict, count: int) -> list[int]:
+    """The `count` seeds after the one the sweep trained on (`trainer.seed`)."""
+    first = int(base["trainer"]["seed"])
+    return [first + i for i in range(1, count + 1)]
+
+
+def with_seed(config: dict, seed: int) -> dict:
+    config = copy.deepcopy(config)
+    config["trainer"]["seed"] = seed
+    return config
+
+
+def kept_runs(state: SweepState) -> dict:
+    """The confirmation runs in the state, {seed: {"best"|"baseline": {value, status}}},
+    if they were trained for the sweep's current best config (else none)."""
+    kept = state.confirmation or {}
+    if not state.stages or kept.get("best_config") != as_json(state.stages[-1]["base_after"]):
+        return {}
+    return kept["runs"]
+
+
+def run_confirmation(spec: SweepSpec, state: SweepState, base: dict, target: str | None) -> None:
+    """Trains what `sweep.confirm_seeds` asks for and the state does not hold yet (a resumed
+    sweep, or one that raised `confirm_seeds`, trains only the missing runs), saving the
+    state after each run. Runs kept for another best config are dropped."""
+    if not spec.confirm_seeds or not any(stage["best"] for stage in state.stages):
+        return
+    import ray
+
+    best = as_json(state.stages[-1]["base_after"])
+    runs = kept_runs(state)
+    configs = {"best": best}
+    if (state.baseline or {}).get("value") is not None:
+        configs["baseline"] = base
+    seeds = fresh_seeds(base, spec.confirm_seeds)
+    todo = [(s, which) for s in seeds for which in configs if which not in runs.get(str(s), {})]
+    if not todo:
+        return
+    what = " and the baseline" if "baseline" in configs else ""
+    shown = ", ".join(str(s) for s in seeds)
+    print(f"confirm: training the best config{what} on fresh seeds {shown} ({len(todo)} runs)")
+    jobs = {
+        launch_once(with_seed(configs[which], s), spec, target): (s, which) for s, which in todo
+    }
+    pending = list(jobs)
+    while pending:
+        (done,), pending = ray.wait(pending, num_returns=1)
+        seed, which = jobs[done]
+        try:
+            result = ray.get(done)
+        except Exception as error:  # a failed run must not lose the sweep's results
+            result = {"value": None, "status": "failed", "error": str(error).splitlines()[0]}
+        runs.setdefault(str(seed), {})[which] = {
+            "value": result["value"],
+            "status": result["status"],
+        }
+        state.set_confirmation({"best_config": best, "runs": runs})
+        value = result["value"]
+        outcome = f"{value:.4f}" if result["status"] == "completed" else result["status"]
+        finished = len(todo) - len(pending)
+        print(f"confirm: {finished}/{len(todo)} runs done ({which}, seed {seed}: {outcome})")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _spread(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (None for fewer than two values)."""
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def confirmation_summary(spec: SweepSpec, state: SweepState, base: dict) -> dict | None:
+    """Per-seed values and their spread for summary.json, over the seeds that
+    `sweep.confirm_seeds` asks for and that have run. The improvement is paired by seed
+    (baseline minus best for `min`), over the seeds where both runs completed."""
+    runs = kept_runs(state)
+    seeds = [str(s) for s in fresh_seeds(base, spec.confirm_seeds) if str(s) in runs]
+    if not seeds:
+        return None
+
+    def values(which: str) -> list[float | None]:
+        out = []
+        for seed in seeds:
+            run = runs[seed].get(which) or {}
+            out.append(run.get("value") if run.get("status") == "completed" else None)
+        return out
+
+    best, baseline = values("best"), values("baseline")
+    sign = 1.0 if spec.mode == "min" else -1.0
+    gains = [sign * (b - a) for a, b in zip(best, baseline) if _finite(a) and _finite(b)]
+    best_mean, best_std = _spread([v for v in best if _finite(v)])
+    base_mean, base_std = _spread([v for v in baseline if _finite(v)])
+    gain_mean, gain_std = _spread(gains)
+    return {
+        "seeds": [int(s) for s in seeds],
+        "best": best,
+        "baseline": baseline,
+        "best_mean": best_mean,
+        "best_std": best_std,
+        "baseline_mean": base_mean,
+        "baseline_std": base_std,
+        "improvement_mean": gain_mean,
+        "improvement_std": gain_std,
+        "better_on": sum(gain > 0 for gain in gains),
+        # runs that ended without a value: diverged or failed
+        "no_value": [
+            f"{which} on seed {seed} ({run['status']})"
+            for seed in seeds
+            for which, run in runs[seed].items()
+            if run["status"] != "completed" or not _finite(run["value"])
+        ],
+        "paired": len(gains),
+    }
+
+
+def confirmation_lines(summary: dict, metric: str) -> list[str]:
+    """The summary's lines on the fresh seeds."""
+
+    def spread(mean, std) -> str:
+        if mean is None:
+            return "-"
+        return f"{mean:.4f}" + (f" +- {std:.4f}" if std is not None else "")
+
+    seeds = ", ".join(str(s) for s in summary["seeds"])
+    line = f"fresh seeds {seeds}: best {metric} {spread(summary['best_mean'], summary['best_std'])}"
+    if summary["baseline_mean"] is not None:
+        line += f", baseline {spread(summary['baseline_mean'], summary['baseline_std'])}"
+    if summary["paired"]:
+        gain = spread(summary["improvement_mean"], summary["improvement_std"])
+        line += f" -> {gain} better, on {summary['better_on']} of {summary['paired']} seeds"
+    lines = [line]
+    if summary["no_value"]:
+        lines.append(f"note: no value from {', '.join(summary['no_value'])}")
+    finite = [v for v in summary["best"] if _finite(v)]
+    if len(finite) > 1 and len(set(finite)) == 1:
+        lines.append(
+            "note: every fresh seed gave the same value: does the training read trainer.seed?"
+        )
+    return lines
