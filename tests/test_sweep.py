@@ -260,6 +260,7 @@ def test_fresh_seeds_confirm_the_best_against_the_baseline_and_a_resume_adds_see
     fixed = [
         "sweep.stages.0.num_samples=2",
         "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+        "sweep.baseline=true",
     ]
     first = sweep(tmp_path, *fixed, "sweep.confirm_seeds=1")
     confirmed = first["confirmation"]
