@@ -57,7 +57,8 @@ def run_confirmation(spec: SweepSpec, state: SweepState, base: dict, target: str
         return
     what = " and the baseline" if "baseline" in configs else ""
     shown = ", ".join(str(s) for s in seeds)
-    print(f"confirm: training the best config{what} on fresh seeds {shown} ({len(todo)} run{'s' * (len(todo) > 1)})")
+    runs_shown = f"{len(todo)} run{'s' * (len(todo) > 1)}"
+    print(f"confirm: training the best config{what} on fresh seeds {shown} ({runs_shown})")
     jobs = {
         launch_once(with_seed(configs[which], s), spec, target): (s, which) for s, which in todo
     }
