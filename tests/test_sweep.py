@@ -281,6 +281,8 @@ def test_fresh_seeds_confirm_the_best_against_the_baseline_and_a_resume_adds_see
     assert resumed["confirmation"]["seeds"] == [1, 2] and resumed["trials"] == first["trials"]
     assert resumed["confirmation"]["best"][0] == confirmed["best"][0]
     assert resumed["confirmation"]["best"][1] not in confirmed["best"]
+    # the runs' wall time adds up across the resume
+    assert 0 < confirmed["elapsed_s"] < resumed["confirmation"]["elapsed_s"]
 
 
 RESUMED_WITH = [  # (changes on resume, what the refusal names; None: the resume goes ahead)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import time
 
 from sweeper.sweep.outputs import launch_once
 from sweeper.sweep.spec import SweepSpec
@@ -63,6 +64,9 @@ def run_confirmation(spec: SweepSpec, state: SweepState, base: dict, target: str
         launch_once(with_seed(configs[which], s), spec, target): (s, which) for s, which in todo
     }
     pending = list(jobs)
+    # wall time of all confirmation runs, across resumes (the stages' is the summary's own)
+    before = (state.confirmation or {}).get("elapsed_s", 0.0) if runs else 0.0
+    started = time.time()
     while pending:
         (done,), pending = ray.wait(pending, num_returns=1)
         seed, which = jobs[done]
@@ -74,11 +78,15 @@ def run_confirmation(spec: SweepSpec, state: SweepState, base: dict, target: str
             "value": result["value"],
             "status": result["status"],
         }
-        state.set_confirmation({"best_config": best, "runs": runs})
+        elapsed = time.time() - started
+        state.set_confirmation({"best_config": best, "runs": runs, "elapsed_s": before + elapsed})
         value = result["value"]
         outcome = f"{value:.4f}" if result["status"] == "completed" else result["status"]
         finished = len(todo) - len(pending)
-        print(f"confirm: {finished}/{len(todo)} runs done ({which}, seed {seed}: {outcome})")
+        print(
+            f"confirm: {finished}/{len(todo)} runs done ({which}, seed {seed}: {outcome}) "
+            f"| {elapsed:.0f}s elapsed"
+        )
 
 
 def _finite(value) -> bool:
@@ -133,6 +141,7 @@ def confirmation_summary(spec: SweepSpec, state: SweepState, base: dict) -> dict
             if run["status"] != "completed" or not _finite(run["value"])
         ],
         "paired": len(gains),
+        "elapsed_s": state.confirmation.get("elapsed_s"),
     }
 
 
