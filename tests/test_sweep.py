@@ -418,6 +418,10 @@ REFUSED = [
     (["+sweep.budget.tokens_per_trail=1"], "did you mean sweep.budget.tokens_per_trial?"),
     (["sweep.seed=-1"], "sweep.seed must be >= 0"),
     (["sweep.confirm_seeds=-1"], "sweep.confirm_seeds must be >= 0, got -1"),
+    (
+        ["trainable._target_=tests.user_functions.noisy_bowl", "~trainer", "sweep.confirm_seeds=1"],
+        "sweep.confirm_seeds=1 trains again on other values of trainer.seed, which this config",
+    ),
     (["sweep.metric=accuracy"], "sweep.metric must be one of val_bpb, train_loss"),
     (["sweep.search=foo"], "sweep.search must be one of random"),
     (["sweep.stages.0.num_samples=1.5"], "sweep.stages.0.num_samples"),

@@ -44,6 +44,11 @@ def validate_sweep(cfg) -> SweepSpec:
     validate_spec(spec, run_values, custom_trainable=target is not None)
     # from here on a number: what the trials, the resume check and the summary see
     spec.rung_cooldown = rung_cooldown_for(spec, custom_trainable=target is not None)
+    if spec.confirm_seeds and "trainer.seed" not in run_values:  # a user's config may lack it
+        raise ConfigError(
+            f"sweep.confirm_seeds={spec.confirm_seeds} trains again on other values of "
+            "trainer.seed, which this config does not have"
+        )
     if target:
         try:
             fn = load_target(target)
