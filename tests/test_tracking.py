@@ -667,7 +667,10 @@ def test_paused_resumed_and_restarted_trials_keep_one_run(tmp_path, monkeypatch)
     other.last_result, other.status = {"status": "running"}, "PAUSED"
     callback.on_trial_start(0, [], other)
     callback.on_experiment_end([trial, other])  # Ctrl+C with `other` paused
-    tracker.finish({"trials": 2, "best": {"value": 2.0}}, tmp_path / "run")
+    confirmation = {"improvement_mean": 0.25, "improvement_std": 0.02}  # sweep.confirm_seeds
+    tracker.finish(
+        {"trials": 2, "best": {"value": 2.0}, "confirmation": confirmation}, tmp_path / "run"
+    )
 
     client, parents, children = logged(
         f"sqlite:///{tmp_path}/mlflow.db", (tmp_path / "run").resolve()
@@ -683,3 +686,5 @@ def test_paused_resumed_and_restarted_trials_keep_one_run(tmp_path, monkeypatch)
     paused = runs["abc_00001"]
     assert paused.info.status == "KILLED" and paused.data.tags["status"] == "interrupted"
     assert parents[0].data.metrics["best_val_bpb"] == 2.0
+    assert parents[0].data.metrics["confirm_improvement_mean"] == 0.25
+    assert parents[0].data.metrics["confirm_improvement_std"] == 0.02
