@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +162,7 @@ def print_stage_table(
     records: list[dict],
     best: dict | None,
     spec: SweepSpec,
-    edges: list[dict] = (),
+    edges: Sequence[dict] = (),
 ) -> None:
     keys = sorted({k for r in records for k in r["params"]})
     order = sorted(records, key=lambda r: (r["metric"] is None, _signed(r["metric"], spec.mode)))
