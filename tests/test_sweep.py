@@ -324,7 +324,7 @@ def test_a_run_dir_resumes_only_the_sweep_that_wrote_it(tmp_path, changes, names
     assert sorted(p.name for p in run_dir.iterdir()) == before
 
 
-def test_a_users_function_is_swept_with_the_same_dsl(ray_cluster, tmp_path):
+def test_a_users_function_is_swept_with_the_same_dsl(ray_cluster, tmp_path, capsys):
     summary = sweep(
         tmp_path,
         "trainable._target_=tests.user_functions.noisy_bowl",
@@ -335,10 +335,15 @@ def test_a_users_function_is_swept_with_the_same_dsl(ray_cluster, tmp_path):
         "~sweep.stages.0.params.optimizer.matrix_lr",
         "+sweep.stages.0.params.optimizer.lr.log_uniform=[0.0001,1.0]",
         "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+        "sweep.confirm_seeds=2",
     )
     assert summary["stages"][0]["trials"] == 6
     assert summary["best"]["value"] < 3.0
     assert summary["baseline"]["value"] is not None
+    # confirmed too; this function ignores trainer.seed, and the summary says so
+    confirmed = summary["confirmation"]
+    assert confirmed["best"] == [summary["best"]["value"]] * 2 and confirmed["paired"] == 2
+    assert "every fresh seed gave the same value" in capsys.readouterr().out
 
 
 def test_a_users_function_that_reports_nan_ends_as_diverged(ray_cluster, tmp_path):

@@ -81,7 +81,8 @@ def run_confirmation(spec: SweepSpec, state: SweepState, base: dict, target: str
         elapsed = time.time() - started
         state.set_confirmation({"best_config": best, "runs": runs, "elapsed_s": before + elapsed})
         value = result["value"]
-        outcome = f"{value:.4f}" if result["status"] == "completed" else result["status"]
+        # a user's function may complete without reporting the metric
+        outcome = f"{value:.4f}" if _finite(value) else result["status"]
         finished = len(todo) - len(pending)
         print(
             f"confirm: {finished}/{len(todo)} runs done ({which}, seed {seed}: {outcome}) "
