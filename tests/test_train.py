@@ -74,7 +74,8 @@ def test_report_called_at_every_eval_with_the_contract_metrics():
     seen = []
     result = train(tiny(trainer={"max_steps": 10, "eval_every": 4}), seen.append, verbose=False)
     assert [m["step"] for m in seen] == [4, 8, 10]
-    keys = {"step", "tokens", "flops", "train_loss", "val_bpb", "lr", "tokens_per_s", "mfu"}
+    keys = {"step", "tokens", "flops", "train_loss", "val_bpb", "lr", "grad_norm", "grad_norm_max"}
+    keys |= {"tokens_per_s", "mfu"}
     assert keys <= seen[-1].keys()
     # the metrics a sweep may rank by (sweep.metric) are numbers in every report
     for metric in BUILTIN_METRICS:
@@ -99,6 +100,39 @@ def test_report_called_at_every_eval_with_the_contract_metrics():
         "device",
     ):
         assert key in result
+
+
+def test_reports_the_gradient_norm_before_clipping_and_its_largest_since_the_last_report():
+    common = {"max_steps": 4, "eval_every": 1, "dtype": "float32"}
+
+    def norms(grad_clip, **trainer):
+        seen = []
+        train(tiny(trainer=common | {"grad_clip": grad_clip} | trainer), seen.append, verbose=False)
+        return [m["grad_norm"] for m in seen], [m["grad_norm_max"] for m in seen]
+
+    # the first step's norm, by hand: the run's own model and batches, one backward pass
+    cfg = load_run_config(tiny(trainer=common))
+    torch.manual_seed(cfg.trainer.seed)
+    data = load_data(cfg.data, cfg.model.seq_len)
+    model = GPT(GPTShape.from_config(cfg.model))
+    sampler = BatchSampler(data.train, cfg.trainer.device_batch_size, cfg.model.seq_len, 0)
+    for x, y in sampler.step_batches(0, cfg.grad_accum_steps, "cpu"):
+        (model(x, y) / cfg.grad_accum_steps).backward()
+    by_hand = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+
+    unclipped, unclipped_max = norms(0.0)
+    assert unclipped[0] == pytest.approx(by_hand, rel=1e-5)
+    assert unclipped_max == unclipped  # one step per report: the largest is the step's own
+    # a clip that never bites computes the same norm through torch's clipping function
+    assert norms(1e9)[0] == unclipped
+    # a clip that always bites: the first step's norm is still the one before clipping,
+    # and the clipped update changes the steps after it
+    clipped, _ = norms(1e-3)
+    assert clipped[0] == unclipped[0] > 1e-3
+    assert clipped[1] != unclipped[1]
+    # reporting every other step, the largest covers both steps since the last report
+    _, every_other_max = norms(0.0, eval_every=2)
+    assert every_other_max == [max(unclipped[0:2]), max(unclipped[2:4])]
 
 
 def test_divergence_ends_the_run_with_status_not_exception():

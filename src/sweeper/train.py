@@ -179,9 +179,14 @@ def train(
             "loss_trace": list(loss_trace),
         }
 
-    def optimizer_step(batch_step: int, lrm: float, momentum: float) -> torch.Tensor:
-        """One optimizer step on the batches of step `batch_step`; the summed micro-batch
-        losses. Also a cooldown fork's step (below), with its own LR."""
+    params = list(model.parameters())
+
+    def optimizer_step(
+        batch_step: int, lrm: float, momentum: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on the batches of step `batch_step`: the summed micro-batch
+        losses and the gradient's global norm before clipping (tensors: no device sync).
+        Also a cooldown fork's step (below), with its own LR."""
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
             if "nesterov" in group:  # Muon's group
@@ -200,10 +205,13 @@ def train(
             (loss / accum).backward()
             loss_sum += loss.detach()
         if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        else:  # unclipped, the norm is still worth watching: spikes come before loss spikes
+            grads = [p.grad for p in params if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss_sum
+        return loss_sum, grad_norm
 
     def cooled_val_bpb(lrm: float, momentum: float) -> tuple[float, int]:
         """val_bpb of a copy of the run cooled down from here, and the fork's steps.
@@ -247,6 +255,8 @@ def train(
     status, reason, val_bpb, train_loss = "completed", None, None, float("nan")
     train_seconds, window_tokens, window_start = 0.0, 0, time.perf_counter()
     tok_s, mfu, start_step = 0.0, None, step
+    # the largest gradient norm since the last report: a spike between evaluations shows
+    grad_norm_max: torch.Tensor | None = None
     rungs_ahead = sorted(r for r in t.rungs if r > progress()) if t.rung_cooldown else []
     # training FLOPs of the cooldown forks so far: compute the sweep spent, though not the
     # run's own (its `flops`, the scaling fits' axis, leaves them out)
@@ -269,7 +279,11 @@ def train(
                 cfg.optimizer.muon_momentum_warmup,
             )
             # 2) forward/backward over the micro-batches, clip, step
-            loss_sum = optimizer_step(step, lrm, momentum)
+            loss_sum, grad_norm = optimizer_step(step, lrm, momentum)
+            # maximum, not fmax: a NaN norm is the news, and must not be skipped over
+            grad_norm_max = (
+                grad_norm if grad_norm_max is None else torch.maximum(grad_norm_max, grad_norm)
+            )
             if world > 1:
                 torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
             train_loss = loss_sum.item() / accum
@@ -298,7 +312,8 @@ def train(
                 eta = (total_steps - step) * train_seconds / max(step - start_step - 1, 1)
                 mfu = flops_per_token * tok_s / peak if peak else None
                 say(
-                    f"step {step:5d}/{total_steps} | loss {train_loss:.4f} | lr x{lrm:.3f} | "
+                    f"step {step:5d}/{total_steps} | loss {train_loss:.4f} | "
+                    f"grad norm {grad_norm.item():.3f} | lr x{lrm:.3f} | "
                     f"{tok_s:,.0f} tok/s | mfu {f'{100 * mfu:.1f}%' if mfu else '-'} | "
                     f"eta {eta:.0f}s"
                 )
@@ -336,6 +351,9 @@ def train(
                     "train_loss": train_loss,
                     "val_bpb": val_bpb,
                     "lr": lrm * cfg_peak_lr(cfg),
+                    # before clipping, at this step and the largest since the last report
+                    "grad_norm": grad_norm.item(),
+                    "grad_norm_max": grad_norm_max.item(),
                     "tokens_per_s": tok_s,
                     "mfu": mfu,
                     "status": status if last else "running",
@@ -346,6 +364,7 @@ def train(
                 if reason:
                     metrics["reason"] = reason
                 history.append(metrics)
+                grad_norm_max = None
                 if report is not None:
                     if t.checkpoint_every_eval and status != "diverged":
                         report(metrics, state=training_state)

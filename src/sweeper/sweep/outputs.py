@@ -204,6 +204,8 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
         "val_bpb",
         "train_loss",
         "lr",
+        "grad_norm",
+        "grad_norm_max",
         "total_batch_size",
         "tokens_per_s",
         "wall_time",

@@ -17,6 +17,8 @@ REPORT_COLUMNS = (
     "val_bpb",
     "train_loss",
     "lr",
+    "grad_norm",
+    "grad_norm_max",
     "tokens_per_s",
     "mfu",
     "wall_time",

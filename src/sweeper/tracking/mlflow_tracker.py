@@ -41,7 +41,17 @@ from sweeper.tracking.mlflow_store import (
     shown,
 )
 
-METRICS = ("train_loss", "val_bpb", "lr", "tokens", "flops", "tokens_per_s", "mfu")
+METRICS = (
+    "train_loss",
+    "val_bpb",
+    "lr",
+    "grad_norm",
+    "grad_norm_max",
+    "tokens",
+    "flops",
+    "tokens_per_s",
+    "mfu",
+)
 RUN_STATUS = {
     "completed": "FINISHED",
     "pruned": "KILLED",
