@@ -11,6 +11,7 @@ from sweeper.sweep.space import (
     ParamSpec,
     Space,
     SpaceError,
+    extended_range,
     grid_size,
     is_pure_grid,
     narrow_log_band,
@@ -284,6 +285,43 @@ def test_grid_size_and_purity(params, size, pure):
 def test_range_edge_flags_a_best_value_at_either_end(spec, value, side):
     (param,) = parse_space({LR: spec}).params
     assert range_edge(param, value) == side
+
+
+@pytest.mark.parametrize(
+    ("spec", "side", "expected"),
+    [
+        # half the range's width past the end, on a log scale: a 25x range goes 5x further
+        ({"log_uniform": [0.004, 0.1]}, "high", [0.1, 0.5]),
+        ({"log_uniform": [0.004, 0.1]}, "low", [0.0008, 0.004]),
+        ({"uniform": [-1, 1]}, "low", [-2.0, -1.0]),
+        ({"uniform": [0.1, 0.3]}, "high", [0.3, 0.4]),
+        # a range of values >= 0 stays >= 0: nothing lies below a weight decay of 0
+        ({"uniform": [0.05, 0.25]}, "low", [0.0, 0.05]),
+        ({"uniform": [0.0, 0.2]}, "low", None),
+        # integers start one step past the end and hold two values at least
+        ({"int": [2, 6]}, "high", [7, 8]),
+        ({"int": [3, 4]}, "high", [5, 6]),
+        ({"int": [2, 6]}, "low", [0, 1]),
+        ({"int": [0, 6]}, "low", None),
+        ({"int": [-4, 0]}, "low", [-6, -5]),
+        ({"log_int": [16, 64]}, "high", [65, 128]),
+        ({"log_int": [3, 64]}, "low", [1, 2]),
+        ({"log_int": [2, 64]}, "low", None),  # only 1 lies below 2
+        ({"grid": [1, 2, 3]}, "high", None),  # a list has no range: the note says add values
+        ({"choice": [1, 2, 3]}, "low", None),
+    ],
+)
+def test_extended_range_lies_just_past_the_end(spec, side, expected):
+    (param,) = parse_space({LR: spec}).params
+    wider = extended_range(param, side)
+    if expected is None:
+        assert wider is None
+    else:
+        assert [wider.low, wider.high] == pytest.approx(expected)
+        assert (wider.name, wider.kind) == (param.name, param.kind)
+        # the new range is one the DSL accepts, and shares only the end with the old one
+        assert parse_space({LR: {wider.kind: [wider.low, wider.high]}}).params == (wider,)
+        assert (wider.low >= param.high) if side == "high" else (wider.high <= param.low)
 
 
 def test_narrow_log_band_round_trips_through_parse():

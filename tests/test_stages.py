@@ -178,6 +178,68 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
     )
 
 
+def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs():
+    from sweeper.sweep.extend import extension_ranges, extension_stage, merge_round
+    from sweeper.sweep.outputs import range_edges, searched_params
+    from sweeper.sweep.spec import StageSpec, SweepSpec, stage_space
+
+    cfg = compose(["+sweep=lr_bs"])
+    base = base_config(cfg, validate_sweep(cfg), None)
+    params = {
+        "optimizer": {
+            "matrix_lr": {"log_uniform": [0.004, 0.1]},
+            "weight_decay": {"uniform": [0.0, 0.2]},
+        },
+        "trainer": {"total_batch_size": {"int": [4096, 8192]}},
+    }
+    stage = StageSpec(name="s", params=params, lr_rule="retune", extend_trials=3)
+    spec = SweepSpec(stages=[stage], lr_keys=["optimizer.embedding_lr"])
+    best = {
+        "params": {
+            "optimizer.matrix_lr": 0.095,  # high end: searched past
+            "optimizer.weight_decay": 0.0,  # low end of a range from 0: nothing below
+            "trainer.total_batch_size": 4096,  # low end: 2048-4095 are no multiple of 4096
+            "optimizer.embedding_lr": base["optimizer"]["embedding_lr"] / 1.9,  # retune band
+        }
+    }
+    edges = range_edges(spec, "s", base, best)
+    assert {e["param"] for e in edges} == set(best["params"])
+    searched = searched_params(spec, "s", base)
+    ranges, skipped = extension_ranges(stage, searched, edges, base, own_trainable=True)
+    assert list(ranges) == ["optimizer.matrix_lr"]
+    assert [ranges["optimizer.matrix_lr"].low, ranges["optimizer.matrix_lr"].high] == (
+        pytest.approx([0.1, 0.5])
+    )
+    assert sorted(skipped) == [
+        "cannot search past the low end of optimizer.weight_decay: nothing lies past it",
+        "cannot search past the low end of trainer.total_batch_size: trainer.total_batch_size "
+        "must be a multiple of trainer.device_batch_size * model.seq_len * trainer.workers = "
+        "4096, got 2048",
+    ]
+    # a user's function has no run config to check: the batch range is searched past
+    ranges, _ = extension_ranges(stage, searched, edges, base, own_trainable=False)
+    assert sorted(ranges) == ["optimizer.matrix_lr", "trainer.total_batch_size"]
+    # the round is a stage of its own over the extended params only, and ends there
+    round_two = extension_stage(stage, ranges, 3)
+    assert [p.name for p in stage_space(spec, round_two, {}).params] == sorted(ranges)
+    assert (round_two.num_samples, round_two.extend_trials, round_two.points) == (3, 0, [])
+    assert round_two.search == stage.search and round_two.lr_rule == stage.lr_rule
+    # its records name a whole point: the other params at the first round's best
+    merged = merge_round([{"params": best["params"]}], best, [{"params": {"x": 1}}])
+    assert merged[1]["params"] == {**best["params"], "x": 1}
+    # the note after the round speaks of the range both rounds searched
+    extended = {"optimizer.matrix_lr": [0.1, 0.5]}
+
+    def lr_edges(value):
+        best["params"]["optimizer.matrix_lr"] = value
+        edges = range_edges(spec, "s", base, best, extended)
+        return [e for e in edges if e["param"] == "optimizer.matrix_lr"]
+
+    (lr_edge,) = lr_edges(0.45)
+    assert lr_edge["side"] == "high" and "range [0.004, 0.5]" in lr_edge["note"]
+    assert lr_edges(0.095) == []  # was the old range's end, is inside the new one
+
+
 def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 

@@ -250,6 +250,56 @@ def test_resume_skips_finished_stages(ray_cluster, tmp_path):
         )
 
 
+EXTENDED = [
+    # one trial at the top of a range of low matrix LRs: the best sits at its high end
+    "sweep.stages.0.scheduler=fifo",
+    "sweep.stages.0.num_samples=1",
+    "sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.001,0.003]",
+    "+sweep.stages.0.points=[{optimizer.matrix_lr:0.003}]",
+    "+sweep.stages.0.extend_trials=2",
+    "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+]
+
+
+def test_a_best_at_the_end_of_its_range_is_searched_past_and_resumes(ray_cluster, tmp_path, capsys):
+    summary = sweep(tmp_path, *EXTENDED)
+    out = capsys.readouterr().out
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    lr_stage = state["stages"][0]
+    first, *extra = lr_stage["records"]
+    assert first["params"]["optimizer.matrix_lr"] == 0.003
+    # two more trials past the high end, half the range's width further on a log scale
+    top = 0.003 * 3**0.5
+    assert lr_stage["extended"] == {"optimizer.matrix_lr": [0.003, pytest.approx(top)]}
+    assert len(extra) == 2 and summary["stages"][0]["trials"] == 3
+    assert all(0.003 <= r["params"]["optimizer.matrix_lr"] <= top for r in extra)
+    assert "2 more trials past it, optimizer.matrix_lr in [0.003, 0.005196]" in out
+    # the stage's best is the best of both rounds, and it is what the next stage starts from
+    values = [r["metric"] for r in lr_stage["records"]]
+    assert lr_stage["best"]["metric"] == min(values)
+    best_lr = lr_stage["best"]["params"]["optimizer.matrix_lr"]
+    assert lr_stage["base_after"]["optimizer"]["matrix_lr"] == best_lr
+    # at this budget a larger LR trains better: the round found it
+    assert best_lr > 0.003 and lr_stage["best"]["metric"] < first["metric"]
+    assert f"optimizer.matrix_lr={best_lr}" in " ".join(summary["best"]["overrides"])
+    # the range the stage searched is now both rounds' (the summary, the note, the plot)
+    assert summary["stages"][0]["extended"] == lr_stage["extended"]
+    for edge in summary["stages"][0]["at_range_edge"]:
+        assert "range [0.001, 0.005196]" in edge["note"], edge
+
+    # stopped after both rounds' Tune runs ended, before the stages were written down:
+    # resuming reads both rounds back from Ray's experiments and trains nothing again
+    trial_dirs = sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir())
+    assert len(trial_dirs) == 4  # 1 + 2 in stage lr, 1 in stage batch_size
+    state["stages"] = []
+    (tmp_path / "sweep_state.json").write_text(json.dumps(state))
+    again = sweep(tmp_path, *EXTENDED, "sweep.resume=true")
+    assert sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir()) == (
+        trial_dirs
+    )
+    assert again["best"] == summary["best"] and again["stages"] == summary["stages"]
+
+
 def test_fresh_seeds_confirm_the_best_against_the_baseline_and_a_resume_adds_seeds(
     ray_cluster, tmp_path, capsys
 ):
@@ -423,6 +473,7 @@ REFUSED = [
     (["+sweep.budget.tokens_per_trail=1"], "did you mean sweep.budget.tokens_per_trial?"),
     (["sweep.seed=-1"], "sweep.seed must be >= 0"),
     (["sweep.confirm_seeds=-1"], "sweep.confirm_seeds must be >= 0, got -1"),
+    (["+sweep.stages.0.extend_trials=-2"], "sweep stage 'lr': extend_trials must be >= 0, got -2"),
     (
         ["trainable._target_=tests.user_functions.noisy_bowl", "~trainer", "sweep.confirm_seeds=1"],
         "sweep.confirm_seeds=1 trains again on other values of trainer.seed, which this config",

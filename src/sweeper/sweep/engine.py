@@ -224,15 +224,102 @@ def run_stages(
             raise SweepFailed(stage.name, records[0]["error"], out)
         best = pick_best(records, spec.metric, spec.mode)
         edges = outputs.range_edges(spec, stage.name, current, best)
+        extended = {}
+        if stage.extend_trials and edges:
+            records, reports, extended = extend(
+                spec,
+                index,
+                current,
+                records,
+                reports,
+                best,
+                edges,
+                target,
+                out,
+                state,
+                started,
+                tracker,
+            )
+            best = pick_best(records, spec.metric, spec.mode)
+            edges = outputs.range_edges(spec, stage.name, current, best, extended)
         if best is not None:
             current = trial_config(
                 best["params"], current, stage_context(spec, stage, current, target)
             )
-        state.finish_stage(stage.name, records, reports, best, current, time.time() - started)
+        state.finish_stage(
+            stage.name, records, reports, best, current, time.time() - started, extended
+        )
         outputs.print_stage_table(stage.name, records, best, spec, edges)
         if state.total_flops() >= (spec.max_flops or math.inf):
             print("the sweep's FLOP cap is reached: no further stages")
             break
+
+
+def extend(
+    spec: SweepSpec,
+    index: int,
+    start: dict,
+    records: list[dict],
+    reports: list[dict],
+    best: dict,
+    edges: list[dict],
+    target: str | None,
+    out: Path,
+    state: SweepState,
+    started: float,
+    tracker,
+) -> tuple[list[dict], list[dict], dict[str, list[float]]]:
+    """The stage's round past the ends where its best sat (sweep/extend.py): both rounds'
+    records and reports, and the extended ranges ({param: [low, high]}, empty when no
+    round ran)."""
+    from sweeper.sweep import outputs
+    from sweeper.sweep.extend import (
+        EXPERIMENT_SUFFIX,
+        extension_ranges,
+        extension_stage,
+        merge_round,
+    )
+
+    stage = spec.stages[index]
+    after = trial_config(best["params"], start, stage_context(spec, stage, start, target))
+    searched = outputs.searched_params(spec, stage.name, start)
+    ranges, skipped = extension_ranges(stage, searched, edges, after, target is None)
+    for line in skipped:
+        print(f"[{stage.name}] {line}")
+    trials = stage.extend_trials
+    if spec.max_trials is not None:
+        trials = min(trials, spec.max_trials - state.trial_count() - len(records))
+    spent = sum((r.get("flops") or 0.0) + (r.get("fork_flops") or 0.0) for r in records)
+    over_time = spec.max_seconds is not None and time.time() - started >= spec.max_seconds
+    over_flops = state.total_flops() + spent >= (spec.max_flops or math.inf)
+    if not ranges or trials <= 0 or over_time or over_flops:
+        if ranges:
+            print(f"[{stage.name}] no round past the end: the sweep's cap is reached")
+        return records, reports, {}
+    shown = ", ".join(f"{n} in [{p.low:.4g}, {p.high:.4g}]" for n, p in ranges.items())
+    print(
+        f"[{stage.name}] its best sits at an end of its range: {trials} more trials past it, "
+        f"{shown}, the other params at the best"
+    )
+    remaining_seconds = None
+    if spec.max_seconds is not None:
+        remaining_seconds = spec.max_seconds - (time.time() - started)
+    extra_records, extra_reports = run_stage(
+        spec,
+        index,
+        after,
+        target,
+        out,
+        state,
+        trials,
+        remaining_seconds,
+        tracker,
+        stage=extension_stage(stage, ranges, trials),
+        experiment_suffix=EXPERIMENT_SUFFIX,
+        spent_flops=spent,
+    )
+    extended = {name: [p.low, p.high] for name, p in ranges.items()}
+    return merge_round(records, best, extra_records), reports + extra_reports, extended
 
 
 def stage_context(
@@ -278,7 +365,13 @@ def run_stage(
     remaining_trials: int | None,
     remaining_seconds: float | None,
     tracker,
+    stage=None,
+    experiment_suffix: str = "",
+    spent_flops: float = 0.0,
 ) -> tuple[list[dict], list[dict]]:
+    """Stage `index` on Ray Tune from `base`: its trial records and reports. `stage` stands
+    in for spec.stages[index] in an extension round (sweep/extend.py), which also names its
+    own Tune experiment and counts the first round's `spent_flops` against sweep.max_flops."""
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
@@ -288,7 +381,7 @@ def run_stage(
     from sweeper.sweep.space import is_pure_grid
     from sweeper.sweep.trainable import run_trial
 
-    stage = spec.stages[index]
+    stage = stage or spec.stages[index]
     space = stage_space(spec, stage, flatten(base))
     search, scheduler_name = spec.stage_search(stage), spec.stage_scheduler(stage)
     grid = search == "grid" or is_pure_grid(space)
@@ -340,7 +433,7 @@ def run_stage(
     trainable = tune.with_resources(tune.with_parameters(run_trial, base=base, ctx=ctx), resources)
     progress = ProgressCallback(stage.name, planned, spec.metric, spec.mode)
     run_config = tune.RunConfig(
-        name=f"stage{index}_{stage.name}",
+        name=f"stage{index}_{stage.name}{experiment_suffix}",
         storage_path=str(out / "ray"),
         verbose=0,
         callbacks=[
@@ -348,7 +441,7 @@ def run_stage(
             JsonLoggerCallback(),  # result.json: Tune's results read each trial's reports from it
             *tracker.stage_callbacks(stage.name, base, ctx, search, scheduler_name),
         ],
-        stop=FlopCap(spec.max_flops, state.total_flops()) if spec.max_flops else None,
+        stop=FlopCap(spec.max_flops, state.total_flops() + spent_flops) if spec.max_flops else None,
         failure_config=tune.FailureConfig(max_failures=spec.max_failures),
         checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
     )

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sweeper.sweep.space import range_edge
+from sweeper.sweep.results import REPORT_COLUMNS
+from sweeper.sweep.space import ParamSpec, range_edge
 from sweeper.sweep.spec import SweepSpec, flatten, flatten_params, stage_space
 from sweeper.sweep.state import SweepState, write_json_atomic
 from sweeper.sweep.trainable import RUNG_METRIC
@@ -100,16 +102,23 @@ class Baseline:
 
 
 # --- best values at the edge of their range --------------------------------------------
-def range_edges(spec: SweepSpec, stage_name: str, start: dict, best: dict | None) -> list[dict]:
+def range_edges(
+    spec: SweepSpec,
+    stage_name: str,
+    start: dict,
+    best: dict | None,
+    extended: dict[str, list] | None = None,
+) -> list[dict]:
     """The stage's best values that sit at an end of their search range (`range_edge`):
     the optimum may lie outside it. `start` is the config the stage started from (its
-    lr_rule=retune bands are centred on that config's LRs)."""
+    lr_rule=retune bands are centred on that config's LRs); `extended`, the ranges an
+    extend_trials round searched past the stage's own."""
     if best is None:
         return []
     index, stage = _stage_spec(spec, stage_name)
     declared = set(flatten_params(stage.params))
     edges = []
-    for param in _searched(spec, stage_name, start):
+    for param in searched_params(spec, stage_name, start, extended):
         value = best["params"].get(param.name)
         side = range_edge(param, value)
         if side is None:
@@ -137,17 +146,26 @@ def _stage_spec(spec: SweepSpec, stage_name: str):
     return next((i, s) for i, s in enumerate(spec.stages) if s.name == stage_name)
 
 
-def _searched(spec: SweepSpec, stage_name: str, start: dict):
-    """The params a stage searched, as ParamSpecs (its retune bands included)."""
+def searched_params(
+    spec: SweepSpec, stage_name: str, start: dict, extended: dict[str, list] | None = None
+) -> list[ParamSpec]:
+    """The params a stage searched, as ParamSpecs (its retune bands included), each range
+    spanning what an extend_trials round added to it."""
     _, stage = _stage_spec(spec, stage_name)
-    return stage_space(spec, stage, flatten(start)).params
+    params = list(stage_space(spec, stage, flatten(start)).params)
+    for i, p in enumerate(params):
+        if extended and p.name in extended:
+            low, high = extended[p.name]
+            params[i] = dataclasses.replace(p, low=min(p.low, low), high=max(p.high, high))
+    return params
 
 
-def search_ranges(spec: SweepSpec, stage_name: str, start: dict) -> dict[str, tuple]:
+def search_ranges(
+    spec: SweepSpec, stage_name: str, start: dict, extended: dict[str, list] | None = None
+) -> dict[str, tuple]:
     """name -> (low, high) of each ranged param the stage searched (for its plot)."""
-    return {
-        p.name: (p.low, p.high) for p in _searched(spec, stage_name, start) if p.low is not None
-    }
+    params = searched_params(spec, stage_name, start, extended)
+    return {p.name: (p.low, p.high) for p in params if p.low is not None}
 
 
 def stage_starts(state: SweepState, base: dict) -> list[dict]:
@@ -193,26 +211,9 @@ def _fmt(value: Any) -> str:
 
 # --- files -----------------------------------------------------------------------------
 def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
-    columns = [
-        "trial_id",
-        "stage",
-        "status",
-        "step",
-        "tokens",
-        "flops",
-        "params",
-        "val_bpb",
-        "train_loss",
-        "lr",
-        "grad_norm",
-        "grad_norm_max",
-        "total_batch_size",
-        "tokens_per_s",
-        "wall_time",
-        "final",
-    ]
+    columns = ["trial_id", "stage", "status", *REPORT_COLUMNS, "total_batch_size", "final"]
     if metric not in columns:
-        columns.insert(7, metric)
+        columns.insert(columns.index("val_bpb"), metric)
     if any(RUNG_METRIC in r for r in reports):  # a stage forked trials at its rungs
         columns.insert(columns.index("val_bpb") + 1, RUNG_METRIC)
         columns.insert(columns.index("flops") + 1, "fork_flops")
@@ -242,7 +243,10 @@ def write_all(
                 "statuses": _count(stage["records"]),
                 "best_value": best["metric"] if best else None,
                 "best_params": best["params"] if best else None,
-                "at_range_edge": range_edges(spec, stage["name"], start, best),
+                "at_range_edge": range_edges(
+                    spec, stage["name"], start, best, stage.get("extended")
+                ),
+                **({"extended": stage["extended"]} if stage.get("extended") else {}),
             }
         )
     final = state.stages[-1]["base_after"] if state.stages else base
@@ -273,7 +277,7 @@ def write_all(
     plots = [plot_learning_curves(out / "learning_curves.png", reports, spec.metric)]
     for stage, start in zip(state.stages, stage_starts(state, base), strict=True):
         name = stage["name"]
-        ranges = search_ranges(spec, name, start)
+        ranges = search_ranges(spec, name, start, stage.get("extended"))
         path = out / f"stage_{name}.png"
         plots.append(plot_stage_lr(path, stage["records"], spec, stage["best"], ranges))
     summary["plots"] = [p.name for p in plots if p]

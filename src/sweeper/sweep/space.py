@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 RANGE_KINDS = ("log_uniform", "uniform", "int", "log_int")
@@ -253,6 +253,44 @@ def range_edge(param: ParamSpec, value: Any, fraction: float = EDGE_FRACTION) ->
     low, high = scale(param.low), scale(param.high)
     position = (scale(value) - low) / (high - low)
     return "low" if position <= fraction else "high" if position >= 1 - fraction else None
+
+
+# A stage whose best sat at an end of its range searches next this share of the range's
+# width past that end (on the spec's own scale): far enough to find a better value nearby,
+# not so far that a handful of trials spreads too thin to find it.
+EXTEND_FRACTION = 0.5
+
+
+def extended_range(
+    param: ParamSpec, side: str, fraction: float = EXTEND_FRACTION
+) -> ParamSpec | None:
+    """The range just past `param`'s `side` end ('low' or 'high'), `fraction` of its width
+    wide on its own scale; None where nothing lies past that end. List kinds have no range
+    to extend. An integer range starts one step past the end (the end itself was tried) and
+    holds two values at least. A linear range of values >= 0 stays >= 0 (a weight decay or
+    a warm-up below 0 means nothing)."""
+    if param.kind in LIST_KINDS:
+        return None
+    if param.log:
+        ratio = (param.high / param.low) ** fraction
+        low, high = (
+            (param.high, param.high * ratio) if side == "high" else (param.low / ratio, param.low)
+        )
+    else:
+        width = (param.high - param.low) * fraction
+        low, high = (
+            (param.high, param.high + width) if side == "high" else (param.low - width, param.low)
+        )
+    if param.integer:  # two values at least (a range needs low < high)
+        if side == "high":
+            low, high = param.high + 1, max(math.floor(high), param.high + 2)
+        else:
+            low, high = min(math.ceil(low), param.low - 2), param.low - 1
+    if param.log or param.low >= 0:
+        low = max(low, (1 if param.log else 0) if param.integer else 0.0)
+    if low >= high:
+        return None
+    return replace(param, low=low, high=high)
 
 
 def _refuse_grid(param: ParamSpec, backend: str) -> None:

@@ -43,6 +43,8 @@ class StageSpec:
     lr_rule: str = "none"  # how frozen LRs follow a batch-size change
     retune_factor: float = 2.0  # lr_rule=retune: search LRs in [v / f, v * f]
     points: list[Any] = field(default_factory=list)  # configurations to try first
+    # trials past the end of a range where the stage's best sat (0: none; sweep/extend.py)
+    extend_trials: int = 0
 
 
 @dataclass
@@ -315,6 +317,10 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
             f"{where}: lr_rule must be one of {', '.join(LR_RULES)}, got {stage.lr_rule!r}",
         )
         _check(stage.retune_factor > 1, f"{where}: retune_factor must be > 1")
+        _check(
+            stage.extend_trials >= 0,
+            f"{where}: extend_trials must be >= 0, got {stage.extend_trials}",
+        )
         if not custom_trainable:
             for key in flatten_params(stage.params):
                 _check(key in run_values, f"{where}: unknown config key '{key}' in params")

@@ -62,7 +62,9 @@ class SweepState:
     def base_after_finished_stages(self) -> dict | None:
         return self.stages[-1]["base_after"] if self.stages else None
 
-    def finish_stage(self, name, records, reports, best, base_after, elapsed) -> None:
+    def finish_stage(
+        self, name, records, reports, best, base_after, elapsed, extended=None
+    ) -> None:
         self.stages.append(
             {
                 "name": name,
@@ -70,6 +72,8 @@ class SweepState:
                 "reports": reports,
                 "best": best,
                 "base_after": base_after,
+                # ranges an extend_trials round searched past the stage's own: {param: [lo, hi]}
+                **({"extended": extended} if extended else {}),
             }
         )
         self.elapsed = elapsed

@@ -1,0 +1,77 @@
+"""A stage's second round past the end of a range where its best sat (`extend_trials`).
+
+A best value at an end of its range says the optimum may lie beyond it (`range_edge`). A
+practitioner then widens the range and runs again; a resumed sweep cannot (a changed space
+is refused), so starting over would lose every stage. With `sweep.stages.N.extend_trials`,
+the stage does it itself: N more trials search only the params at an end, each in the
+range just past it (`extended_range`: half the range's width further), with the stage's
+other params held at its best (an lr_rule=retune stage also searches its LR bands again,
+around the best's LRs, as its first round did around the frozen ones). The stage's best is then the best of both rounds, so a
+round that finds nothing better changes nothing. One round: if the best sits at the new
+end, the stage's note says so, over the range both rounds covered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sweeper.config import ConfigError, load_run_config
+from sweeper.sweep.space import ParamSpec, extended_range
+from sweeper.sweep.spec import StageSpec, flatten_params
+from sweeper.sweep.stages import apply_params
+
+EXPERIMENT_SUFFIX = "_extended"  # the round's Ray Tune experiment: stage{i}_{name}_extended
+
+
+def extension_ranges(
+    stage: StageSpec, searched: list[ParamSpec], edges: list[dict], after: dict, own_trainable: bool
+) -> tuple[dict[str, ParamSpec], list[str]]:
+    """The ranges to search past each end in `edges` (range_edges of the stage), and a line
+    for each end that cannot be searched past. `after` is the config with the stage's best
+    frozen in: the next round's base. Only the stage's own declared params extend; an
+    lr_rule=retune band's note already says to widen it with retune_factor."""
+    declared = set(flatten_params(stage.params))
+    by_name = {p.name: p for p in searched}
+    ranges, skipped = {}, []
+    for edge in edges:
+        name, side = edge["param"], edge["side"]
+        param = by_name.get(name)
+        if name not in declared or param is None:
+            continue
+        wider = extended_range(param, side)
+        problem = "nothing lies past it" if wider is None else None
+        if wider is not None and own_trainable:
+            problem = invalid_run(after, wider)
+        if problem:
+            skipped.append(f"cannot search past the {side} end of {name}: {problem}")
+        else:
+            ranges[name] = wider
+    return ranges, skipped
+
+
+def invalid_run(base: dict, param: ParamSpec) -> str | None:
+    """Why a value at either end of `param`'s range would not make a valid run (an LR at
+    0, a batch size that is no multiple of a micro-batch), as preflight checks a stage's
+    declared ranges before Ray starts; None when both ends are valid."""
+    from sweeper.budget import check_budget
+
+    for value in (param.low, param.high):
+        try:
+            check_budget(load_run_config(apply_params(base, {param.name: value})))
+        except ConfigError as error:
+            return str(error)
+    return None
+
+
+def extension_stage(stage: StageSpec, ranges: dict[str, ParamSpec], trials: int) -> StageSpec:
+    """The round as a stage of its own: the same search, scheduler and LR rule, only the
+    extended params, no given points, and no further round."""
+    params = {name: {p.kind: [p.low, p.high]} for name, p in ranges.items()}
+    return dataclasses.replace(stage, params=params, num_samples=trials, points=[], extend_trials=0)
+
+
+def merge_round(records: list[dict], best: dict, extra: list[dict]) -> list[dict]:
+    """The round's trial records, each with the stage's other params at the first round's
+    best (the values the round held fixed), so every record of the stage names a whole
+    point of its space and any of them can be frozen like a first-round trial."""
+    return records + [{**r, "params": {**best["params"], **r["params"]}} for r in extra]
