@@ -1,6 +1,7 @@
 """Pure helpers of the staged sweep: freezing, the LR rule, picking the best trial."""
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -240,6 +241,30 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
     assert lr_edges(0.095) == []  # was the old range's end, is inside the new one
 
 
+@pytest.mark.parametrize(
+    ("baseline", "best", "line"),
+    [
+        (3.54, 3.29, "baseline val_bpb 3.5400 -> best 3.2900 (+0.2500 better)"),
+        (3.5429, 3.556, "best 3.5560 (0.0131 worse: the unmodified config beat every trial)"),
+    ],
+)
+def test_the_summary_says_whether_the_sweep_beat_the_baseline(capsys, baseline, best, line):
+    from sweeper.sweep.outputs import _print_summary
+    from sweeper.sweep.spec import SweepSpec
+
+    summary = {
+        "trials": 3,
+        "elapsed_s": 10.0,
+        "stages": [],
+        "baseline": {"value": baseline},
+        "best": {"value": best, "overrides": ["optimizer.matrix_lr=0.03"]},
+        "improvement": baseline - best,
+        "plots": [],
+    }
+    _print_summary(summary, SweepSpec(name="s"), Path("."))
+    assert line in capsys.readouterr().out
+
+
 def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
@@ -269,8 +294,16 @@ def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, mon
     assert [tuple(c.get_offsets()[0]) for c in stars] == [(0.09, 3.1)]
     assert lr_ax.get_xscale() == "log"
     assert {"best", "search range"} <= {t.get_text() for t in lr_ax.get_legend().get_texts()}
+    assert len(lr_ax.patches) == 0  # no round past the end: nothing shaded
     plot_stage_lr(tmp_path / "s.png", records, spec)  # no best (all diverged), no ranges
     assert not [c for c in drawn[1].axes[0].collections if c.get_label() == "best"]
+    # an extend_trials round: the part of the range it searched past the end is shaded
+    extended = {"optimizer.matrix_lr": [0.1, 0.5]}
+    plot_stage_lr(tmp_path / "s.png", records, spec, records[0], {}, extended)
+    (band,) = drawn[2].axes[0].patches
+    assert band.get_label() == "searched past its end"
+    assert [band.get_x(), band.get_x() + band.get_width()] == pytest.approx([0.1, 0.5])
+    assert len(drawn[2].axes[1].patches) == 0  # the batch size was not extended
 
 
 def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():

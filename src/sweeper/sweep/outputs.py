@@ -279,7 +279,11 @@ def write_all(
         name = stage["name"]
         ranges = search_ranges(spec, name, start, stage.get("extended"))
         path = out / f"stage_{name}.png"
-        plots.append(plot_stage_lr(path, stage["records"], spec, stage["best"], ranges))
+        plots.append(
+            plot_stage_lr(
+                path, stage["records"], spec, stage["best"], ranges, stage.get("extended")
+            )
+        )
     summary["plots"] = [p.name for p in plots if p]
     summary["fit"] = _fit(out, reports, spec, fit_cfg or {})
     write_json_atomic(out / "summary.json", summary)
@@ -380,9 +384,14 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
     base = (summary.get("baseline") or {}).get("value")
     best = (summary.get("best") or {}).get("value")
     if base is not None and best is not None and math.isfinite(base):
+        gain = summary["improvement"]
         print(
             f"  baseline {spec.metric} {base:.4f} -> best {best:.4f} "
-            f"({summary['improvement']:+.4f} better)"
+            + (
+                f"(+{gain:.4f} better)"
+                if gain >= 0
+                else f"({-gain:.4f} worse: the unmodified config beat every trial)"
+            )
         )
     if summary.get("confirmation"):
         from sweeper.sweep.confirm import confirmation_lines

@@ -64,12 +64,14 @@ def plot_stage_lr(
     spec,
     best: dict | None = None,
     ranges: dict[str, tuple[float, float]] | None = None,
+    extended: dict[str, list[float]] | None = None,
 ) -> Path | None:
     """The metric against each numeric parameter the stage tuned, LRs first (in the order
     of sweep.lr_keys: the matrix LR leads). Pruned trials are hollow: their last report
     came before the full budget, so their values sit higher than they would have ended.
     The best trial is a star, and dashed lines mark each param's search range (`ranges`:
-    name -> (low, high)), so a best value at an end of it shows."""
+    name -> (low, high)), so a best value at an end of it shows; a shaded band, the part
+    an extend_trials round searched past the end (`extended`: name -> [low, high])."""
     from matplotlib.ticker import NullFormatter
 
     ranges = ranges or {}
@@ -114,6 +116,10 @@ def plot_stage_lr(
                 bound, color="0.5", linestyle="--", lw=1, label="search range" if i else None
             )
             values.append(bound)
+        if extended and key in extended:
+            ax.axvspan(
+                *extended[key], color="tab:orange", alpha=0.12, lw=0, label="searched past its end"
+            )
         if min(values) > 0 and max(values) / min(values) > 3:
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap
