@@ -265,6 +265,19 @@ def test_the_summary_says_whether_the_sweep_beat_the_baseline(capsys, baseline, 
     assert line in capsys.readouterr().out
 
 
+def test_a_sweep_written_before_a_stage_key_existed_resumes_while_the_key_is_off(tmp_path):
+    from sweeper.sweep.state import SweepState, check_resumable
+
+    old = SweepState(tmp_path, "s", {}, definition={"stages": [{"name": "lr"}]})
+    for off in (0, None, []):
+        check_resumable(old, "s", {}, {"stages": [{"name": "lr", "extend_trials": off}]})
+    # used, it changes what the stage runs: the old sweep's trials are not this one's
+    with pytest.raises(ValueError, match=r"sweep.stages.0.extend_trials '\(absent\)' -> 2"):
+        check_resumable(old, "s", {}, {"stages": [{"name": "lr", "extend_trials": 2}]})
+    with pytest.raises(ValueError, match="sweep.stages.0.name 'lr' -> 'bs'"):
+        check_resumable(old, "s", {}, {"stages": [{"name": "bs"}]})
+
+
 def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 

@@ -131,13 +131,16 @@ def as_json(tree: Any) -> Any:
     return json.loads(json.dumps(tree, default=str))
 
 
+ABSENT = "(absent)"  # a key one of two trees lacks, as `differences` shows it
+
+
 def differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted path, old, new) for every leaf where two JSON-like trees differ."""
     if isinstance(old, dict) and isinstance(new, dict):
         found = []
         for key in list(old) + [k for k in new if k not in old]:
             sub = f"{path}.{key}" if path else str(key)
-            found += differences(old.get(key, "(absent)"), new.get(key, "(absent)"), sub)
+            found += differences(old.get(key, ABSENT), new.get(key, ABSENT), sub)
         return found
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
         found = []
@@ -153,7 +156,13 @@ def check_resumable(state: SweepState, name: str, base: dict, definition: dict) 
     as if its trials had run. Raises ValueError naming the first differences."""
     if state.name != name:
         raise ValueError(f"run dir {state.out} holds sweep '{state.name}', not '{name}'")
-    changed = [(f"sweep.{k}", a, b) for k, a, b in differences(state.definition, definition)]
+    changed = [
+        (f"sweep.{k}", a, b)
+        for k, a, b in differences(state.definition, definition)
+        # a key added to the sweep schema after the state was written, left at its default
+        # (off: 0, null, []): the old sweep could not have used it, so nothing differs
+        if not (a == ABSENT and not b)
+    ]
     if state.definition is None:  # an older state file: only the run config is known
         changed = []
     changed += differences(as_json(state.base), as_json(base))
