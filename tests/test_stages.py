@@ -319,6 +319,35 @@ def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, mon
     assert len(drawn[2].axes[1].patches) == 0  # the batch size was not extended
 
 
+def test_the_learning_curves_plot_the_gradient_norm_beside_the_metric(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from sweeper.sweep.plots import plot_learning_curves
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    nan = float("nan")
+    reports = [
+        {"trial_id": t, "status": status, "tokens": tokens, "val_bpb": v, "grad_norm_max": g}
+        for t, status, rows in [
+            ("a", "completed", [(1000, 3.9, 2.5), (2000, 3.5, 0.8)]),
+            ("b", "diverged", [(1000, 4.1, 40.0), (2000, 8.0, nan)]),
+        ]
+        for tokens, v, g in rows
+    ]
+    plot_learning_curves(tmp_path / "c.png", reports, "val_bpb")
+    curves, norms = drawn[0].axes
+    assert [list(line.get_ydata()) for line in curves.get_lines()] == [[3.9, 3.5], [4.1, 8.0]]
+    # a NaN norm (the diverged step) has no place on a log axis; the spike before it does
+    assert [list(line.get_ydata()) for line in norms.get_lines()] == [[2.5, 0.8], [40.0]]
+    assert norms.get_yscale() == "log" and "gradient norm" in norms.get_ylabel()
+    assert [line.get_color() for line in norms.get_lines()] == ["tab:blue", "tab:red"]
+    # a user's function reports no gradient norm: the metric alone
+    plain = [{k: v for k, v in r.items() if k != "grad_norm_max"} for r in reports]
+    plot_learning_curves(tmp_path / "c.png", plain, "val_bpb")
+    assert len(drawn[1].axes) == 1
+
+
 def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
     from sweeper.config import ConfigError
     from sweeper.sweep.spec import StageSpec, SweepSpec, stage_points

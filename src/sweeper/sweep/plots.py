@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 STATUS_COLORS = {
@@ -22,40 +23,55 @@ def _pyplot():
 
 
 def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path | None:
-    """metric vs tokens for every trial, coloured by how the trial ended."""
+    """metric vs tokens for every trial, coloured by how the trial ended; beside it, where
+    the trials report it (sweeper's own training does), the largest gradient norm between
+    reports: a trial heading for a loss spike often shows it there first."""
     if not reports:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     by_trial: dict[str, list[dict]] = {}
     for row in reports:
         by_trial.setdefault(row["trial_id"], []).append(row)
-    shown = set()
-    for rows in by_trial.values():
-        rows = [r for r in rows if r.get(metric) is not None and r.get("tokens")]
-        if not rows:
-            continue
-        status = rows[-1]["status"]
-        label = status if status not in shown else None
-        shown.add(status)
-        ax.plot(
-            [r["tokens"] for r in rows],
-            [r[metric] for r in rows],
-            marker=".",
-            color=STATUS_COLORS.get(status, "tab:green"),
-            alpha=0.8,
-            label=label,
+    panels = [(metric, metric, "Learning curves of all trials")]
+    if any(_positive(r.get("grad_norm_max")) for r in reports):
+        panels.append(
+            ("grad_norm_max", "gradient norm before clipping", "Largest since the last report")
         )
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel(metric)
-    ax.set_title("Learning curves of all trials")
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    shown = set()
+    for ax, (key, label, title) in zip(axes[0], panels):
+        for rows in by_trial.values():
+            rows = [r for r in rows if r.get(key) is not None and r.get("tokens")]
+            if key != metric:
+                rows = [r for r in rows if _positive(r[key])]  # log axis: NaN (diverged) left out
+            if not rows:
+                continue
+            status = rows[-1]["status"]
+            ax.plot(
+                [r["tokens"] for r in rows],
+                [r[key] for r in rows],
+                marker=".",
+                color=STATUS_COLORS.get(status, "tab:green"),
+                alpha=0.8,
+                label=status if status not in shown else None,
+            )
+            shown.add(status)
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel(label)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if key != metric:
+            ax.set_yscale("log")
     if shown:
-        ax.legend(title="trial ended")
+        axes[0][0].legend(title="trial ended")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
 def plot_stage_lr(
