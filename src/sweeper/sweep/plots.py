@@ -35,7 +35,11 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
     panels = [(metric, metric, "Learning curves of all trials")]
     if any(_positive(r.get("grad_norm_max")) for r in reports):
         panels.append(
-            ("grad_norm_max", "gradient norm before clipping", "Largest since the last report")
+            (
+                "grad_norm_max",
+                "gradient norm before clipping",
+                "Largest gradient norm since the last report",
+            )
         )
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
     shown = set()
