@@ -272,35 +272,15 @@ def extend(
     """The stage's round past the ends where its best sat (sweep/extend.py): both rounds'
     records and reports, and the extended ranges ({param: [low, high]}, empty when no
     round ran)."""
-    from sweeper.sweep import outputs
-    from sweeper.sweep.extend import (
-        EXPERIMENT_SUFFIX,
-        extension_ranges,
-        extension_stage,
-        merge_round,
-    )
+    from sweeper.sweep import extend as extension
 
     stage = spec.stages[index]
     after = trial_config(best["params"], start, stage_context(spec, stage, start, target))
-    searched = outputs.searched_params(spec, stage.name, start)
-    ranges, skipped = extension_ranges(stage, searched, edges, after, target is None)
-    for line in skipped:
-        print(f"[{stage.name}] {line}")
-    trials = stage.extend_trials
-    if spec.max_trials is not None:
-        trials = min(trials, spec.max_trials - state.trial_count() - len(records))
-    spent = sum((r.get("flops") or 0.0) + (r.get("fork_flops") or 0.0) for r in records)
-    over_time = spec.max_seconds is not None and time.time() - started >= spec.max_seconds
-    over_flops = state.total_flops() + spent >= (spec.max_flops or math.inf)
-    if not ranges or trials <= 0 or over_time or over_flops:
-        if ranges:
-            print(f"[{stage.name}] no round past the end: the sweep's cap is reached")
-        return records, reports, {}
-    shown = ", ".join(f"{n} in [{p.low:.4g}, {p.high:.4g}]" for n, p in ranges.items())
-    print(
-        f"[{stage.name}] its best sits at an end of its range: {trials} more trials past it, "
-        f"{shown}, the other params at the best"
+    round_two, spent = extension.plan_round(
+        spec, stage, start, after, edges, records, state, started, own_trainable=target is None
     )
+    if round_two is None:
+        return records, reports, {}
     remaining_seconds = None
     if spec.max_seconds is not None:
         remaining_seconds = spec.max_seconds - (time.time() - started)
@@ -311,15 +291,18 @@ def extend(
         target,
         out,
         state,
-        trials,
+        round_two.num_samples,
         remaining_seconds,
         tracker,
-        stage=extension_stage(stage, ranges, trials),
-        experiment_suffix=EXPERIMENT_SUFFIX,
+        stage=round_two,
+        experiment_suffix=extension.EXPERIMENT_SUFFIX,
         spent_flops=spent,
     )
-    extended = {name: [p.low, p.high] for name, p in ranges.items()}
-    return merge_round(records, best, extra_records), reports + extra_reports, extended
+    return (
+        extension.merge_round(records, best, extra_records),
+        reports + extra_reports,
+        extension.extended_ranges(round_two),
+    )
 
 
 def stage_context(

@@ -14,13 +14,54 @@ end, the stage's note says so, over the range both rounds covered.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 
 from sweeper.config import ConfigError, load_run_config
-from sweeper.sweep.space import ParamSpec, extended_range
-from sweeper.sweep.spec import StageSpec, flatten_params
+from sweeper.sweep.space import ParamSpec, extended_range, parse_space
+from sweeper.sweep.spec import StageSpec, SweepSpec, flatten_params
 from sweeper.sweep.stages import apply_params
+from sweeper.sweep.state import SweepState
 
 EXPERIMENT_SUFFIX = "_extended"  # the round's Ray Tune experiment: stage{i}_{name}_extended
+
+
+def plan_round(
+    spec: SweepSpec,
+    stage: StageSpec,
+    start: dict,
+    after: dict,
+    edges: list[dict],
+    records: list[dict],
+    state: SweepState,
+    started: float,
+    own_trainable: bool,
+) -> tuple[StageSpec | None, float]:
+    """The round to run (None: none) and the FLOPs the stage's first round spent. Says
+    why an end is not searched past, and when the sweep's caps leave no room for it."""
+    from sweeper.sweep.outputs import searched_params
+
+    searched = searched_params(spec, stage.name, start)
+    ranges, skipped = extension_ranges(stage, searched, edges, after, own_trainable)
+    for line in skipped:
+        print(f"[{stage.name}] {line}")
+    trials = stage.extend_trials
+    if spec.max_trials is not None:
+        trials = min(trials, spec.max_trials - state.trial_count() - len(records))
+    spent = sum((r.get("flops") or 0.0) + (r.get("fork_flops") or 0.0) for r in records)
+    over_time = spec.max_seconds is not None and time.time() - started >= spec.max_seconds
+    over_flops = state.total_flops() + spent >= (spec.max_flops or math.inf)
+    if not ranges:
+        return None, spent
+    if trials <= 0 or over_time or over_flops:
+        print(f"[{stage.name}] no round past the end of its range: the sweep's cap is reached")
+        return None, spent
+    shown = ", ".join(f"{n} in [{p.low:.4g}, {p.high:.4g}]" for n, p in ranges.items())
+    print(
+        f"[{stage.name}] its best sits at an end of its range: {trials} more trials past it, "
+        f"{shown}, the other params at the best"
+    )
+    return extension_stage(stage, ranges, trials), spent
 
 
 def extension_ranges(
@@ -75,3 +116,8 @@ def merge_round(records: list[dict], best: dict, extra: list[dict]) -> list[dict
     best (the values the round held fixed), so every record of the stage names a whole
     point of its space and any of them can be frozen like a first-round trial."""
     return records + [{**r, "params": {**best["params"], **r["params"]}} for r in extra]
+
+
+def extended_ranges(round_two: StageSpec) -> dict[str, list]:
+    """{param: [low, high]} of the ranges a round searched (kept in sweep_state.json)."""
+    return {p.name: [p.low, p.high] for p in parse_space(round_two.params).params}
