@@ -300,6 +300,60 @@ def test_a_best_at_the_end_of_its_range_is_searched_past_and_resumes(ray_cluster
     assert again["best"] == summary["best"] and again["stages"] == summary["stages"]
 
 
+def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_path, capsys):
+    from sweeper.scaling.analysis import optimum_on_grid
+    from sweeper.sweep.engine import run_sweep
+
+    lrs = [0.005, 0.02, 0.08]
+    cfg = compose(
+        [
+            "+sweep=lr_scaling",
+            "model=tiny",
+            "trainer.total_batch_size=512",
+            "trainer.eval_tokens=1024",
+            "mlflow.enabled=false",
+            "fit.bootstrap=0",
+            "sweep.reports_per_trial=2",
+            "sweep.budget.flops_per_trial=1.2e10",
+            "sweep.stages.0.params.trainer.budget_flops.grid=[4e9,1.2e10]",
+            f"sweep.stages.0.params.optimizer.matrix_lr.grid=[{','.join(map(str, lrs))}]",
+        ]
+    )
+    run_sweep(cfg, str(tmp_path))
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    law = fit["hparams"]["lr"]
+    assert law["n_points"] == 2 and len(law["budgets"]) == 2
+    # each budget's optimum, recomputed from reports.csv's final rows of that budget
+    with open(tmp_path / "reports.csv") as f:
+        finals = [r for r in csv.DictReader(f) if r["final"] == "True"]
+    assert len(finals) == 6
+    for budget, best, how in zip(law["budgets"], law["best"], law["how"], strict=True):
+        rows = [r for r in finals if float(r["budget"]) == budget]
+        assert sorted(float(r["peak_lr"]) for r in rows) == lrs
+        expected = optimum_on_grid(
+            [float(r["peak_lr"]) for r in rows], [float(r["val_bpb"]) for r in rows]
+        )
+        assert (best, how) == (pytest.approx(expected[0]), expected[1])
+        assert lrs[0] <= best <= lrs[-1]
+    # one model size: no IsoFLOP profiles or L(N, D), and the end says why in one line
+    assert fit["isoflop"] is None and fit["parametric"] is None
+    out = capsys.readouterr().out
+    assert "Optimal lr vs compute: lr = " in out and "2 budgets; optima " in out
+    assert "not fitted: L(N, D) needs several model sizes; IsoFLOP optima need" in out
+    assert (tmp_path / "hparams.png").is_file()
+    assert fit["predictions"]["lr_opt"] > 0  # at fit.target_flops: 1e15
+    # a refit of the run dir from reports.csv finds the same law
+    from sweeper.fit import main as refit
+
+    assert refit([str(tmp_path), "--out", str(tmp_path / "refit"), "--no-plots"]) == 0
+    again = json.loads((tmp_path / "refit" / "fit.json").read_text())["hparams"]["lr"]
+    assert (again["budgets"], again["best"], again["how"]) == (
+        law["budgets"],
+        pytest.approx(law["best"]),
+        law["how"],
+    )
+
+
 def test_fresh_seeds_confirm_the_best_against_the_baseline_and_a_resume_adds_seeds(
     ray_cluster, tmp_path, capsys
 ):

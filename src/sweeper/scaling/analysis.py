@@ -222,7 +222,8 @@ def _isoflop(pts: Points, opts: dict, warnings: list) -> tuple:
 
 
 def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
-    """Per budget, the value of the best (lowest-loss) final run; then value ~ k C^p."""
+    """Per budget, the value that minimises the loss (`optimum_on_grid`); then value ~ k C^p.
+    A hyperparameter with one value in every run (the scaling sweep's LR) has nothing to fit."""
     section, preds = {}, {}
     for name in HPARAMS:
         has = pts.final & pts.has(name)
@@ -232,18 +233,51 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
         if len(ok) == 0:
             warnings.append(f"{name}-vs-compute: no budget labels on the runs; skipped")
             continue
-        budgets, best = [], []
-        for value, idx, _ in group_by_budget(pts.C[ok], [pts.budget[i] for i in ok]):
-            budgets.append(value)
-            best.append(float(getattr(pts, name)[ok][idx[np.argmin(pts.loss[ok][idx])]]))
+        values, losses = getattr(pts, name)[ok], pts.loss[ok]
+        groups = group_by_budget(pts.C[ok], [pts.budget[i] for i in ok])
+        if len(set(values)) < 2:
+            continue  # the same everywhere: its "law" would be that constant
+        budgets, best, how = [], [], []
+        for budget, idx, _ in groups:
+            value, method = optimum_on_grid(values[idx], losses[idx])
+            budgets.append(budget)
+            best.append(value)
+            how.append(method)
+            if method == "grid end":
+                warnings.append(
+                    f"{name}-vs-compute: at C = {budget:.3g} the best {name} ({value:.4g}) is at "
+                    "an end of the values tried: the optimum may lie beyond it"
+                )
         if len(set(budgets)) < 2:
             warnings.append(f"{name}-vs-compute: {len(set(budgets))} budget(s) (need >= 2)")
             continue
         law = fit_hparam_vs_compute(budgets, best)
-        section[name] = {**law.to_dict(), "budgets": budgets, "best": best}
+        section[name] = {**law.to_dict(), "budgets": budgets, "best": best, "how": how}
         if opts["target"] is not None:
             preds[f"{name}_opt"] = float(law.predict(opts["target"]))
     return section, preds
+
+
+def optimum_on_grid(values, losses) -> tuple[float, str]:
+    """The hyperparameter value that minimises the loss, from runs at one budget: the
+    vertex of a parabola in log(value) through the best value and its two neighbours (each
+    value's lowest loss), kept between those neighbours ("parabola"). On a grid of LRs a
+    factor of 2 apart, the best run alone would move the law's points in steps of 2x; the
+    parabola is the usual refinement. The best value itself where it is an end of the
+    values tried ("grid end"), or fewer than 3 were tried or the three points bend the
+    wrong way ("best run")."""
+    grid = sorted(set(float(v) for v in values))
+    lowest = [min(float(y) for v, y in zip(values, losses) if v == g) for g in grid]
+    i = int(np.argmin(lowest))
+    if len(grid) < 3:
+        return grid[i], "best run"
+    if i in (0, len(grid) - 1):
+        return grid[i], "grid end"
+    x = np.log(grid[i - 1 : i + 2])
+    a, b, _ = np.polyfit(x, lowest[i - 1 : i + 2], 2)
+    if not a > 0:
+        return grid[i], "best run"
+    return float(np.exp(np.clip(-b / (2 * a), x[0], x[2]))), "parabola"
 
 
 def _positive_or_none(value) -> float | None:

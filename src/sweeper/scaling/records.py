@@ -84,7 +84,7 @@ SWEEP_COLUMNS = {
     "C": "flops",
     "loss": "val_bpb",
     "budget": "budget",
-    "lr": "lr",
+    "lr": "peak_lr",  # the run's peak LR; `lr` is the schedule's LR at each report
     "batch_size": "total_batch_size",
     "final": "final",
 }

@@ -57,11 +57,18 @@ def _isoflop_lines(iso: dict) -> list[str]:
 
 
 def _hparam_lines(hp: dict) -> list[str]:
-    return [
-        f"Optimal {name} vs compute: {name} = {_num(law['k'])} * C^{law['p']:.4f} "
-        f"({law['n_points']} budgets)"
-        for name, law in hp.items()
-    ]
+    lines = []
+    for name, law in hp.items():
+        how = law.get("how") or []  # fit.json files written before it was kept lack it
+        ends = how.count("grid end")
+        optima = ", ".join(f"{_num(c)}: {_num(v)}" for c, v in zip(law["budgets"], law["best"]))
+        lines.append(
+            f"Optimal {name} vs compute: {name} = {_num(law['k'])} * C^{law['p']:.4f} "
+            f"({law['n_points']} budgets; optima {optima}"
+            + (f"; {ends} at an end of the values tried" if ends else "")
+            + ")"
+        )
+    return lines
 
 
 def _prediction_lines(result: dict) -> list[str]:

@@ -211,7 +211,18 @@ def _fmt(value: Any) -> str:
 
 # --- files -----------------------------------------------------------------------------
 def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
-    columns = ["trial_id", "stage", "status", *REPORT_COLUMNS, "total_batch_size", "final"]
+    # peak_lr and budget (on final rows of a budget grid): what `python -m sweeper.fit <dir>`
+    # refits LR-vs-compute and IsoFLOP profiles from, as the sweep's own fit did
+    columns = [
+        "trial_id",
+        "stage",
+        "status",
+        *REPORT_COLUMNS,
+        "total_batch_size",
+        "peak_lr",
+        "budget",
+        "final",
+    ]
     if metric not in columns:
         columns.insert(columns.index("val_bpb"), metric)
     if any(RUNG_METRIC in r for r in reports):  # a stage forked trials at its rungs
@@ -364,8 +375,13 @@ def applicable_fits(points: list[dict]) -> tuple[tuple[str, ...], dict[str, str]
         fits.append("parametric")
     else:
         not_fitted["parametric"] = "L(N, D) needs several model sizes"
-    if any(p["budget"] is not None for p in points):
-        fits += ["isoflop", "hparams"]
+    budgets = any(p["budget"] is not None for p in points)
+    if budgets and "parametric" in fits:
+        fits.append("isoflop")
+    elif budgets:
+        not_fitted["isoflop"] = "IsoFLOP optima need several model sizes at each budget"
+    if budgets:
+        fits.append("hparams")
     else:
         not_fitted["isoflop"] = "IsoFLOP optima and LR-vs-compute need budget-labelled runs"
     return tuple(fits), not_fitted
