@@ -23,6 +23,7 @@ SWEEP = [
     "sweep.stages.0.search=tpe",
     "sweep.stages.0.scheduler=fifo",
     f"sweep.stages.0.num_samples={PLANNED}",
+    "sweep.stages.0.extend_trials=0",  # exactly PLANNED trials, wherever the best lands
     "sweep.baseline=false",
     "sweep.concurrency=2",
 ]  # MLflow on: its default store, mlflow.db in the working directory (tmp_path)
@@ -160,6 +161,7 @@ def test_a_failing_trial_is_retried_from_checkpoint_and_a_buggy_one_is_not_retri
         "sweep.stages.0.search=random",
         "sweep.stages.0.scheduler=fifo",
         "sweep.stages.0.num_samples=2",
+        "sweep.stages.0.extend_trials=0",
         "sweep.baseline=false",
         "sweep.max_failures=2",
         "mlflow.enabled=false",
