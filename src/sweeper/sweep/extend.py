@@ -6,9 +6,10 @@ is refused), so starting over would lose every stage. With `sweep.stages.N.exten
 the stage does it itself: N more trials search only the params at an end, each in the
 range just past it (`extended_range`: half the range's width further), with the stage's
 other params held at its best (an lr_rule=retune stage also searches its LR bands again,
-around the best's LRs, as its first round did around the frozen ones). The stage's best is then the best of both rounds, so a
-round that finds nothing better changes nothing. One round: if the best sits at the new
-end, the stage's note says so, over the range both rounds covered.
+around the best's LRs, as its first round did around the frozen ones). The stage's best
+is then the best of both rounds, so a round that finds nothing better changes nothing.
+One round: if the best sits at the new end, the stage's note says so, over the range
+both rounds covered.
 """
 
 from __future__ import annotations
@@ -112,9 +113,10 @@ def extension_stage(stage: StageSpec, ranges: dict[str, ParamSpec], trials: int)
 
 
 def merge_round(records: list[dict], best: dict, extra: list[dict]) -> list[dict]:
-    """The round's trial records, each with the stage's other params at the first round's
-    best (the values the round held fixed), so every record of the stage names a whole
-    point of its space and any of them can be frozen like a first-round trial."""
+    """Both rounds' trial records, the second round's each with the stage's other params
+    at the first round's best (the values the round held fixed): every record of the stage
+    names a whole point of its space, and any of them can be frozen like a first-round
+    trial."""
     return records + [{**r, "params": {**best["params"], **r["params"]}} for r in extra]
 
 
