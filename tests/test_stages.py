@@ -177,6 +177,13 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
     assert notes["optimizer.matrix_lr"].endswith(
         "range [0.01, 0.04]: the optimum may lie below it; raise sweep.stages.1.retune_factor (2)"
     )
+    # a grid of compute budgets (scaling, lr_scaling): the most compute trains lowest, and
+    # says nothing of an optimum beyond it; the LR beside it still does
+    grid = {"trainer": {"budget_flops": {"grid": [1e12, 3e12, 1e13]}}}
+    grid["optimizer"] = {"matrix_lr": {"grid": [0.01, 0.02, 0.04]}}
+    spec = SweepSpec(stages=[StageSpec(name="g", params=grid)], lr_keys=["optimizer.matrix_lr"])
+    at_ends = best(trainer__budget_flops=1e13, optimizer__matrix_lr=0.04)
+    assert [e["param"] for e in range_edges(spec, "g", start, at_ends)] == ["optimizer.matrix_lr"]
 
 
 def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs():

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sweeper.config import BUDGET_KEYS
 from sweeper.sweep.results import REPORT_COLUMNS
 from sweeper.sweep.space import ParamSpec, range_edge
 from sweeper.sweep.spec import SweepSpec, flatten, flatten_params, stage_space
@@ -119,6 +120,8 @@ def range_edges(
     declared = set(flatten_params(stage.params))
     edges = []
     for param in searched_params(spec, stage_name, start, extended):
+        if param.name in COMPUTE_KEYS:
+            continue  # more compute trains to a lower loss: its largest value is no optimum
         value = best["params"].get(param.name)
         side = range_edge(param, value)
         if side is None:
@@ -140,6 +143,10 @@ def range_edges(
             }
         )
     return edges
+
+
+# a run's compute budget (config.BUDGET_KEYS), which a scaling grid searches over
+COMPUTE_KEYS = frozenset(f"trainer.{key}" for key in BUDGET_KEYS)
 
 
 def _stage_spec(spec: SweepSpec, stage_name: str):
