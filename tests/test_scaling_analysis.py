@@ -268,3 +268,25 @@ def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_name
     assert res["hparams"]["lr"]["best"] == [0.04, 0.04]
     assert res["hparams"]["lr"]["how"] == ["grid end", "grid end"]
     assert any("at C = 1e+12 the best lr (0.04) is at an end" in w for w in res["warnings"])
+
+
+def test_the_hparams_plot_draws_each_budgets_lowest_loss_at_each_value(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from sweeper.scaling.plots import plot_hparams
+    from sweeper.scaling.records import to_points
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    records = make_sweep(noise=0)
+    res = fit_all(records)
+    plot_hparams(res, tmp_path / "h.png", to_points(records))
+    curves = drawn[0].axes[0].get_lines()
+    budget = BUDGETS[0]
+    at = [r for r in records if r["final"] and r["budget"] == budget]
+    lrs = sorted({r["lr"] for r in at})
+    lowest = [min(r["loss"] for r in at if r["lr"] == lr) for lr in lrs]
+    solid = [line for line in curves if line.get_linestyle() == "-"]
+    assert list(solid[0].get_xdata()) == pytest.approx(lrs)
+    assert list(solid[0].get_ydata()) == pytest.approx(lowest)
+    assert len(solid) == len(BUDGETS)

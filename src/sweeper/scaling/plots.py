@@ -181,42 +181,32 @@ def _parametric_optimum(par: dict, flops):
     return n_opt, d_opt
 
 
-def plot_hparams(result: dict, path: Path, pts=None) -> Path:
-    """Per hyperparameter: the final loss against its value at each budget (where the
-    points are given), each budget's optimum marked; and the optima against compute with
-    their power-law fit."""
+def plot_hparams(result: dict, path: Path, pts) -> Path:
+    """Per hyperparameter: each budget's lowest final loss at each value tried, with the
+    budget's optimum dotted; and the optima against compute with their power-law fit."""
     from matplotlib import colormaps
 
     items = list(result["hparams"].items())
-    fig = Figure(figsize=(12.8 if pts is not None else 6.4, 4.8 * len(items)), layout="constrained")
+    fig = Figure(figsize=(12.8, 4.8 * len(items)), layout="constrained")
     FigureCanvasAgg(fig)
-    columns = 2 if pts is not None else 1
     for row, (name, law) in enumerate(items):
         c = np.array(law["budgets"])
         colours = colormaps["viridis"](np.linspace(0, 0.85, len(c)))
-        if pts is not None:
-            ax = fig.add_subplot(len(items), columns, columns * row + 1)
-            values = getattr(pts, name)
-            final = pts.final & pts.has(name)
-            for budget, best, colour in zip(c, law["best"], colours):
-                at = final & np.isclose(pts.C, budget, rtol=0.2)
-                grid = np.unique(values[at])  # each value's lowest loss, as the optimum uses
-                lowest = [pts.loss[at][values[at] == v].min() for v in grid]
-                ax.plot(
-                    grid,
-                    lowest,
-                    "o-",
-                    c=colour,
-                    ms=4,
-                    label=f"C = {budget:.2g}",
-                )
-                ax.axvline(best, c=colour, ls=":", lw=1)
-            ax.set_xscale("log")
-            ax.set_xlabel(name.replace("_", " "))
-            ax.set_ylabel(_loss_label(result))
-            ax.set_title(f"lowest final loss at each {name.replace('_', ' ')} (dotted: optimum)")
-            ax.legend(fontsize=8)
-        ax = fig.add_subplot(len(items), columns, columns * (row + 1))
+        ax = fig.add_subplot(len(items), 2, 2 * row + 1)
+        values = getattr(pts, name)
+        final = pts.final & pts.has(name)
+        for budget, best, colour in zip(c, law["best"], colours):
+            at = final & np.isclose(pts.C, budget, rtol=0.2)
+            grid = np.unique(values[at])  # each value's lowest loss, as the optimum uses
+            lowest = [pts.loss[at][values[at] == v].min() for v in grid]
+            ax.plot(grid, lowest, "o-", c=colour, ms=4, label=f"C = {budget:.2g}")
+            ax.axvline(best, c=colour, ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set_xlabel(name.replace("_", " "))
+        ax.set_ylabel(_loss_label(result))
+        ax.set_title(f"lowest final loss at each {name.replace('_', ' ')} (dotted: optimum)")
+        ax.legend(fontsize=8)
+        ax = fig.add_subplot(len(items), 2, 2 * row + 2)
         ax.scatter(c, law["best"], c=colours, zorder=3, label="optimum per budget")
         c_line = np.logspace(np.log10(c.min()), np.log10(c.max()), 50)
         ax.plot(c_line, law["k"] * c_line ** law["p"], c="C1", label=f"fit ∝ C^{law['p']:.3f}")
