@@ -51,7 +51,7 @@ def test_help_names_the_program_its_commands_and_the_config_groups(tmp_path):
     assert "__main__" not in proc.stdout  # Hydra's default names the app by its module
     for command in ("python -m sweeper +sweep=lr_bs", "sweeper.fit", "sweeper.compare"):
         assert command in proc.stdout, command
-    assert "sweep: full, lr, lr_bs, lr_scaling, scaling, smoke" in proc.stdout
+    assert "sweep: full, lr, lr_bs, lr_bs_scaling, lr_scaling, scaling, smoke" in proc.stdout
     assert "matrix_lr: 0.02" in proc.stdout  # the composed config follows
     assert list(tmp_path.iterdir()) == []
 

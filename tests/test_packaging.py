@@ -32,7 +32,7 @@ def test_wheel_carries_the_config_tree_and_composes_a_sweep_from_it(tmp_path):
     assert build.returncode == 0, build.stderr[-2000:]
     wheel = next(tmp_path.glob("sweeper-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for sweep in ("lr", "lr_bs", "full", "smoke", "scaling", "lr_scaling"):
+    for sweep in ("lr", "lr_bs", "full", "smoke", "scaling", "lr_scaling", "lr_bs_scaling"):
         assert f"sweeper/_configs/conf/sweep/{sweep}.yaml" in names
     assert "sweeper/_configs/conf/config.yaml" in names
     site = tmp_path / "site"

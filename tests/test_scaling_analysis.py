@@ -250,24 +250,75 @@ def test_the_optimum_on_a_grid_is_a_parabolas_vertex_in_log_value(grid, vertex, 
 
 
 def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_named():
+    def records(lr_opt):  # lr_opt: the optimum at each budget
+        return [
+            {
+                "N": 1e6,
+                "C": c,
+                "loss": 3.0 - 0.1 * math.log10(c) + 0.1 * math.log2(lr / lr_opt[c]) ** 2,
+                "budget": c,
+                "lr": lr,
+                "batch_size": 1024,
+                "final": True,
+            }
+            for c in (1e12, 1e13)
+            for lr in (0.01, 0.02, 0.04)
+        ]
+
+    res = fit_all(records({1e12: 0.04, 1e13: 0.02}))
+    assert "batch_size" not in res["hparams"]  # 1024 in every run: nothing to fit
+    assert res["hparams"]["lr"]["best"] == pytest.approx([0.04, 0.02])
+    assert res["hparams"]["lr"]["how"] == ["grid end", "parabola"]
+    assert [w for w in res["warnings"] if "vs-compute" in w] == [
+        "lr-vs-compute: at C = 1e+12 the best lr (0.04) is at an end of the values tried: "
+        "the optimum may lie beyond it"
+    ]
+    # an end of the grid at every budget: bounds, not optima, so no law through them
+    res = fit_all(records({1e12: 0.04, 1e13: 0.05}))
+    assert res["hparams"] == {} and "lr_opt" not in res["predictions"]
+    assert [w for w in res["warnings"] if "vs-compute" in w] == [
+        "lr-vs-compute: the best lr is at an end of the values tried at every budget "
+        "(0.04, 0.04): no law; try values beyond"
+    ]
+
+
+def test_a_grid_of_lr_by_batch_size_gives_a_law_for_each():
+    """lr_bs_scaling's data: at each budget a grid of LR x batch size, one model. With a
+    loss quadratic in log(lr) and in log(batch) around optima that follow power laws of C,
+    each hyperparameter's lowest loss at each value (the other at its best there) puts both
+    optima on the vertex, so both laws come back exactly."""
+
+    def lr_opt(c):
+        return 0.04 * (c / 1e12) ** -0.2
+
+    def batch_opt(c):
+        return 1500 * (c / 1e12) ** 0.3
+
     records = [
         {
-            "N": 1e6,
+            "N": 3e6,
             "C": c,
-            "loss": 3.0 - 0.1 * math.log10(c) + 0.1 * math.log2(lr / 0.04) ** 2,
+            "loss": 3.0
+            - 0.1 * math.log10(c)
+            + 0.2 * math.log(lr / lr_opt(c)) ** 2
+            + 0.1 * math.log(batch / batch_opt(c)) ** 2,
             "budget": c,
             "lr": lr,
-            "batch_size": 1024,
+            "batch_size": batch,
             "final": True,
         }
-        for c in (1e12, 1e13)
-        for lr in (0.01, 0.02, 0.04)
+        for c in (1e12, 1e13, 1e14)
+        for lr in (0.005, 0.01, 0.02, 0.04, 0.08)
+        for batch in (512, 1024, 2048, 4096, 8192, 16384)
     ]
-    res = fit_all(records)
-    assert "batch_size" not in res["hparams"]  # 1024 in every run: nothing to fit
-    assert res["hparams"]["lr"]["best"] == [0.04, 0.04]
-    assert res["hparams"]["lr"]["how"] == ["grid end", "grid end"]
-    assert any("at C = 1e+12 the best lr (0.04) is at an end" in w for w in res["warnings"])
+    res = fit_all(records, target_flops=1e16)
+    for name, opt, exponent in (("lr", lr_opt, -0.2), ("batch_size", batch_opt, 0.3)):
+        law = res["hparams"][name]
+        assert law["how"] == ["parabola"] * 3
+        assert law["best"] == pytest.approx([opt(c) for c in (1e12, 1e13, 1e14)], rel=1e-9)
+        assert law["p"] == pytest.approx(exponent, rel=1e-9)
+        assert res["predictions"][f"{name}_opt"] == pytest.approx(opt(1e16), rel=1e-9)
+    assert not [w for w in res["warnings"] if "vs-compute" in w]
 
 
 def test_the_hparams_plot_draws_each_budgets_lowest_loss_at_each_value(tmp_path, monkeypatch):

@@ -354,6 +354,58 @@ def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_
     )
 
 
+def test_the_lr_bs_scaling_sweep_fits_the_best_lr_and_batch_size_against_compute(
+    ray_cluster, tmp_path, capsys
+):
+    from sweeper.scaling.analysis import optimum_on_grid
+
+    lrs, batches, budgets = [0.005, 0.04], [256, 512], [4e9, 1.2e10]
+    cfg = compose(
+        [
+            "+sweep=lr_bs_scaling",
+            "model=tiny",
+            "trainer.eval_tokens=1024",
+            "mlflow.enabled=false",
+            "fit.bootstrap=0",
+            "sweep.reports_per_trial=2",
+            "sweep.budget.flops_per_trial=1.2e10",
+            f"sweep.stages.0.params.trainer.budget_flops.grid=[{','.join(map(str, budgets))}]",
+            f"sweep.stages.0.params.trainer.total_batch_size.grid=[{','.join(map(str, batches))}]",
+            f"sweep.stages.0.params.optimizer.matrix_lr.grid=[{','.join(map(str, lrs))}]",
+        ]
+    )
+    run_sweep(cfg, str(tmp_path))
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    with open(tmp_path / "reports.csv") as f:
+        finals = [r for r in csv.DictReader(f) if r["final"] == "True"]
+    # every point of the grid ran to its budget, and trained at its own batch size
+    assert sorted(
+        (float(r["budget"]), int(r["total_batch_size"]), float(r["peak_lr"])) for r in finals
+    ) == sorted((c, b, lr) for c in budgets for b in batches for lr in lrs)
+    for name, column, grid in (("lr", "peak_lr", lrs), ("batch_size", "total_batch_size", batches)):
+        law = fit["hparams"][name]
+        assert law["budgets"] == budgets
+        for budget, best, how in zip(law["budgets"], law["best"], law["how"], strict=True):
+            # each value's lowest loss at this budget, over the other hyperparameter's values
+            rows = [r for r in finals if float(r["budget"]) == budget]
+            expected = optimum_on_grid(
+                [float(r[column]) for r in rows], [float(r["val_bpb"]) for r in rows]
+            )
+            assert (best, how) == (pytest.approx(expected[0]), expected[1]) and best in grid
+        assert fit["predictions"][f"{name}_opt"] > 0
+    out = capsys.readouterr().out
+    assert "Optimal lr vs compute: lr = " in out
+    assert "Optimal batch_size vs compute: batch_size = " in out
+    assert (tmp_path / "hparams.png").is_file()
+    # the run dir refits to the same two laws
+    from sweeper.fit import main as refit
+
+    assert refit([str(tmp_path), "--out", str(tmp_path / "refit"), "--no-plots"]) == 0
+    again = json.loads((tmp_path / "refit" / "fit.json").read_text())["hparams"]
+    for name in ("lr", "batch_size"):
+        assert again[name]["best"] == pytest.approx(fit["hparams"][name]["best"])
+
+
 def test_fresh_seeds_confirm_the_best_against_the_baseline_and_a_resume_adds_seeds(
     ray_cluster, tmp_path, capsys
 ):
@@ -587,6 +639,47 @@ def test_a_grid_is_checked_point_by_point_where_one_value_at_a_time_passes(tmp_p
         "trainer.total_batch_size=32768 tokens; raise the budget or lower the batch"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_grid_stage_is_checked_by_the_combinations_it_runs_not_by_values_alone():
+    # tiny trains 786,432 FLOPs a token: 4e9 FLOPs is 5,086 tokens, under one step of 8,192
+    grids = [
+        "+sweep=lr_bs_scaling",
+        "model=tiny",
+        "sweep.budget.flops_per_trial=1.2e10",
+        "sweep.stages.0.params.trainer.budget_flops.grid=[4e9,1.2e10]",
+    ]
+    # 4e9 fails alone (with the base config's batch of 8,192), but no trial has that batch
+    spec = validate_sweep(
+        compose([*grids, "sweep.stages.0.params.trainer.total_batch_size.grid=[256,512]"])
+    )
+    assert spec.stages[0].params["trainer"]["budget_flops"] == {"grid": [4e9, 1.2e10]}
+    # with 8,192 in the grid the combination fails, and the value that fails alone is named
+    with pytest.raises(ConfigError) as refused:
+        validate_sweep(
+            compose([*grids, "sweep.stages.0.params.trainer.total_batch_size.grid=[256,8192]"])
+        )
+    assert str(refused.value).startswith(
+        "sweep stage 'lr_bs_vs_compute': trainer.budget_flops=4000000000.0 (grid) is not a valid "
+        "run: trainer.budget_flops=4e+09 at 786,432 FLOPs per token is 5,086 tokens, less than "
+        "one optimizer step of trainer.total_batch_size=8192 tokens"
+    )
+    # where every value passes alone (a base batch of 256), the failing combination is named
+    with pytest.raises(ConfigError) as refused:
+        validate_sweep(
+            compose(
+                [
+                    *grids,
+                    "trainer.total_batch_size=256",
+                    "sweep.stages.0.params.trainer.total_batch_size.grid=[256,8192]",
+                ]
+            )
+        )
+    assert str(refused.value).startswith(
+        "sweep stage 'lr_bs_vs_compute': trainer.budget_flops=4000000000.0 (grid), "
+        "trainer.total_batch_size=8192 (grid), optimizer.matrix_lr=0.01 (grid) together are not "
+        "a valid run: trainer.budget_flops=4e+09"
+    )
 
 
 @pytest.mark.parametrize(

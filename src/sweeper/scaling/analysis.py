@@ -243,6 +243,15 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
             budgets.append(budget)
             best.append(value)
             how.append(method)
+        if len(budgets) > 1 and set(how) == {"grid end"}:
+            # no optimum was found, only bounds: a law through them would be the grid's ends
+            # (lr_bs_scaling's first run had batch 1024, its smallest, best at every budget)
+            warnings.append(
+                f"{name}-vs-compute: the best {name} is at an end of the values tried at every "
+                f"budget ({', '.join(f'{v:.4g}' for v in best)}): no law; try values beyond"
+            )
+            continue
+        for budget, value, method in zip(budgets, best, how):
             if method == "grid end":
                 warnings.append(
                     f"{name}-vs-compute: at C = {budget:.3g} the best {name} ({value:.4g}) is at "

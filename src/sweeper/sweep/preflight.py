@@ -155,21 +155,43 @@ def check_stage_values(spec: SweepSpec, base: dict) -> None:
                     values.insert(1, param.low + 1)
                 values = [int(v) if param.integer else v for v in values]
             options[param.name] = [(value, param.kind) for value in values]
-        candidates = [{key: option} for key, choices in options.items() for option in choices]
+        alone = [{key: option} for key, choices in options.items() for option in choices]
+        together = []
         if 1 < len(options) and math.prod(map(len, options.values())) <= COMBINATIONS_CHECKED:
-            candidates += [
-                dict(zip(options, combo)) for combo in itertools.product(*options.values())
-            ]
-        for candidate in candidates:
-            try:
-                run = load_run_config(apply_params(base, {k: v for k, (v, _) in candidate.items()}))
-                check_budget(run)
-            except ConfigError as error:
-                shown = ", ".join(f"{k}={v} ({kind})" for k, (v, kind) in candidate.items())
-                raise ConfigError(
-                    f"sweep stage '{stage.name}': {shown} "
-                    f"{'is' if len(candidate) == 1 else 'together are'} not a valid run: {error}"
-                ) from None
+            together = [dict(zip(options, combo)) for combo in itertools.product(*options.values())]
+        # a stage of grids and choices alone runs exactly its combinations: there a value that
+        # fails alone but in none of them (lr_bs_scaling's smallest FLOPs budget with the
+        # base config's batch, never its own) is no trial's, and is let pass
+        exact = bool(together) and all(param.values for param in space.params)
+        failed_alone = []
+        for candidate in alone + together:
+            error = _run_error(base, candidate)
+            if error is None:
+                continue
+            if exact and len(candidate) == 1:
+                failed_alone.append((candidate, error))
+                continue
+            # name a single value where one in this combination fails alone too
+            for single, single_error in failed_alone:
+                if single.items() <= candidate.items():
+                    candidate, error = single, single_error
+                    break
+            shown = ", ".join(f"{k}={v} ({kind})" for k, (v, kind) in candidate.items())
+            raise ConfigError(
+                f"sweep stage '{stage.name}': {shown} "
+                f"{'is' if len(candidate) == 1 else 'together are'} not a valid run: {error}"
+            )
+
+
+def _run_error(base: dict, candidate: dict) -> ConfigError | None:
+    """Why the base config with `candidate`'s values ({key: (value, kind)}) is no valid run."""
+    from sweeper.budget import check_budget
+
+    try:
+        check_budget(load_run_config(apply_params(base, {k: v for k, (v, _) in candidate.items()})))
+    except ConfigError as error:
+        return error
+    return None
 
 
 def base_config(cfg, spec: SweepSpec, target: str | None) -> dict:
