@@ -341,3 +341,29 @@ def test_the_hparams_plot_draws_each_budgets_lowest_loss_at_each_value(tmp_path,
     assert list(solid[0].get_xdata()) == pytest.approx(lrs)
     assert list(solid[0].get_ydata()) == pytest.approx(lowest)
     assert len(solid) == len(BUDGETS)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_flat_hparam_law_is_drawn_on_an_axis_of_some_height(tmp_path):
+    from sweeper.scaling.plots import plot_hparams
+    from sweeper.scaling.records import to_points
+
+    # batch 256 best at both budgets: a law of slope 0, whose log axis would have no height
+    records = [
+        {
+            "N": 1e6,
+            "C": c,
+            "loss": 4.0 - 0.1 * math.log10(c) + b / 1e4 + abs(lr - 0.04),
+            "budget": c,
+            "lr": lr,
+            "batch_size": b,
+            "final": True,
+        }
+        for c in (4e9, 1.2e10)
+        for b in (256, 512)
+        for lr in (0.005, 0.04)
+    ]
+    res = fit_all(records)
+    assert res["hparams"]["batch_size"]["best"] == [256, 256]
+    path = plot_hparams(res, tmp_path / "h.png", to_points(records))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -304,7 +304,7 @@ def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_
     from sweeper.scaling.analysis import optimum_on_grid
     from sweeper.sweep.engine import run_sweep
 
-    lrs = [0.005, 0.02, 0.08]
+    lrs = [0.02, 0.08, 0.32]
     cfg = compose(
         [
             "+sweep=lr_scaling",

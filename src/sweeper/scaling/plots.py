@@ -212,6 +212,8 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
         ax.plot(c_line, law["k"] * c_line ** law["p"], c="C1", label=f"fit ∝ C^{law['p']:.3f}")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        if min(law["best"]) == max(law["best"]):  # a flat law: a log axis of zero height
+            ax.set_ylim(law["best"][0] / 2, law["best"][0] * 2)
         ax.set_xlabel("compute budget C (FLOPs)")
         ax.set_ylabel(f"optimal {name.replace('_', ' ')}")
         ax.legend(fontsize=8)

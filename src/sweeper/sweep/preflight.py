@@ -136,7 +136,8 @@ def check_stage_values(spec: SweepSpec, base: dict) -> None:
     LR below zero, fails every trial it reaches after Ray has started and the run dir is
     written. Ranges are checked at both ends, and integer ranges also one step in from the
     low end: a constraint like "a multiple of 4096" fails there, and a grid or choice is
-    what such a key needs. Then the values together, where the combinations are few.
+    what such a key needs. Then the values together, where the combinations are few; a
+    stage of grids and choices is then held to its combinations alone.
     Later stages start from earlier stages' best, which satisfies the same schema."""
     from sweeper.budget import check_budget
 
