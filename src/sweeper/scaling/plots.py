@@ -198,12 +198,14 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
         for budget, best, colour in zip(c, law["best"], colours):
             at = final & np.isclose(pts.C, budget, rtol=0.2)
             grid = np.unique(values[at])  # each value's lowest loss, as the optimum uses
-            lowest = [pts.loss[at][values[at] == v].min() for v in grid]
-            ax.plot(grid, lowest, "o-", c=colour, ms=4, label=f"C = {budget:.2g}")
+            lowest = np.array([pts.loss[at][values[at] == v].min() for v in grid])
+            # above the budget's own best: budgets lie far apart in loss, and their shapes
+            # (where each bottoms out) are what the optima are read from
+            ax.plot(grid, lowest - lowest.min(), "o-", c=colour, ms=4, label=f"C = {budget:.2g}")
             ax.axvline(best, c=colour, ls=":", lw=1)
         ax.set_xscale("log")
         ax.set_xlabel(name.replace("_", " "))
-        ax.set_ylabel(_loss_label(result))
+        ax.set_ylabel(f"{_loss_label(result)} above the budget's lowest")
         ax.set_title(f"lowest final loss at each {name.replace('_', ' ')} (dotted: optimum)")
         ax.legend(fontsize=8)
         ax = fig.add_subplot(len(items), 2, 2 * row + 2)
