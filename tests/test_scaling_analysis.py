@@ -369,3 +369,76 @@ def test_a_flat_hparam_law_is_drawn_on_an_axis_of_some_height(tmp_path):
     assert res["hparams"]["batch_size"]["best"] == [256, 256]
     path = plot_hparams(res, tmp_path / "h.png", to_points(records))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def lr_by_batch_grid(exponent: float, lrs) -> list[dict]:
+    """A loss quadratic in log(lr) around lr_opt = 0.02 (B / 1024)^exponent (C / 1e12)^-0.2
+    at each batch size B and budget C, and in log(B) around a batch optimum."""
+    return [
+        {
+            "N": 3e6,
+            "C": c,
+            "loss": 3.0
+            - 0.1 * math.log10(c)
+            + 0.2 * math.log(lr / (0.02 * (b / 1024) ** exponent * (c / 1e12) ** -0.2)) ** 2
+            + 0.1 * math.log(b / 1500) ** 2,
+            "budget": c,
+            "lr": lr,
+            "batch_size": b,
+            "final": True,
+        }
+        for c in (1e12, 1e13, 1e14)
+        for b in (512, 1024, 2048, 4096)
+        for lr in lrs
+    ]
+
+
+@pytest.mark.parametrize(("exponent", "rule"), [(1.0, "linear"), (0.5, "sqrt"), (0.0, "none")])
+def test_the_best_lr_against_the_batch_size_names_the_closest_lr_rule(exponent, rule):
+    from sweeper.scaling.summary import format_summary
+
+    res = fit_all(lr_by_batch_grid(exponent, [0.001 * 2**k for k in range(9)]))
+    lvb = res["lr_vs_batch"]
+    assert [b["budget"] for b in lvb["budgets"]] == [1e12, 1e13, 1e14]
+    for b in lvb["budgets"]:
+        assert b["batch_size"] == [512, 1024, 2048, 4096] and b["how"] == ["parabola"] * 4
+        expected = [
+            0.02 * (x / 1024) ** exponent * (b["budget"] / 1e12) ** -0.2 for x in b["batch_size"]
+        ]
+        assert b["lr"] == pytest.approx(expected, rel=1e-9)
+        assert b["exponent"] == pytest.approx(exponent, abs=1e-9)
+    assert lvb["exponent"] == pytest.approx(exponent, abs=1e-9) and lvb["closest_lr_rule"] == rule
+    pooled = f"pooled g = {lvb['exponent']:.2f}: closest lr_rule is {rule} (sqrt 0.5, linear 1)"
+    assert pooled in format_summary(res)
+
+
+def test_best_lrs_at_an_end_of_the_grid_are_left_out_of_the_lr_batch_slope(tmp_path):
+    from sweeper.scaling.summary import format_summary
+
+    # LRs 0.005-0.04: at 1e12 the best LRs of batches 2048 and 4096 (0.04, 0.08) are ends
+    res = fit_all(lr_by_batch_grid(1.0, [0.005, 0.01, 0.02, 0.04]))
+    first = res["lr_vs_batch"]["budgets"][0]
+    assert first["how"] == ["parabola", "parabola", "grid end", "grid end"]
+    assert first["exponent"] == pytest.approx(1.0, abs=1e-9)  # from 512 and 1024 alone
+    assert any(
+        w.startswith("lr-vs-batch: ") and "left out of the slopes" in w for w in res["warnings"]
+    )
+    assert "0.04*" in format_summary(res)
+    # no budget with two optima inside the grid: no slope, no rule, and the lines say so
+    res = fit_all(lr_by_batch_grid(1.0, [0.0001, 0.0002, 0.0004]))
+    lvb = res["lr_vs_batch"]
+    assert lvb["exponent"] is None and lvb["closest_lr_rule"] is None
+    assert all(b["exponent"] is None for b in lvb["budgets"])
+    assert "pooled g" not in format_summary(res) and "g = - (512: " in format_summary(res)
+    assert any(
+        w.endswith("no budget has two optima inside the grid, so no slope") for w in res["warnings"]
+    )
+    names = [
+        p.name for p in plot_all(res, lr_by_batch_grid(1.0, [0.0001, 0.0002, 0.0004]), tmp_path)
+    ]
+    assert "lr_vs_batch.png" in names
+
+
+def test_one_batch_size_per_budget_has_no_lr_batch_slope():
+    records = [r for r in lr_by_batch_grid(1.0, [0.01, 0.02, 0.04]) if r["batch_size"] == 1024]
+    assert fit_all(records)["lr_vs_batch"] is None

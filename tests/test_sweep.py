@@ -393,10 +393,26 @@ def test_the_lr_bs_scaling_sweep_fits_the_best_lr_and_batch_size_against_compute
             )
             assert (best, how) == (pytest.approx(expected[0]), expected[1]) and best in grid
         assert fit["predictions"][f"{name}_opt"] > 0
+    # and the best LR of each batch size at each budget, with its slope against the batch
+    for at in fit["lr_vs_batch"]["budgets"]:
+        assert at["batch_size"] == batches
+        for batch, best in zip(at["batch_size"], at["lr"], strict=True):
+            rows = [
+                r
+                for r in finals
+                if float(r["budget"]) == at["budget"] and int(r["total_batch_size"]) == batch
+            ]
+            lr_at, loss_at = (
+                [float(r["peak_lr"]) for r in rows],
+                [float(r["val_bpb"]) for r in rows],
+            )
+            assert best == pytest.approx(optimum_on_grid(lr_at, loss_at)[0])
+    assert fit["lr_vs_batch"]["closest_lr_rule"] in ("none", "sqrt", "linear")
     out = capsys.readouterr().out
     assert "Optimal lr vs compute: lr = " in out
     assert "Optimal batch_size vs compute: batch_size = " in out
-    assert (tmp_path / "hparams.png").is_file()
+    assert "Optimal lr vs batch size at each budget" in out and "pooled g = " in out
+    assert (tmp_path / "hparams.png").is_file() and (tmp_path / "lr_vs_batch.png").is_file()
     # the run dir refits to the same two laws
     from sweeper.fit import main as refit
 

@@ -26,6 +26,8 @@ MIN_PARAMETRIC_POINTS = 6  # the law has 5 parameters
 MIN_ISOFLOP_SIZES = 3  # a parabola needs 3 distinct model sizes
 HPARAMS = ("lr", "batch_size")
 FITS = ("frontier", "parametric", "isoflop", "hparams")
+# the exponent of each `lr_rule` of a sweep stage (sweep/stages.py): lr ~ batch^exponent
+LR_RULE_EXPONENTS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
 
 
 def fit_all(
@@ -60,6 +62,7 @@ def fit_all(
         "parametric": None,
         "isoflop": None,
         "hparams": {},
+        "lr_vs_batch": None,
         "predictions": {},
         "warnings": [],
     }
@@ -86,9 +89,10 @@ def fit_all(
         ("parametric", lambda p, o, w: _parametric(p, o, w, grid, n_refine)),
         ("isoflop", _isoflop),
         ("hparams", _hparams),
+        ("lr_vs_batch", _lr_vs_batch),
     )
     for name, step in steps:
-        if name not in fits:
+        if (name if name in FITS else "hparams") not in fits:  # lr_vs_batch goes with hparams
             continue
         try:
             # Degenerate data can overflow intermediate values; the checks in each fit turn that
@@ -265,6 +269,62 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
         if opts["target"] is not None:
             preds[f"{name}_opt"] = float(law.predict(opts["target"]))
     return section, preds
+
+
+def _lr_vs_batch(pts: Points, opts: dict, warnings: list) -> tuple:
+    """Where a budget's runs vary both the LR and the batch size (lr_bs_scaling): the best
+    LR of each batch size (`optimum_on_grid`), and how it grows with the batch, lr ~ B^g,
+    per budget and pooled over budgets (one slope, an intercept per budget). The `lr_rule`
+    whose exponent is nearest the pooled g is the one to freeze LRs by when a stage changes
+    the batch size: sqrt (0.5) is Adam's usual rule, linear (1) SGD's."""
+    ok = _with_budget(pts, pts.final & pts.has("lr") & pts.has("batch_size"))
+    if len(ok) == 0:
+        return None, {}
+    groups = group_by_budget(pts.C[ok], [pts.budget[i] for i in ok])
+    per_budget, xs, ys, budget_of = [], [], [], []
+    for budget, idx, _ in groups:
+        lr, batch, loss = pts.lr[ok][idx], pts.batch_size[ok][idx], pts.loss[ok][idx]
+        batches = sorted(set(batch))
+        if len(batches) < 2 or any(len(set(lr[batch == b])) < 2 for b in batches):
+            continue  # one batch size, or a batch size tried at one LR: nothing to read
+        optima = [optimum_on_grid(lr[batch == b], loss[batch == b]) for b in batches]
+        # a best LR at an end of the grid is a bound, not an optimum: the slope leaves it out
+        inside = [(b, v) for b, (v, how) in zip(batches, optima) if how != "grid end"]
+        slope = None
+        if len(inside) >= 2:
+            x, y = np.log([b for b, _ in inside]), np.log([v for _, v in inside])
+            slope = float(np.polyfit(x, y, 1)[0])
+            xs += list(x)
+            ys += list(y)
+            budget_of += [len(per_budget)] * len(inside)
+        per_budget.append(
+            {
+                "budget": budget,
+                "batch_size": batches,
+                "lr": [value for value, _ in optima],
+                "how": [how for _, how in optima],
+                "exponent": slope,
+            }
+        )
+    if not per_budget:
+        return None, {}
+    exponent = rule = None
+    if xs:
+        # pooled slope: each budget's own intercept (its LRs are higher or lower overall)
+        columns = sorted(set(budget_of))
+        design = np.zeros((len(xs), 1 + len(columns)))
+        design[:, 0] = xs
+        design[np.arange(len(xs)), 1 + np.searchsorted(columns, budget_of)] = 1.0
+        exponent = float(np.linalg.lstsq(design, np.array(ys), rcond=None)[0][0])
+        rule = min(LR_RULE_EXPONENTS, key=lambda r: abs(LR_RULE_EXPONENTS[r] - exponent))
+    ends = sum(b["how"].count("grid end") for b in per_budget)
+    if ends:
+        warnings.append(
+            f"lr-vs-batch: {ends} best LR(s) at an end of the LRs tried, left out of the "
+            "slopes (bounds, not optima)"
+            + ("" if xs else ": no budget has two optima inside the grid, so no slope")
+        )
+    return {"budgets": per_budget, "exponent": exponent, "closest_lr_rule": rule}, {}
 
 
 def optimum_on_grid(values, losses) -> tuple[float, str]:

@@ -13,6 +13,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .analysis import LR_RULE_EXPONENTS
 from .laws import compute_optimal
 from .records import to_points
 
@@ -50,6 +51,8 @@ def plot_all(result: dict, records: list[dict], out_dir) -> list[Path]:
         paths.append(plot_optima(result, out / "optima.png"))
     if result.get("hparams"):
         paths.append(plot_hparams(result, out / "hparams.png", pts))
+    if result.get("lr_vs_batch"):
+        paths.append(plot_lr_vs_batch(result, out / "lr_vs_batch.png"))
     return paths
 
 
@@ -220,4 +223,51 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
         ax.set_ylabel(f"optimal {name.replace('_', ' ')}")
         ax.legend(fontsize=8)
     fig.suptitle("Optimal hyperparameters vs compute")
+    return _save(fig, path)
+
+
+def plot_lr_vs_batch(result: dict, path: Path) -> Path:
+    """Each budget's best LR at each batch size, with the pooled slope through each budget's
+    points and the slopes of the sqrt and linear rules for comparison."""
+    from matplotlib import colormaps
+
+    lvb = result["lr_vs_batch"]
+    fig, (ax,) = _new_figure()
+    colours = colormaps["viridis"](np.linspace(0, 0.85, len(lvb["budgets"])))
+    g = lvb["exponent"]
+    for b, colour in zip(lvb["budgets"], colours):
+        batch, lr = np.array(b["batch_size"]), np.array(b["lr"])
+        ends = np.array([how == "grid end" for how in b["how"]])
+        ax.plot(batch[~ends], lr[~ends], "o", c=colour, label=f"C = {b['budget']:.2g}")
+        ax.plot(batch[ends], lr[ends], "o", mfc="none", c=colour)
+        if b["exponent"] is not None and g is not None:
+            # the pooled slope through this budget's optima (its own intercept)
+            level = np.exp(np.mean(np.log(lr[~ends]) - g * np.log(batch[~ends])))
+            line = np.geomspace(batch.min(), batch.max(), 20)
+            ax.plot(line, level * line**g, c=colour, lw=1)
+    # the rules' lines start at an optimum inside the grid, of the largest budget that has one
+    anchors = [
+        (batch, lr)
+        for b in lvb["budgets"]
+        for batch, lr, how in zip(b["batch_size"], b["lr"], b["how"])
+        if how != "grid end"
+    ] or [(lvb["budgets"][-1]["batch_size"][0], lvb["budgets"][-1]["lr"][0])]
+    anchor_b, anchor_lr = anchors[-1]
+    line = np.geomspace(
+        min(min(b["batch_size"]) for b in lvb["budgets"]),
+        max(max(b["batch_size"]) for b in lvb["budgets"]),
+        20,
+    )
+    for rule, style in (("sqrt", "--"), ("linear", ":")):
+        e = LR_RULE_EXPONENTS[rule]
+        ax.plot(
+            line, anchor_lr * (line / anchor_b) ** e, c="0.5", ls=style, lw=1, label=f"{rule} rule"
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size (tokens)")
+    ax.set_ylabel("best lr")
+    slope = "no slope" if g is None else f"slope {g:.2f}"
+    ax.set_title(f"best LR vs batch: {slope} (hollow: an end of the LRs tried)")
+    ax.legend(fontsize=8)
     return _save(fig, path)

@@ -71,6 +71,23 @@ def _hparam_lines(hp: dict) -> list[str]:
     return lines
 
 
+def _lr_vs_batch_lines(lvb: dict) -> list[str]:
+    lines = ["Optimal lr vs batch size at each budget (lr ~ B^g; * at an end of the LRs tried):"]
+    for b in lvb["budgets"]:
+        optima = ", ".join(
+            f"{_num(batch)}: {_num(lr)}{'*' if how == 'grid end' else ''}"
+            for batch, lr, how in zip(b["batch_size"], b["lr"], b["how"])
+        )
+        g = "-" if b["exponent"] is None else f"{b['exponent']:.2f}"
+        lines.append(f"  C = {_num(b['budget'])}: g = {g} ({optima})")
+    if lvb["exponent"] is not None:
+        lines.append(
+            f"  pooled g = {lvb['exponent']:.2f}: closest lr_rule is {lvb['closest_lr_rule']} "
+            "(sqrt 0.5, linear 1)"
+        )
+    return lines
+
+
 def _prediction_lines(result: dict) -> list[str]:
     pr = result["predictions"]
     if result.get("target_flops") is None or not pr:
@@ -116,6 +133,8 @@ def format_summary(result: dict) -> str:
         lines += _isoflop_lines(result["isoflop"])
     if result.get("hparams"):
         lines += _hparam_lines(result["hparams"])
+    if result.get("lr_vs_batch"):
+        lines += _lr_vs_batch_lines(result["lr_vs_batch"])
     lines += _prediction_lines(result)
     if any(_cis(result.get(k)) for k in ("frontier", "parametric")):
         lines.append("[brackets: 95% percentile bootstrap intervals]")
