@@ -212,7 +212,19 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
         ax.set_title(f"lowest final loss at each {name.replace('_', ' ')} (dotted: optimum)")
         ax.legend(fontsize=8)
         ax = fig.add_subplot(len(items), 2, 2 * row + 2)
-        ax.scatter(c, law["best"], c=colours, zorder=3, label="optimum per budget")
+        # an optimum at an end of the values tried is a bound: hollow
+        ends = np.array([how == "grid end" for how in law.get("how") or ["?"] * len(c)])
+        best = np.array(law["best"])
+        ax.scatter(c[~ends], best[~ends], c=colours[~ends], zorder=3, label="optimum per budget")
+        if ends.any():
+            ax.scatter(
+                c[ends],
+                best[ends],
+                facecolors="none",
+                edgecolors=colours[ends],
+                zorder=3,
+                label="best at an end of the values tried",
+            )
         c_line = np.logspace(np.log10(c.min()), np.log10(c.max()), 50)
         ax.plot(c_line, law["k"] * c_line ** law["p"], c="C1", label=f"fit ∝ C^{law['p']:.3f}")
         ax.set_xscale("log")
