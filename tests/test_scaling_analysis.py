@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -267,6 +268,19 @@ def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_name
 
     res = fit_all(records({1e12: 0.04, 1e13: 0.02}))
     assert "batch_size" not in res["hparams"]  # 1024 in every run: nothing to fit
+    # the plot draws the end of the grid hollow (a bound) and the vertex filled
+    from matplotlib.figure import Figure
+
+    from sweeper.scaling.plots import plot_hparams
+    from sweeper.scaling.records import to_points
+
+    drawn = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+        plot_hparams(res, Path("unused.png"), to_points(records({1e12: 0.04, 1e13: 0.02})))
+    filled, hollow = drawn[0].axes[1].collections
+    assert filled.get_offsets().tolist() == [[1e13, pytest.approx(0.02)]]
+    assert hollow.get_offsets().tolist() == [[1e12, 0.04]] and not hollow.get_facecolors().size
     assert res["hparams"]["lr"]["best"] == pytest.approx([0.04, 0.02])
     assert res["hparams"]["lr"]["how"] == ["grid end", "parabola"]
     assert [w for w in res["warnings"] if "vs-compute" in w] == [
