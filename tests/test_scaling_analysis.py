@@ -176,6 +176,7 @@ def test_only_the_fits_asked_for_are_made_or_warned_about():
     res = fit_all(records, target_flops=1e21, fits=("frontier",))
     assert res["frontier"] is not None
     assert res["parametric"] is None and res["isoflop"] is None and res["hparams"] == {}
+    assert res["lr_vs_batch"] is None
     assert not [w for w in res["warnings"] if w.startswith(("parametric", "isoflop", "lr-"))]
     assert set(res["predictions"]) == {"frontier_loss"}
 

@@ -41,8 +41,8 @@ def fit_all(
     n_refine: int | None = 64,
     fits: tuple[str, ...] = FITS,
 ) -> dict:
-    """Fit the frontier, the parametric law, IsoFLOP profiles and hyperparameter-vs-compute
-    laws to `records` (dicts with optional keys N, D, C, loss, budget, lr, batch_size, final).
+    """Fit the frontier, the parametric law, IsoFLOP profiles, hyperparameter-vs-compute
+    laws and the best LR against the batch size to `records` (dicts with optional keys N, D, C, loss, budget, lr, batch_size, final).
 
     target_flops: also predict loss / N_opt / D_opt / optimal hyperparameters there.
     bootstrap: number of bootstrap replicates for CIs (0 = none); seed seeds them.
@@ -84,15 +84,15 @@ def fit_all(
             "non-positive loss"
         )
     opts = {"target": target_flops, "boot": int(bootstrap or 0), "seed": seed}
-    steps = (
-        ("frontier", _frontier),
-        ("parametric", lambda p, o, w: _parametric(p, o, w, grid, n_refine)),
-        ("isoflop", _isoflop),
-        ("hparams", _hparams),
-        ("lr_vs_batch", _lr_vs_batch),
+    steps = (  # (section of the result, the fit in FITS it belongs to, the step)
+        ("frontier", "frontier", _frontier),
+        ("parametric", "parametric", lambda p, o, w: _parametric(p, o, w, grid, n_refine)),
+        ("isoflop", "isoflop", _isoflop),
+        ("hparams", "hparams", _hparams),
+        ("lr_vs_batch", "hparams", _lr_vs_batch),  # read from the same grids
     )
-    for name, step in steps:
-        if (name if name in FITS else "hparams") not in fits:  # lr_vs_batch goes with hparams
+    for name, fit, step in steps:
+        if fit not in fits:
             continue
         try:
             # Degenerate data can overflow intermediate values; the checks in each fit turn that
