@@ -423,7 +423,10 @@ def test_the_best_lr_against_the_batch_size_names_the_closest_lr_rule(exponent, 
         assert b["lr"] == pytest.approx(expected, rel=1e-9)
         assert b["exponent"] == pytest.approx(exponent, abs=1e-9)
     assert lvb["exponent"] == pytest.approx(exponent, abs=1e-9) and lvb["closest_lr_rule"] == rule
-    pooled = f"pooled g = {lvb['exponent']:.2f}: closest lr_rule is {rule} (sqrt 0.5, linear 1)"
+    pooled = (
+        f"pooled g = {lvb['exponent']:.2f}: the nearest lr_rule for this LR over these batches "
+        f"is {rule} (sqrt 0.5, linear 1)"
+    )
     assert pooled in format_summary(res)
 
 

@@ -82,8 +82,8 @@ def _lr_vs_batch_lines(lvb: dict) -> list[str]:
         lines.append(f"  C = {_num(b['budget'])}: g = {g} ({optima})")
     if lvb["exponent"] is not None:
         lines.append(
-            f"  pooled g = {lvb['exponent']:.2f}: closest lr_rule is {lvb['closest_lr_rule']} "
-            "(sqrt 0.5, linear 1)"
+            f"  pooled g = {lvb['exponent']:.2f}: the nearest lr_rule for this LR over these "
+            f"batches is {lvb['closest_lr_rule']} (sqrt 0.5, linear 1)"
         )
     return lines
 
