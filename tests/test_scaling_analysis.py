@@ -460,3 +460,116 @@ def test_best_lrs_at_an_end_of_the_grid_are_left_out_of_the_lr_batch_slope(tmp_p
 def test_one_batch_size_per_budget_has_no_lr_batch_slope():
     records = [r for r in lr_by_batch_grid(1.0, [0.01, 0.02, 0.04]) if r["batch_size"] == 1024]
     assert fit_all(records)["lr_vs_batch"] is None
+
+
+def seeded_lr_grid(seeds=(0, 1), wobble=0.01, tilt=0.0) -> list[dict]:
+    """An LR grid at 3 budgets, loss quadratic in log(lr) around lr_opt(c), run on each seed.
+    Seeds 0 and 1 add +-wobble * (1 + tilt * j) at the j-th LR, opposite ways, so the seeds'
+    mean is the noise-free loss; with a tilt, the lowest over seeds leans to the higher LRs."""
+    records = []
+    for c in (1e12, 1e13, 1e14):
+        for j, mult in enumerate((0.25, 0.5, 1.0, 2.0, 4.0)):
+            for s in seeds:
+                sign = (1 if s % 2 == 0 else -1) * (1 if j % 2 else -1)
+                records.append(
+                    {
+                        "N": 3e6,
+                        "C": c,
+                        "loss": 3.0
+                        - 0.1 * math.log10(c)
+                        + 0.05 * math.log(mult) ** 2
+                        + sign * wobble * (1 + tilt * j),
+                        "budget": c,
+                        "lr": lr_opt(c) * mult,
+                        "final": True,
+                        "seed": s,
+                    }
+                )
+    return records
+
+
+def test_runs_that_differ_only_in_their_seed_are_fitted_as_their_mean():
+    records = seeded_lr_grid(tilt=1.0)
+    res = fit_all(records, target_flops=1e16)
+    law = res["hparams"]["lr"]
+    # the means are the noise-free parabola: its vertex is the true optimum at every budget
+    assert law["best"] == pytest.approx([lr_opt(c) for c in (1e12, 1e13, 1e14)], rel=1e-9)
+    assert law["p"] == pytest.approx(LR_EXP, rel=1e-9)
+    # the j-th LR's two runs lie +-0.01 (1 + j) around their mean: a variance of
+    # 2 (0.01 (1 + j))^2, pooled over j = 0..4 (mean of (1 + j)^2: 11)
+    assert res["seeds"] == {
+        "seeds": [0, 1],
+        "final_runs": 30,
+        "final_points": 15,
+        "points_with_repeats": 15,
+        "sd": pytest.approx(0.01 * math.sqrt(22), rel=1e-9),
+    }
+    assert res["n_used"] == 30
+    # without the seed column each LR's lowest run is its lucky draw, and the optima move
+    unseeded = fit_all([{k: v for k, v in r.items() if k != "seed"} for r in records])
+    assert unseeded["seeds"] is None
+    moved = np.array(unseeded["hparams"]["lr"]["best"]) / np.array(law["best"])
+    assert (moved > 1.05).all()
+
+
+def test_one_seed_or_none_averages_nothing():
+    for records in (seeded_lr_grid(seeds=(3,)), make_sweep()):
+        res = fit_all(records)
+        assert res["seeds"] is None
+        assert res["n_used"] == len(records)
+
+
+def test_within_a_seed_the_lowest_of_runs_the_records_cannot_tell_apart_is_taken():
+    from sweeper.scaling.records import average_seeds, to_points
+
+    point = {"N": 1e6, "C": 1e12, "budget": 1e12, "lr": 0.02, "final": True}
+    # seed 0 ran twice (another weight decay, say): 3.0 and 3.4; seed 1 once: 3.2
+    records = [{**point, "loss": y, "seed": s} for y, s in ((3.0, 0), (3.4, 0), (3.2, 1))]
+    pts, info = average_seeds(to_points(records))
+    assert list(pts.loss) == pytest.approx([3.1])
+    assert list(pts.n_seeds) == [2]
+    assert info["sd"] == pytest.approx(np.std([3.0, 3.2], ddof=1))
+    # a record without a seed stays a point of its own
+    pts, _ = average_seeds(to_points(records + [{**point, "loss": 2.5}]))
+    assert sorted(pts.loss) == pytest.approx([2.5, 3.1])
+
+
+@pytest.mark.parametrize("wobble, named", [(0.05, True), (0.0001, False)])
+def test_an_optimum_whose_lead_is_within_the_seed_noise_is_named(wobble, named):
+    # the best LR leads its neighbours by 0.05 * ln(2)^2 = 0.024 in the mean; the difference
+    # of two means of 2 seeds has sd = sd_run, which is wobble * sqrt(2)
+    res = fit_all(seeded_lr_grid(wobble=wobble))
+    notes = [w for w in res["warnings"] if "seed noise" in w]
+    assert bool(notes) == named
+    if named:
+        assert len(notes) == 3 and "not resolved" in notes[0]
+        assert notes[0].startswith("lr-vs-compute: at C = 1e+12 the best (")
+
+
+def test_the_summary_and_the_hparams_plot_show_the_seeds(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from sweeper.scaling.plots import plot_hparams
+    from sweeper.scaling.records import average_seeds, to_points
+    from sweeper.scaling.summary import format_summary
+
+    records = seeded_lr_grid()
+    res = fit_all(records)
+    text = format_summary(res)
+    assert "Seeds 0, 1: runs that differ only in their seed are fitted as their mean" in text
+    assert "(30 final runs -> 15 points)" in text
+    assert f"sd {0.01 * math.sqrt(2):.4f} (a mean of 2: +- 0.0100)" in text
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    pts, _ = average_seeds(to_points(records))
+    plot_hparams(res, tmp_path / "h.png", pts)
+    ax = drawn[0].axes[0]
+    solid = [line for line in ax.get_lines() if line.get_linestyle() == "-"]
+    # the first budget's curve is its means (the noise-free parabola) above their lowest
+    mults = (0.25, 0.5, 1.0, 2.0, 4.0)
+    assert list(solid[0].get_ydata()) == pytest.approx([0.05 * math.log(m) ** 2 for m in mults])
+    # with one standard error bar (sd / sqrt(2)) at each point
+    bars = [c for c in ax.collections if len(c.get_segments()) == len(mults)]
+    heights = [seg[1][1] - seg[0][1] for seg in bars[0].get_segments()]
+    assert heights == pytest.approx([2 * 0.01] * len(mults))
+    assert "mean over seeds" in ax.get_title()

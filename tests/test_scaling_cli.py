@@ -134,6 +134,34 @@ def test_cli_reads_sweep_directory(tmp_path):
     assert (tmp_path / "fit.json").is_file()
 
 
+@pytest.mark.parametrize("column, option", [("seed", []), ("run_id_seed", ["--seed-col"])])
+def test_cli_averages_rows_that_differ_only_in_their_seed(tmp_path, column, option):
+    # one LR grid at 2 budgets on seeds 0 and 1, each seed +-0.02 off the mean at every LR
+    rows = [
+        [
+            3e6,
+            c,
+            3.0 - 0.1 * np.log10(c) + 0.05 * np.log(m) ** 2 + (0.02 if s else -0.02),
+            c,
+            0.01 * m,
+            s,
+        ]
+        for c in (1e12, 1e13)
+        for m in (0.25, 0.5, 1.0, 2.0, 4.0)
+        for s in (0, 1)
+    ]
+    src = write_csv(
+        tmp_path / "runs.csv", ["params", "flops", "loss", "budget", "lr", column], rows
+    )
+    flags = [*option, column] if option else []
+    proc = run_fit(src, "--json", "--no-plots", *flags, "--out", tmp_path / "o")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["seeds"]["seeds"] == [0, 1] and res["seeds"]["final_points"] == 10
+    assert res["seeds"]["sd"] == pytest.approx(0.02 * np.sqrt(2))
+    assert res["hparams"]["lr"]["best"] == pytest.approx([0.01, 0.01])
+
+
 @pytest.mark.parametrize(
     "setup, needle",
     [

@@ -4,6 +4,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sweeper.cli import compose
@@ -342,6 +343,13 @@ def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_
     assert "not fitted: L(N, D) needs several model sizes; IsoFLOP optima need" in out
     assert (tmp_path / "hparams.png").is_file()
     assert fit["predictions"]["lr_opt"] > 0  # at fit.target_flops: 1e15
+    # that prediction as a run: the sweep's config at 1e15 FLOPs with the predicted LR
+    run = fit["predicted_run"]
+    assert "trainer.budget_flops=1000000000000000.0" in run and "trainer.budget_tokens=null" in run
+    lr_opt = float(format(fit["predictions"]["lr_opt"], ".4g"))
+    assert f"optimizer.matrix_lr={lr_opt!r}" in run and "model.seq_len=64" in run
+    assert load_run_config(compose(run)).trainer.budget_flops == 1e15
+    assert "run it at C = 1e+15 FLOPs:\n  python -m sweeper " in out
     # a refit of the run dir from reports.csv finds the same law
     from sweeper.fit import main as refit
 
@@ -351,6 +359,58 @@ def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_
         law["budgets"],
         pytest.approx(law["best"]),
         law["how"],
+    )
+
+
+def test_a_scaling_grid_run_on_two_seeds_is_fitted_on_each_points_mean(
+    ray_cluster, tmp_path, capsys
+):
+    from sweeper.scaling.analysis import optimum_on_grid
+
+    lrs, budgets = [0.02, 0.08], [4e9, 1.2e10]
+    cfg = compose(
+        [
+            "+sweep=lr_scaling",
+            "model=tiny",
+            "trainer.total_batch_size=512",
+            "trainer.eval_tokens=1024",
+            "mlflow.enabled=false",
+            "fit.bootstrap=0",
+            "sweep.reports_per_trial=2",
+            "sweep.budget.flops_per_trial=1.2e10",
+            f"sweep.stages.0.params.trainer.budget_flops.grid=[{','.join(map(str, budgets))}]",
+            f"sweep.stages.0.params.optimizer.matrix_lr.grid=[{','.join(map(str, lrs))}]",
+            "+sweep.stages.0.params.trainer.seed.grid=[0,1]",
+        ]
+    )
+    run_sweep(cfg, str(tmp_path))
+    with open(tmp_path / "reports.csv") as f:
+        finals = [r for r in csv.DictReader(f) if r["final"] == "True"]
+    assert sorted((float(r["budget"]), float(r["peak_lr"]), int(r["seed"])) for r in finals) == (
+        sorted((c, lr, s) for c in budgets for lr in lrs for s in (0, 1))
+    )
+    # the seeds train differently, and the fit reads each grid point as their mean
+    by_point: dict = {}
+    for r in finals:
+        by_point.setdefault((float(r["budget"]), float(r["peak_lr"])), []).append(
+            float(r["val_bpb"])
+        )
+    assert all(len(set(v)) == 2 for v in by_point.values())
+    fit = json.loads((tmp_path / "fit.json").read_text())
+    sd = np.sqrt(np.mean([np.var(v, ddof=1) for v in by_point.values()]))
+    assert fit["seeds"] == {
+        "seeds": [0, 1],
+        "final_runs": 8,
+        "final_points": 4,
+        "points_with_repeats": 4,
+        "sd": pytest.approx(sd),
+    }
+    law = fit["hparams"]["lr"]
+    for budget, best in zip(budgets, law["best"], strict=True):
+        means = [np.mean(by_point[(budget, lr)]) for lr in lrs]
+        assert best == pytest.approx(optimum_on_grid(lrs, means)[0])
+    assert "Seeds 0, 1: runs that differ only in their seed are fitted as their mean" in (
+        capsys.readouterr().out
     )
 
 
@@ -412,6 +472,13 @@ def test_the_lr_bs_scaling_sweep_fits_the_best_lr_and_batch_size_against_compute
     assert "Optimal lr vs compute: lr = " in out
     assert "Optimal batch_size vs compute: batch_size = " in out
     assert "Optimal lr vs batch size at each budget" in out and "pooled g = " in out
+    # the predicted run's batch is a multiple of what a step's micro-batches hold
+    predicted = load_run_config(compose(fit["predicted_run"])).trainer
+    assert predicted.total_batch_size % (predicted.device_batch_size * 64) == 0
+    unit = predicted.device_batch_size * 64
+    assert abs(predicted.total_batch_size - fit["predictions"]["batch_size_opt"]) <= unit / 2 or (
+        predicted.total_batch_size == unit
+    )
     assert (tmp_path / "hparams.png").is_file() and (tmp_path / "lr_vs_batch.png").is_file()
     # the run dir refits to the same two laws
     from sweeper.fit import main as refit

@@ -14,6 +14,15 @@ from pathlib import Path
 from sweeper.scaling.records import SWEEP_COLUMNS, InputError, read_csv_records
 
 MIN_ROWS = 3
+# record field -> its --<flag>-col option
+COLUMN_FLAGS = (
+    ("N", "n"),
+    ("D", "d"),
+    ("C", "c"),
+    ("loss", "loss"),
+    ("budget", "budget"),
+    ("seed", "seed"),
+)
 
 DESCRIPTION = """\
 Fit scaling laws: the compute frontier L(C) = E + A C^-alpha, the parametric law
@@ -24,8 +33,8 @@ PATH is a CSV file, or a finished sweep's directory (its reports.csv is read: pa
 tokens -> D, flops -> C, val_bpb -> loss). CSV columns are detected case-insensitively
 (N: n, params, parameters, "model size", num_params; D: d, tokens, "training tokens";
 C: c, flops, "training flop", compute; loss: loss, val_loss, val_bpb; budget: budget,
-flops_budget; also lr, batch_size, final). With N and C only, D = C/(6N); with N and D,
-C = 6ND.
+flops_budget; also lr, batch_size, final, seed). With N and C only, D = C/(6N); with N and D,
+C = 6ND. Rows that differ only in their seed are fitted as their mean.
 
 Output: fit.json and PNG plots in --out (default: the sweep directory, or ./<csv-name>-fit/
 in the current directory for a CSV), and a summary (or the JSON, with --json) on stdout."""
@@ -52,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", metavar="PATH", help="CSV file or sweep directory")
-    for fld, flag in (("N", "n"), ("D", "d"), ("C", "c"), ("loss", "loss"), ("budget", "budget")):
+    for fld, flag in COLUMN_FLAGS:
         p.add_argument(
             f"--{flag}-col",
             dest=f"col_{fld}",
@@ -111,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_records(args) -> tuple[list[dict], Path, dict]:
     """Records, output directory and conventions for the parsed arguments."""
     path = Path(args.path)
-    explicit = {fld: getattr(args, f"col_{fld}") for fld in ("N", "D", "C", "loss", "budget")}
+    explicit = {fld: getattr(args, f"col_{fld}") for fld, _ in COLUMN_FLAGS}
     if path.is_dir():
         csv_path, preferred, out = path / "reports.csv", SWEEP_COLUMNS, path
         if not csv_path.is_file():

@@ -14,7 +14,7 @@ from .bootstrap import bootstrap_chinchilla, bootstrap_frontier
 from .frontier import fit_frontier, lower_envelope
 from .isoflop import fit_hparam_vs_compute, fit_isoflop, group_by_budget
 from .laws import compute_optimal, fit_chinchilla
-from .records import Points, to_points
+from .records import Points, average_seeds, to_points
 
 DEFAULT_CONVENTIONS = {
     "params": "total",  # "total" | "non_embedding" | "matmul": what N counts
@@ -42,7 +42,9 @@ def fit_all(
     fits: tuple[str, ...] = FITS,
 ) -> dict:
     """Fit the frontier, the parametric law, IsoFLOP profiles, hyperparameter-vs-compute
-    laws and the best LR against the batch size to `records` (dicts with optional keys N, D, C, loss, budget, lr, batch_size, final).
+    laws and the best LR against the batch size to `records` (dicts with optional keys N, D,
+    C, loss, budget, lr, batch_size, final, seed). Runs that differ only in their seed are
+    fitted as their mean (`records.average_seeds`; what was averaged is `result["seeds"]`).
 
     target_flops: also predict loss / N_opt / D_opt / optimal hyperparameters there.
     bootstrap: number of bootstrap replicates for CIs (0 = none); seed seeds them.
@@ -58,6 +60,7 @@ def fit_all(
         "target_flops": target_flops,
         "n_records": len(records) if isinstance(records, (list, tuple)) else 0,
         "n_used": 0,
+        "seeds": None,
         "frontier": None,
         "parametric": None,
         "isoflop": None,
@@ -83,7 +86,13 @@ def fit_all(
             f"dropped {pts.n_dropped} of {pts.n_records} record(s) with a missing, NaN/inf or "
             "non-positive loss"
         )
-    opts = {"target": target_flops, "boot": int(bootstrap or 0), "seed": seed}
+    pts, result["seeds"] = average_seeds(pts)
+    opts = {
+        "target": target_flops,
+        "boot": int(bootstrap or 0),
+        "seed": seed,
+        "noise_sd": (result["seeds"] or {}).get("sd"),  # of one run's final loss, between seeds
+    }
     steps = (  # (section of the result, the fit in FITS it belongs to, the step)
         ("frontier", "frontier", _frontier),
         ("parametric", "parametric", lambda p, o, w: _parametric(p, o, w, grid, n_refine)),
@@ -247,6 +256,12 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
             budgets.append(budget)
             best.append(value)
             how.append(method)
+            if opts.get("noise_sd"):
+                lead = _lead_within_noise(
+                    values[idx], losses[idx], pts.n_seeds[ok][idx], opts["noise_sd"]
+                )
+                if lead:
+                    warnings.append(f"{name}-vs-compute: at C = {budget:.3g} {lead}")
         if len(budgets) > 1 and set(how) == {"grid end"}:
             # no optimum was found, only bounds: a law through them would be the grid's ends
             # (lr_bs_scaling's first run had batch 1024, its smallest, best at every budget)
@@ -325,6 +340,28 @@ def _lr_vs_batch(pts: Points, opts: dict, warnings: list) -> tuple:
             + ("" if xs else ": no budget has two optima inside the grid, so no slope")
         )
     return {"budgets": per_budget, "exponent": exponent, "closest_lr_rule": rule}, {}
+
+
+def _lead_within_noise(values, losses, n_seeds, sd: float) -> str | None:
+    """Where seeds were averaged: if the best value's lead over the next best (each value's
+    lowest mean loss) is under two standard deviations of a difference of two such means,
+    the ranking between them is noise. Says so; None when the lead is clear."""
+    grid = sorted(set(float(v) for v in values))
+    if len(grid) < 2:
+        return None
+    lowest = []
+    for g in grid:
+        at = [i for i, v in enumerate(values) if v == g]
+        i = min(at, key=lambda i: losses[i])
+        lowest.append((float(losses[i]), g, int(n_seeds[i])))
+    (loss1, best, k1), (loss2, second, k2) = sorted(lowest)[:2]
+    noise = sd * math.sqrt(1 / k1 + 1 / k2)
+    if loss2 - loss1 >= 2 * noise:
+        return None
+    return (
+        f"the best ({best:.4g}) leads the next ({second:.4g}) by {loss2 - loss1:.4f}, within "
+        f"twice the seed noise of that difference ({noise:.4f}): not resolved"
+    )
 
 
 def optimum_on_grid(values, losses) -> tuple[float, str]:

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 from .analysis import LR_RULE_EXPONENTS
 from .laws import compute_optimal
-from .records import to_points
+from .records import average_seeds, to_points
 
 DPI = 120
 
@@ -40,7 +40,7 @@ def plot_all(result: dict, records: list[dict], out_dir) -> list[Path]:
     """Write the plots whose fits are present in `result`; returns the PNG paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pts = to_points(records)
+    pts, _ = average_seeds(to_points(records))  # the points the fits were made on
     paths = []
     if result.get("frontier"):
         paths.append(plot_frontier(result, pts, out / "frontier.png"))
@@ -190,6 +190,7 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
     from matplotlib import colormaps
 
     items = list(result["hparams"].items())
+    noise = (result.get("seeds") or {}).get("sd")  # between seeds, of one run's final loss
     fig = Figure(figsize=(12.8, 4.8 * len(items)), layout="constrained")
     FigureCanvasAgg(fig)
     for row, (name, law) in enumerate(items):
@@ -201,15 +202,29 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
         for budget, best, colour in zip(c, law["best"], colours):
             at = final & np.isclose(pts.C, budget, rtol=0.2)
             grid = np.unique(values[at])  # each value's lowest loss, as the optimum uses
-            lowest = np.array([pts.loss[at][values[at] == v].min() for v in grid])
+            pick = [np.flatnonzero(at)[values[at] == v] for v in grid]
+            pick = np.array([i[np.argmin(pts.loss[i])] for i in pick])
+            lowest = pts.loss[pick]
             # above the budget's own best: budgets lie far apart in loss, and their shapes
             # (where each bottoms out) are what the optima are read from
-            ax.plot(grid, lowest - lowest.min(), "o-", c=colour, ms=4, label=f"C = {budget:.2g}")
+            # with seeds averaged, a bar of one standard error of each mean
+            err = noise / np.sqrt(pts.n_seeds[pick]) if noise else None
+            ax.errorbar(
+                grid,
+                lowest - lowest.min(),
+                yerr=err,
+                fmt="o-",
+                c=colour,
+                ms=4,
+                capsize=2,
+                label=f"C = {budget:.2g}",
+            )
             ax.axvline(best, c=colour, ls=":", lw=1)
         ax.set_xscale("log")
         ax.set_xlabel(name.replace("_", " "))
         ax.set_ylabel(f"{_loss_label(result)} above the budget's lowest")
-        ax.set_title(f"lowest final loss at each {name.replace('_', ' ')} (dotted: optimum)")
+        mean = "\nmean over seeds (bars: one standard error)" if noise else ""
+        ax.set_title(f"lowest final loss at each {name.replace('_', ' ')} (dotted: optimum){mean}")
         ax.legend(fontsize=8)
         ax = fig.add_subplot(len(items), 2, 2 * row + 2)
         # an optimum at an end of the values tried is a bound: hollow

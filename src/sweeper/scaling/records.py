@@ -1,8 +1,9 @@
 """Turning rows (dicts from a CSV or a sweep) into the numeric arrays the fits use.
 
 A record is a dict with any of the keys N (parameters), D (tokens), C (FLOPs), loss, budget
-(IsoFLOP budget label), lr, batch_size, final. Missing quantities are completed from
-C = 6 N D where two of the three are known.
+(IsoFLOP budget label), lr, batch_size, final, seed. Missing quantities are completed from
+C = 6 N D where two of the three are known. Runs that differ only in their seed are one
+measurement: `average_seeds` replaces them by their mean.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-FIELDS = ("N", "D", "C", "loss", "budget", "lr", "batch_size", "final")
+FIELDS = ("N", "D", "C", "loss", "budget", "lr", "batch_size", "final", "seed")
 
 # Auto-detection: header names are lower-cased and runs of space/_/-/. become one space, then
 # compared with these spellings in order (the first match wins).
@@ -75,6 +76,7 @@ COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
     "lr": ("lr", "learning rate", "learning_rate", "peak lr", "max lr"),
     "batch_size": ("batch size", "total batch size", "bs", "global batch size"),
     "final": ("final", "is final"),
+    "seed": ("seed", "random seed", "trainer seed", "run seed"),
 }
 
 # Columns of a finished sweep's reports.csv (written by the sweep engine).
@@ -87,6 +89,7 @@ SWEEP_COLUMNS = {
     "lr": "peak_lr",  # the run's peak LR; `lr` is the schedule's LR at each report
     "batch_size": "total_batch_size",
     "final": "final",
+    "seed": "seed",
 }
 
 _TRUE = {"1", "true", "yes", "y", "t"}
@@ -214,6 +217,8 @@ class Points:
     final: np.ndarray
     n_records: int
     n_dropped: int
+    seed: np.ndarray | None = None  # NaN where unknown; None: no record has one
+    n_seeds: np.ndarray | None = None  # seeds averaged into each point (average_seeds)
 
     def has(self, name: str) -> np.ndarray:
         """Mask of points where the numeric column is finite and positive."""
@@ -240,7 +245,7 @@ def _budget_label(value):
 def to_points(records: list[dict]) -> Points:
     """Columns from records; completes C = 6ND / D = C/(6N) and drops unusable losses."""
     col = {k: np.array([_to_float(r.get(k)) for r in records]) for k in ("N", "D", "C", "loss")}
-    for k in ("lr", "batch_size"):
+    for k in ("lr", "batch_size", "seed"):
         col[k] = np.array([_to_float(r.get(k)) for r in records])
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         n, d, c = col["N"], col["D"], col["C"]
@@ -262,4 +267,79 @@ def to_points(records: list[dict]) -> Points:
         final=final[keep],
         n_records=len(records),
         n_dropped=len(records) - len(keep),
+        seed=col["seed"][keep],
+        n_seeds=np.ones(len(keep), dtype=int),
     )
+
+
+def average_seeds(pts: Points) -> tuple[Points, dict | None]:
+    """One point per measurement: points equal in every field but the seed and the loss (the
+    same N, D, C, budget, LR, batch size, at the same report) become one point at their mean
+    loss. A grid point's lowest loss over seeds is its luckiest draw, which is what the
+    optima and the envelope would otherwise pick. Where one seed holds several such points
+    (they differ in something the records do not carry, such as the weight decay) the
+    seed's lowest is taken first, as the fits do without seeds.
+
+    Returns the averaged points and, when at least two seeds were averaged anywhere, what
+    happened: the seeds, how many runs became how many points, and the pooled standard
+    deviation of a final loss between seeds (the noise each optimum is read against)."""
+    if pts.seed is None or len(set(pts.seed[np.isfinite(pts.seed)])) < 2:
+        return pts, None
+    groups: dict[tuple, dict[float, int]] = {}  # measurement -> seed -> index of its lowest
+    alone = []
+    for i in range(len(pts.loss)):
+        if not np.isfinite(pts.seed[i]):
+            alone.append(i)
+            continue
+        key = (
+            *(
+                None if not np.isfinite(v) else float(v)
+                for v in (pts.N[i], pts.D[i], pts.C[i], pts.lr[i], pts.batch_size[i])
+            ),
+            pts.budget[i],
+            bool(pts.final[i]),
+        )
+        per_seed = groups.setdefault(key, {})
+        s = float(pts.seed[i])
+        if s not in per_seed or pts.loss[i] < pts.loss[per_seed[s]]:
+            per_seed[s] = i
+    first, loss, n_seeds, spread = [], [], [], []
+    for per_seed in groups.values():
+        idx = sorted(per_seed.values())
+        first.append(idx[0])
+        values = pts.loss[idx]
+        loss.append(float(values.mean()))
+        n_seeds.append(len(idx))
+        if len(idx) > 1 and pts.final[idx[0]]:
+            spread.append((len(idx) - 1, float(values.var(ddof=1))))
+    keep = np.array(first + alone, dtype=int)
+    order = np.argsort(keep, kind="stable")  # the records' order, as before
+    keep = keep[order]
+    averaged = Points(
+        N=pts.N[keep],
+        D=pts.D[keep],
+        C=pts.C[keep],
+        loss=np.array(loss + [float(pts.loss[i]) for i in alone])[order],
+        lr=pts.lr[keep],
+        batch_size=pts.batch_size[keep],
+        budget=[pts.budget[i] for i in keep],
+        final=pts.final[keep],
+        n_records=pts.n_records,
+        n_dropped=pts.n_dropped,
+        seed=np.full(len(keep), np.nan),
+        n_seeds=np.array(n_seeds + [1] * len(alone), dtype=int)[order],
+    )
+    if not spread:
+        return averaged, None
+    dof = sum(d for d, _ in spread)
+    final_runs = int(np.sum(pts.final & np.isfinite(pts.seed)))
+    info = {
+        "seeds": sorted(
+            {int(s) if s.is_integer() else s for s in map(float, pts.seed) if np.isfinite(s)}
+        ),
+        "final_runs": final_runs,
+        "final_points": sum(1 for key in groups if key[-1]),  # key[-1]: final
+        "points_with_repeats": len(spread),
+        "sd": float(np.sqrt(sum(d * v for d, v in spread) / dof)),
+    }
+    return averaged, info

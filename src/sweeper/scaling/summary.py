@@ -23,6 +23,17 @@ def _cis(section: dict) -> dict:
     return ((section or {}).get("bootstrap") or {}).get("ci95") or {}
 
 
+def _seed_lines(seeds: dict) -> list[str]:
+    k = round(seeds["final_runs"] / max(seeds["final_points"], 1), 1)
+    names = ", ".join(str(s) for s in seeds["seeds"])
+    return [
+        f"Seeds {names}: runs that differ only in their seed are fitted as their mean "
+        f"({seeds['final_runs']} final runs -> {seeds['final_points']} points); a final loss "
+        f"varies between seeds by sd {seeds['sd']:.4f} (a mean of {k:g}: "
+        f"+- {seeds['sd'] / k**0.5:.4f})"
+    ]
+
+
 def _frontier_lines(fr: dict) -> list[str]:
     ci = _cis(fr)
     head = (
@@ -125,6 +136,8 @@ def format_summary(result: dict) -> str:
         f"{result['n_used']} of {result['n_records']} records used "
         f"(params={conv['params']}, flops={conv['flops']}, loss={conv['loss_unit']})"
     ]
+    if result.get("seeds"):
+        lines += _seed_lines(result["seeds"])
     if result.get("frontier"):
         lines += _frontier_lines(result["frontier"])
     if result.get("parametric"):

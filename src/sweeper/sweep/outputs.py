@@ -229,6 +229,7 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
         "peak_lr",
         "budget",
         "final",
+        "seed",
     ]
     if metric not in columns:
         columns.insert(columns.index("val_bpb"), metric)
@@ -303,7 +304,7 @@ def write_all(
             )
         )
     summary["plots"] = [p.name for p in plots if p]
-    summary["fit"] = _fit(out, reports, spec, fit_cfg or {})
+    summary["fit"] = _fit(out, reports, spec, fit_cfg or {}, base)
     write_json_atomic(out / "summary.json", summary)
     _print_summary(summary, spec, out)
     return summary
@@ -326,7 +327,7 @@ def _count(records: list[dict]) -> dict[str, int]:
     return counts
 
 
-def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict) -> dict | None:
+def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict, base: dict) -> dict | None:
     """Loss against compute over every report of every trial (the frontier), plus the
     parametric law, IsoFLOP optima and LR-vs-compute where the sweep's grid allows."""
     from sweeper.scaling import fit_all, plot_all
@@ -342,6 +343,7 @@ def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict) -> dict
             "budget": r.get("budget"),
             "lr": r.get("peak_lr"),
             "batch_size": r.get("total_batch_size"),
+            "seed": r.get("seed"),
         }
         for r in reports
         if r.get("status") != "diverged" and r.get(spec.metric) is not None
@@ -357,12 +359,16 @@ def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict) -> dict
             fits=fits,
         )
         result["not_fitted"] = not_fitted
+        result["predicted_run"] = predicted_run(result, base)
         write_json_atomic(out / "fit.json", result)
         plots = plot_all(result, points, out)
     except Exception as error:  # a fit that can't be made must not lose the sweep
         return {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
     print("\nloss against compute (fit.json):")
     print(format_summary(result))
+    if result["predicted_run"]:
+        print(f"run it at C = {result['target_flops']:.3g} FLOPs:")
+        print(f"  {reproduce_command(result['predicted_run'])}")
     if not_fitted:
         print(f"not fitted: {'; '.join(not_fitted.values())} (+sweep=scaling trains such a grid)")
     return {
@@ -370,6 +376,31 @@ def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict) -> dict
         "plots": [Path(p).name for p in plots],
         "warnings": result.get("warnings", []),
     }
+
+
+def predicted_run(result: dict, base: dict) -> list[str] | None:
+    """fit.target_flops's run as overrides of `python -m sweeper`: the sweep's config with
+    its budget at the target and the LR and batch size the laws predict there. The batch is
+    rounded to a multiple of device_batch_size x seq_len x workers, which a run requires.
+    None where no law predicts (or the config is a user function's, not a sweeper run)."""
+    from sweeper.sweep.engine import reproduce_overrides
+
+    predictions, target = result.get("predictions") or {}, result.get("target_flops")
+    if target is None or not {"lr_opt", "batch_size_opt"} & predictions.keys():
+        return None
+    try:
+        config = {**base, "trainer": dict(base["trainer"]), "optimizer": dict(base["optimizer"])}
+        trainer, optimizer = config["trainer"], config["optimizer"]
+        trainer.update({key: None for key in BUDGET_KEYS}, budget_flops=target)
+        if "batch_size_opt" in predictions:
+            unit = trainer["device_batch_size"] * base["model"]["seq_len"] * trainer["workers"]
+            trainer["total_batch_size"] = max(1, round(predictions["batch_size_opt"] / unit)) * unit
+        if "lr_opt" in predictions:  # the LR the sweep varied: its peak_lr
+            key = "lr" if optimizer.get("name") == "adamw" else "matrix_lr"
+            optimizer[key] = float(f"{predictions['lr_opt']:.4g}")
+        return reproduce_overrides(config)
+    except Exception:  # a user's function's config: no run of sweeper's to predict
+        return None
 
 
 def applicable_fits(points: list[dict]) -> tuple[tuple[str, ...], dict[str, str]]:

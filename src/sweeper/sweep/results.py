@@ -108,6 +108,8 @@ def collect_results(
                         # the compute budget of an IsoFLOP grid point, on final reports only
                         "budget": trainer_cfg.get("budget_flops") if i == len(rows) - 1 else None,
                         "final": i == len(rows) - 1,
+                        # runs that differ only in it are averaged by the fits
+                        "seed": trainer_cfg.get("seed"),
                     }
                 )
             )
