@@ -104,6 +104,31 @@ def test_pick_best_prefers_trials_that_ran_their_whole_budget():
     assert pick_best([trials[3]], "val_bpb", "min") is None
 
 
+def test_a_configuration_run_on_several_seeds_ranks_by_its_mean():
+    def trial(tid, lr, seed, metric, status="completed"):
+        params = {"optimizer.matrix_lr": lr, "trainer.seed": seed}
+        return {"trial_id": tid, "status": status, "metric": metric, "params": params}
+
+    trials = [
+        trial("a0", 0.02, 0, 3.00),  # the single best run: a lucky seed
+        trial("a1", 0.02, 1, 3.40),
+        trial("b0", 0.04, 0, 3.10),
+        trial("b1", 0.04, 1, 3.12),
+        trial("c0", 0.08, 0, 2.90),  # lowest of all, but diverged on its other seed
+        trial("c1", 0.08, 1, None, "diverged"),
+    ]
+    best = pick_best(trials, "val_bpb", "min")
+    assert best["params"] == {"optimizer.matrix_lr": 0.04}  # the seed is not frozen
+    assert best["metric"] == pytest.approx(3.11)
+    assert best["seeds"] == [0, 1] and best["trial_ids"] == ["b0", "b1"]
+    assert best["trial_id"] == "b0"
+    # one seed per configuration: the best run, as ever
+    alone = pick_best([t for t in trials if t["params"]["trainer.seed"] == 0], "val_bpb", "min")
+    assert alone["trial_id"] == "c0" and "seeds" not in alone
+    # a seed axis with the other params differing everywhere groups nothing
+    assert "seeds" not in pick_best([trials[0], trials[3]], "val_bpb", "min")
+
+
 def test_reproduce_overrides_are_the_changes_from_the_default_run():
     from sweeper.config import RunConfig
 

@@ -409,9 +409,18 @@ def test_a_scaling_grid_run_on_two_seeds_is_fitted_on_each_points_mean(
     for budget, best in zip(budgets, law["best"], strict=True):
         means = [np.mean(by_point[(budget, lr)]) for lr in lrs]
         assert best == pytest.approx(optimum_on_grid(lrs, means)[0])
-    assert "Seeds 0, 1: runs that differ only in their seed are fitted as their mean" in (
-        capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert "Seeds 0, 1: runs that differ only in their seed are fitted as their mean" in out
+    # the stage's best is the configuration with the lowest mean, and its seed is not frozen
+    stage = json.loads((tmp_path / "summary.json").read_text())["stages"][0]
+    (budget, lr), values = min(by_point.items(), key=lambda item: np.mean(item[1]))
+    assert stage["best_value"] == pytest.approx(np.mean(values))
+    assert stage["best_params"] == {
+        "trainer.budget_flops": budget,
+        "optimizer.matrix_lr": lr,
+    }
+    assert out.count("<- best (mean over seeds)") == 2
+    assert f"best by the mean over seeds 0, 1: val_bpb {np.mean(values):.4f}" in out
 
 
 def test_the_lr_bs_scaling_sweep_fits_the_best_lr_and_batch_size_against_compute(

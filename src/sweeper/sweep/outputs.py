@@ -201,8 +201,13 @@ def print_stage_table(
             f"{r['status']:>9}",
             *(f"{_fmt(r['params'].get(k)):>22}" for k in keys),
         ]
-        mark = "  <- best" if best is not None and r["trial_id"] == best["trial_id"] else ""
+        mark = ""
+        if best is not None and r["trial_id"] in best.get("trial_ids", [best["trial_id"]]):
+            mark = "  <- best" if "seeds" not in best else "  <- best (mean over seeds)"
         print("  " + " | ".join(cells) + mark)
+    if best is not None and "seeds" in best:
+        seeds = ", ".join(map(str, best["seeds"]))
+        print(f"  best by the mean over seeds {seeds}: {spec.metric} {best['metric']:.4f}")
     for edge in edges:
         print(f"  note: {edge['note']}")
     print()

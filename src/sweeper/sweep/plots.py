@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from sweeper.sweep.stages import SEED_KEY
+
 STATUS_COLORS = {
     "completed": "tab:blue",
     "pruned": "tab:gray",
@@ -95,7 +97,8 @@ def plot_stage_lr(
     from matplotlib.ticker import NullFormatter
 
     ranges = ranges or {}
-    tuned = sorted({k for r in records for k in r["params"]})
+    # trainer.seed as a grid axis repeats the points; it is not a value to plot against
+    tuned = sorted({k for r in records for k in r["params"]} - {SEED_KEY})
     order = [k for k in spec.lr_keys if k in tuned] + [k for k in tuned if k not in spec.lr_keys]
     keys = [k for k in order if all(isinstance(r["params"].get(k), int | float) for r in records)][
         :3

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 BATCH_KEY = "trainer.total_batch_size"
+SEED_KEY = "trainer.seed"
 
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -71,7 +72,39 @@ def pick_best(trials: list[dict], metric: str, mode: str) -> dict | None:
     if not pool:
         return None
     sign = 1 if mode == "min" else -1
-    return min(pool, key=lambda t: sign * t["metric"])
+    repeats = seed_repeats(pool)
+    if repeats is None:
+        return min(pool, key=lambda t: sign * t["metric"])
+    # a configuration run on several seeds (a grid with trainer.seed as an axis) ranks by
+    # its mean: its best single seed is a lucky draw. One that lost a seed (diverged,
+    # failed) ranks after those that finished on every seed.
+    most = max(len(group) for group in repeats)
+    group = min(
+        repeats,
+        key=lambda g: (len(g) < most, sign * sum(t["metric"] for t in g) / len(g)),
+    )
+    first = min(group, key=lambda t: sign * t["metric"])
+    return {
+        **first,
+        "params": {k: v for k, v in first["params"].items() if k != SEED_KEY},
+        "metric": sum(t["metric"] for t in group) / len(group),
+        "seeds": sorted(t["params"][SEED_KEY] for t in group),
+        "trial_ids": [t["trial_id"] for t in group],
+    }
+
+
+def seed_repeats(trials: list[dict]) -> list[list[dict]] | None:
+    """The trials grouped by configuration, where trainer.seed is sampled and some
+    configuration ran on more than one seed; None otherwise."""
+    if not trials or any(SEED_KEY not in t.get("params", {}) for t in trials):
+        return None
+    groups: dict[str, list[dict]] = {}
+    for t in trials:
+        rest = sorted((k, repr(v)) for k, v in t["params"].items() if k != SEED_KEY)
+        groups.setdefault(repr(rest), []).append(t)
+    if all(len(group) == 1 for group in groups.values()):
+        return None
+    return list(groups.values())
 
 
 def _finite(value: Any) -> bool:
