@@ -1,6 +1,8 @@
 """sweep.confirm_seeds: the stats over fresh seeds and their lines (the runs themselves are
 in test_sweep.py)."""
 
+from pathlib import Path
+
 import pytest
 
 from sweeper.sweep.confirm import confirmation_lines, confirmation_summary, fresh_seeds, with_seed
@@ -27,6 +29,13 @@ def test_fresh_seeds_follow_the_sweeps_own_and_leave_the_config_alone():
     assert fresh_seeds(BASE, 0) == []
     seeded = with_seed(BASE, 9)
     assert seeded["trainer"]["seed"] == 9 and BASE["trainer"]["seed"] == 4
+
+
+def test_fresh_seeds_pass_over_seeds_a_stage_trained_on():
+    state = SweepState(out=Path("unused"), name="lr", base=BASE)
+    records = [{"params": {"trainer.seed": s, "optimizer.matrix_lr": 0.02}} for s in (4, 5, 7)]
+    state.stages.append({"records": records + [{"params": {"optimizer.matrix_lr": 0.04}}]})
+    assert fresh_seeds(BASE, 3, state) == [6, 8, 9]
 
 
 def test_the_improvement_is_paired_by_seed_with_its_spread():

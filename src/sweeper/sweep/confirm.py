@@ -15,13 +15,22 @@ import time
 
 from sweeper.sweep.outputs import launch_once
 from sweeper.sweep.spec import SweepSpec
+from sweeper.sweep.stages import SEED_KEY
 from sweeper.sweep.state import SweepState, as_json
 
 
-def fresh_seeds(base: dict, count: int) -> list[int]:
-    """The `count` seeds after the one the sweep trained on (`trainer.seed`)."""
-    first = int(base["trainer"]["seed"])
-    return [first + i for i in range(1, count + 1)]
+def fresh_seeds(base: dict, count: int, state: SweepState | None = None) -> list[int]:
+    """The `count` seeds after the one the sweep trained on (`trainer.seed`), passing over
+    any a stage's trials trained on (a grid with trainer.seed as an axis)."""
+    used = {int(base["trainer"]["seed"])}
+    for stage in state.stages if state else []:
+        used |= {int(r["params"][SEED_KEY]) for r in stage["records"] if SEED_KEY in r["params"]}
+    seeds, candidate = [], int(base["trainer"]["seed"])
+    while len(seeds) < count:
+        candidate += 1
+        if candidate not in used:
+            seeds.append(candidate)
+    return seeds
 
 
 def with_seed(config: dict, seed: int) -> dict:
@@ -52,7 +61,7 @@ def run_confirmation(spec: SweepSpec, state: SweepState, base: dict, target: str
     configs = {"best": best}
     if (state.baseline or {}).get("value") is not None:
         configs["baseline"] = base
-    seeds = fresh_seeds(base, spec.confirm_seeds)
+    seeds = fresh_seeds(base, spec.confirm_seeds, state)
     todo = [(s, which) for s in seeds for which in configs if which not in runs.get(str(s), {})]
     if not todo:
         return
@@ -106,7 +115,7 @@ def confirmation_summary(spec: SweepSpec, state: SweepState, base: dict) -> dict
     `sweep.confirm_seeds` asks for and that have run. The improvement is paired by seed
     (baseline minus best for `min`), over the seeds where both runs completed."""
     runs = kept_runs(state)
-    seeds = [str(s) for s in fresh_seeds(base, spec.confirm_seeds) if str(s) in runs]
+    seeds = [str(s) for s in fresh_seeds(base, spec.confirm_seeds, state) if str(s) in runs]
     if not seeds:
         return None
 
