@@ -301,12 +301,9 @@ def test_a_best_at_the_end_of_its_range_is_searched_past_and_resumes(ray_cluster
     assert again["best"] == summary["best"] and again["stages"] == summary["stages"]
 
 
-def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_path, capsys):
-    from sweeper.scaling.analysis import optimum_on_grid
-    from sweeper.sweep.engine import run_sweep
-
-    lrs = [0.02, 0.08, 0.32]
-    cfg = compose(
+def tiny_lr_scaling(lrs: list[float], *overrides: str):
+    """`+sweep=lr_scaling` on the tiny model: budgets of 4e9 and 1.2e10 FLOPs x `lrs`."""
+    return compose(
         [
             "+sweep=lr_scaling",
             "model=tiny",
@@ -318,8 +315,17 @@ def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_
             "sweep.budget.flops_per_trial=1.2e10",
             "sweep.stages.0.params.trainer.budget_flops.grid=[4e9,1.2e10]",
             f"sweep.stages.0.params.optimizer.matrix_lr.grid=[{','.join(map(str, lrs))}]",
+            *overrides,
         ]
     )
+
+
+def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_path, capsys):
+    from sweeper.scaling.analysis import optimum_on_grid
+    from sweeper.sweep.engine import run_sweep
+
+    lrs = [0.02, 0.08, 0.32]
+    cfg = tiny_lr_scaling(lrs)
     run_sweep(cfg, str(tmp_path))
     fit = json.loads((tmp_path / "fit.json").read_text())
     law = fit["hparams"]["lr"]
@@ -368,21 +374,7 @@ def test_a_scaling_grid_run_on_two_seeds_is_fitted_on_each_points_mean(
     from sweeper.scaling.analysis import optimum_on_grid
 
     lrs, budgets = [0.02, 0.08], [4e9, 1.2e10]
-    cfg = compose(
-        [
-            "+sweep=lr_scaling",
-            "model=tiny",
-            "trainer.total_batch_size=512",
-            "trainer.eval_tokens=1024",
-            "mlflow.enabled=false",
-            "fit.bootstrap=0",
-            "sweep.reports_per_trial=2",
-            "sweep.budget.flops_per_trial=1.2e10",
-            f"sweep.stages.0.params.trainer.budget_flops.grid=[{','.join(map(str, budgets))}]",
-            f"sweep.stages.0.params.optimizer.matrix_lr.grid=[{','.join(map(str, lrs))}]",
-            "+sweep.stages.0.params.trainer.seed.grid=[0,1]",
-        ]
-    )
+    cfg = tiny_lr_scaling(lrs, "+sweep.stages.0.params.trainer.seed.grid=[0,1]")
     run_sweep(cfg, str(tmp_path))
     with open(tmp_path / "reports.csv") as f:
         finals = [r for r in csv.DictReader(f) if r["final"] == "True"]
