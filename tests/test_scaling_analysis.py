@@ -573,3 +573,42 @@ def test_the_summary_and_the_hparams_plot_show_the_seeds(tmp_path, monkeypatch):
     heights = [seg[1][1] - seg[0][1] for seg in bars[0].get_segments()]
     assert heights == pytest.approx([2 * 0.01] * len(mults))
     assert "mean over seeds" in ax.get_title()
+
+
+def test_the_predicted_run_is_the_sweeps_config_at_the_target_with_the_laws_values():
+    from sweeper.cli import compose
+    from sweeper.config import load_run_config
+    from sweeper.sweep.outputs import predicted_run
+    from sweeper.sweep.preflight import base_config, validate_sweep
+
+    cfg = compose(["+sweep=lr_bs_scaling"])
+    base = base_config(cfg, validate_sweep(cfg), None)
+    unit = base["trainer"]["device_batch_size"] * base["model"]["seq_len"]  # 512 tokens
+
+    def run(predictions, points=()):
+        overrides = predicted_run({"target_flops": 1e15, "predictions": predictions}, base, points)
+        return None if overrides is None else load_run_config(compose(overrides))
+
+    both = run({"lr_opt": 0.0123456, "batch_size_opt": 1.7 * unit})
+    assert both.trainer.budget_flops == 1e15 and both.trainer.budget_tokens is None
+    assert both.optimizer.matrix_lr == 0.01235  # 4 significant digits
+    assert both.trainer.total_batch_size == 2 * unit  # the nearest whole micro-batches
+    assert run({"batch_size_opt": 0.2 * unit}).trainer.total_batch_size == unit  # at least one
+    # an LR law but no batch law over a batch grid: the best batch at the largest budget
+    grid = [
+        {
+            "N": 3e6,
+            "C": c,
+            "loss": 3 + abs(b - 1024) / 1e4 - c / 1e13,
+            "budget": c,
+            "lr": 0.02,
+            "batch_size": b,
+            "final": True,
+        }
+        for c in (1e12, 1e13)
+        for b in (512, 1024, 2048)
+    ]
+    assert run({"lr_opt": 0.01}, grid).trainer.total_batch_size == 1024
+    assert run({"lr_opt": 0.01}).trainer.total_batch_size == base["trainer"]["total_batch_size"]
+    assert run({"frontier_loss": 2.0}) is None  # no hyperparameter law: nothing to run
+    assert predicted_run({"target_flops": 1e15, "predictions": {"lr_opt": 0.01}}, {}, []) is None

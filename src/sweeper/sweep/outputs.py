@@ -364,7 +364,7 @@ def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict, base: d
             fits=fits,
         )
         result["not_fitted"] = not_fitted
-        result["predicted_run"] = predicted_run(result, base)
+        result["predicted_run"] = predicted_run(result, base, points)
         write_json_atomic(out / "fit.json", result)
         plots = plot_all(result, points, out)
     except Exception as error:  # a fit that can't be made must not lose the sweep
@@ -383,29 +383,54 @@ def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict, base: d
     }
 
 
-def predicted_run(result: dict, base: dict) -> list[str] | None:
+def predicted_run(result: dict, base: dict, points: list[dict]) -> list[str] | None:
     """fit.target_flops's run as overrides of `python -m sweeper`: the sweep's config with
-    its budget at the target and the LR and batch size the laws predict there. The batch is
-    rounded to a multiple of device_batch_size x seq_len x workers, which a run requires.
-    None where no law predicts (or the config is a user function's, not a sweeper run)."""
+    its budget at the target and the LR and batch size the laws predict there. A varied
+    hyperparameter without a law (its optima were all grid ends) takes its best value at
+    the largest budget instead: the laws were measured there, not at the base config's
+    value. The batch is rounded to a multiple of device_batch_size x seq_len x workers,
+    which a run requires. None where no law predicts (or the config is a user function's,
+    not a sweeper run)."""
     from sweeper.sweep.engine import reproduce_overrides
 
     predictions, target = result.get("predictions") or {}, result.get("target_flops")
     if target is None or not {"lr_opt", "batch_size_opt"} & predictions.keys():
         return None
+    values = {
+        name: predictions.get(f"{name}_opt") or _best_at_largest_budget(points, name)
+        for name in ("lr", "batch_size")
+    }
     try:
         config = {**base, "trainer": dict(base["trainer"]), "optimizer": dict(base["optimizer"])}
         trainer, optimizer = config["trainer"], config["optimizer"]
         trainer.update({key: None for key in BUDGET_KEYS}, budget_flops=target)
-        if "batch_size_opt" in predictions:
+        if values["batch_size"]:
             unit = trainer["device_batch_size"] * base["model"]["seq_len"] * trainer["workers"]
-            trainer["total_batch_size"] = max(1, round(predictions["batch_size_opt"] / unit)) * unit
-        if "lr_opt" in predictions:  # the LR the sweep varied: its peak_lr
+            trainer["total_batch_size"] = max(1, round(values["batch_size"] / unit)) * unit
+        if values["lr"]:  # the LR the sweep varied: its peak_lr
             key = "lr" if optimizer.get("name") == "adamw" else "matrix_lr"
-            optimizer[key] = float(f"{predictions['lr_opt']:.4g}")
+            optimizer[key] = float(f"{values['lr']:.4g}")
         return reproduce_overrides(config)
     except Exception:  # a user's function's config: no run of sweeper's to predict
         return None
+
+
+def _best_at_largest_budget(points: list[dict], name: str) -> float | None:
+    """The value of `name` ("lr" or "batch_size") with the lowest final loss at the largest
+    budget (seeds averaged, as the fits read it); None where the sweep did not vary it."""
+    import numpy as np
+
+    from sweeper.scaling.analysis import optimum_on_grid
+    from sweeper.scaling.records import average_seeds, to_points
+
+    pts, _ = average_seeds(to_points(points))
+    budgets = np.array([b if isinstance(b, float | int) else np.nan for b in pts.budget], float)
+    ok = pts.final & pts.has(name) & np.isfinite(budgets)
+    values = getattr(pts, name)
+    if len(set(values[ok])) < 2:
+        return None
+    at = ok & (budgets == np.nanmax(budgets[ok]))
+    return optimum_on_grid(values[at], pts.loss[at])[0]
 
 
 def applicable_fits(points: list[dict]) -> tuple[tuple[str, ...], dict[str, str]]:
