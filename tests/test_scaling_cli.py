@@ -134,6 +134,59 @@ def test_cli_reads_sweep_directory(tmp_path):
     assert (tmp_path / "fit.json").is_file()
 
 
+def lr_grid_sweep_dir(path: Path, overrides: list[str] | None) -> Path:
+    """A sweep run dir as `+sweep=lr_scaling` leaves it: reports.csv's final rows of an LR
+    grid at 2 budgets, and the overrides Hydra kept (None: no .hydra directory)."""
+    header = ["trial_id", "params", "tokens", "flops", "val_bpb", "budget", "peak_lr"]
+    header += ["total_batch_size", "final"]
+    rows = [
+        [
+            f"t{i}",
+            3e6,
+            c / 1.8e7,
+            c,
+            3.0 - 0.1 * np.log10(c) + 0.05 * np.log(m) ** 2,
+            c,
+            0.04 * m * (c / 1e12) ** -0.3,
+            2048,
+            "True",
+        ]
+        for i, (c, m) in enumerate((c, m) for c in (1e12, 1e13) for m in (0.25, 0.5, 1, 2, 4))
+    ]
+    write_csv(path / "reports.csv", header, rows)
+    if overrides is not None:
+        (path / ".hydra").mkdir()
+        (path / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    return path
+
+
+def test_a_sweep_dirs_refit_predicts_at_its_target_and_names_the_run_there(tmp_path):
+    kept = ["+sweep=lr_scaling", "trainer.device_batch_size=4", "hydra.run.dir=elsewhere"]
+    proc = run_fit(lr_grid_sweep_dir(tmp_path, kept), "--no-plots")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((tmp_path / "fit.json").read_text())
+    assert res["target_flops"] == 1e15  # lr_scaling's fit.target_flops
+    lr_opt = res["predictions"]["lr_opt"]
+    assert lr_opt == pytest.approx(0.04 * 1000**-0.3, rel=1e-6)
+    run = res["predicted_run"]
+    assert f"optimizer.matrix_lr={float(format(lr_opt, '.4g'))!r}" in run
+    assert "trainer.device_batch_size=4" in run and "trainer.total_batch_size=2048" in run
+    assert "Run it at C = 1e+15 FLOPs:\n  python -m sweeper " in proc.stdout
+    # --target-flops still wins
+    proc = run_fit(tmp_path, "--no-plots", "--target-flops", "1e14")
+    assert json.loads((tmp_path / "fit.json").read_text())["target_flops"] == 1e14
+
+
+@pytest.mark.parametrize("overrides", [None, ["+sweep=no_such_sweep"]])
+def test_a_refit_without_the_sweeps_config_fits_without_a_run(tmp_path, overrides):
+    proc = run_fit(lr_grid_sweep_dir(tmp_path, overrides), "--no-plots")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((tmp_path / "fit.json").read_text())
+    assert res["hparams"]["lr"]["p"] == pytest.approx(-0.3)
+    assert res["target_flops"] is None and "predicted_run" not in res
+    assert "Run it" not in proc.stdout
+
+
 @pytest.mark.parametrize("column, option", [("seed", []), ("run_id_seed", ["--seed-col"])])
 def test_cli_averages_rows_that_differ_only_in_their_seed(tmp_path, column, option):
     # one LR grid at 2 budgets on seeds 0 and 1, each seed +-0.02 off the mean at every LR

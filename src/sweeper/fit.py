@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-flops",
         type=_above_zero,
         metavar="X",
-        help="predict loss and compute-optimal N, D (and lr) at X FLOPs",
+        help="predict loss and compute-optimal N, D (and lr) at X FLOPs (default for a "
+        "sweep's directory: the sweep's fit.target_flops)",
     )
     p.add_argument(
         "--bootstrap",
@@ -149,14 +150,44 @@ def load_records(args) -> tuple[list[dict], Path, dict]:
     return records, args.out or out, conventions
 
 
+def sweep_config(path: Path) -> dict | None:
+    """For a sweep's run dir: its fit.target_flops and its trials' base config, composed
+    again from the overrides Hydra kept (.hydra/overrides.yaml), so that a refit predicts
+    where the sweep's own fit did and can name the run there. None where the directory
+    has no such file, the sweep swept a user's function, or the overrides no longer
+    compose (a config dir of the user's that is gone)."""
+    overrides_file = path / ".hydra" / "overrides.yaml"
+    if not overrides_file.is_file():
+        return None
+    try:
+        from omegaconf import OmegaConf
+
+        from sweeper.cli import compose
+        from sweeper.sweep.preflight import base_config, trainable_target, validate_sweep
+
+        kept = [str(o) for o in OmegaConf.load(overrides_file) if not str(o).startswith("hydra.")]
+        cfg = compose(kept)
+        if "sweep" not in cfg or trainable_target(cfg):
+            return None
+        spec = validate_sweep(cfg)
+        return {
+            "target_flops": cfg.get("fit", {}).get("target_flops"),
+            "base": base_config(cfg, spec, None),
+        }
+    except Exception:  # the refit stands without it
+        return None
+
+
 def run(args) -> int:
     from sweeper.scaling.analysis import fit_all
     from sweeper.scaling.summary import format_summary
 
     records, out_dir, conventions = load_records(args)
+    sweep = sweep_config(Path(args.path)) if Path(args.path).is_dir() else None
+    target = args.target_flops or (sweep or {}).get("target_flops")
     result = fit_all(
         records,
-        target_flops=args.target_flops,
+        target_flops=target,
         bootstrap=args.bootstrap,
         seed=args.seed,
         conventions=conventions,
@@ -164,6 +195,10 @@ def run(args) -> int:
     )
     if not any(result[k] for k in ("frontier", "parametric", "isoflop", "hparams")):
         raise InputError("no fit could be made: " + "; ".join(result["warnings"]))
+    if sweep:
+        from sweeper.sweep.outputs import predicted_run
+
+        result["predicted_run"] = predicted_run(result, sweep["base"], records)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "fit.json").write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
     written = [out_dir / "fit.json"]
@@ -178,6 +213,11 @@ def run(args) -> int:
         print(json.dumps(result, indent=2, allow_nan=False))
     else:
         print(format_summary(result))
+        if result.get("predicted_run"):
+            from sweeper.sweep.outputs import reproduce_command
+
+            print(f"Run it at C = {result['target_flops']:.3g} FLOPs:")
+            print(f"  {reproduce_command(result['predicted_run'])}")
         print("Wrote " + ", ".join(p.name for p in written) + f" to {out_dir}")
     return 0
 
