@@ -190,7 +190,7 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
     from matplotlib import colormaps
 
     items = list(result["hparams"].items())
-    noise = (result.get("seeds") or {}).get("sd")  # between seeds, of one run's final loss
+    averaged = bool(result.get("seeds")) and pts.by_seed is not None
     fig = Figure(figsize=(12.8, 4.8 * len(items)), layout="constrained")
     FigureCanvasAgg(fig)
     for row, (name, law) in enumerate(items):
@@ -198,6 +198,7 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
         colours = colormaps["viridis"](np.linspace(0, 0.85, len(c)))
         ax = fig.add_subplot(len(items), 2, 2 * row + 1)
         values = getattr(pts, name)
+        by_seed = pts.by_seed if averaged else [{}] * len(values)
         final = pts.final & pts.has(name)
         for budget, best, colour in zip(c, law["best"], colours):
             at = final & np.isclose(pts.C, budget, rtol=0.2)
@@ -207,23 +208,17 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
             lowest = pts.loss[pick]
             # above the budget's own best: budgets lie far apart in loss, and their shapes
             # (where each bottoms out) are what the optima are read from
-            # with seeds averaged, a bar of one standard error of each mean
-            err = noise / np.sqrt(pts.n_seeds[pick]) if noise else None
-            ax.errorbar(
-                grid,
-                lowest - lowest.min(),
-                yerr=err,
-                fmt="o-",
-                c=colour,
-                ms=4,
-                capsize=2,
-                label=f"C = {budget:.2g}",
-            )
+            ax.plot(grid, lowest - lowest.min(), "o-", c=colour, ms=4, label=f"C = {budget:.2g}")
+            # with seeds averaged, each seed's own curve (thin, dashed): whether the seeds
+            # agree on where it bottoms out is what the fit's "not resolved" check reads
+            for seed in sorted(set.intersection(*(set(by_seed[i]) for i in pick))):
+                own = np.array([by_seed[i][seed] for i in pick])
+                ax.plot(grid, own - own.min(), "--", c=colour, lw=0.7, alpha=0.6)
             ax.axvline(best, c=colour, ls=":", lw=1)
         ax.set_xscale("log")
         ax.set_xlabel(name.replace("_", " "))
         ax.set_ylabel(f"{_loss_label(result)} above the budget's lowest")
-        mean = "\nmean over seeds (bars: one standard error)" if noise else ""
+        mean = "\nmean over seeds (dashed: each seed's own)" if averaged else ""
         ax.set_title(f"lowest final loss at each {name.replace('_', ' ')} (dotted: optimum){mean}")
         ax.legend(fontsize=8)
         ax = fig.add_subplot(len(items), 2, 2 * row + 2)

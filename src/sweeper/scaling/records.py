@@ -219,6 +219,7 @@ class Points:
     n_dropped: int
     seed: np.ndarray | None = None  # NaN where unknown; None: no record has one
     n_seeds: np.ndarray | None = None  # seeds averaged into each point (average_seeds)
+    by_seed: list[dict] | None = None  # each averaged point's loss on each seed: {seed: loss}
 
     def has(self, name: str) -> np.ndarray:
         """Mask of points where the numeric column is finite and positive."""
@@ -303,13 +304,14 @@ def average_seeds(pts: Points) -> tuple[Points, dict | None]:
         s = float(pts.seed[i])
         if s not in per_seed or pts.loss[i] < pts.loss[per_seed[s]]:
             per_seed[s] = i
-    first, loss, n_seeds, spread = [], [], [], []
+    first, loss, n_seeds, by_seed, spread = [], [], [], [], []
     for per_seed in groups.values():
         idx = sorted(per_seed.values())
         first.append(idx[0])
         values = pts.loss[idx]
         loss.append(float(values.mean()))
         n_seeds.append(len(idx))
+        by_seed.append({s: float(pts.loss[i]) for s, i in per_seed.items()})
         if len(idx) > 1 and pts.final[idx[0]]:
             spread.append((len(idx) - 1, float(values.var(ddof=1))))
     keep = np.array(first + alone, dtype=int)
@@ -328,6 +330,7 @@ def average_seeds(pts: Points) -> tuple[Points, dict | None]:
         n_dropped=pts.n_dropped,
         seed=np.full(len(keep), np.nan),
         n_seeds=np.array(n_seeds + [1] * len(alone), dtype=int)[order],
+        by_seed=[(by_seed + [{}] * len(alone))[i] for i in order],
     )
     if not spread:
         return averaged, None
