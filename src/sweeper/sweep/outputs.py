@@ -396,11 +396,11 @@ def predicted_run(result: dict, base: dict, points: list[dict]) -> list[str] | N
     predictions, target = result.get("predictions") or {}, result.get("target_flops")
     if target is None or not {"lr_opt", "batch_size_opt"} & predictions.keys():
         return None
-    values = {
-        name: predictions.get(f"{name}_opt") or _best_at_largest_budget(points, name)
-        for name in ("lr", "batch_size")
-    }
     try:
+        values = {
+            name: predictions.get(f"{name}_opt") or _best_at_largest_budget(points, name)
+            for name in ("lr", "batch_size")
+        }
         config = {**base, "trainer": dict(base["trainer"]), "optimizer": dict(base["optimizer"])}
         trainer, optimizer = config["trainer"], config["optimizer"]
         trainer.update({key: None for key in BUDGET_KEYS}, budget_flops=target)
@@ -411,7 +411,7 @@ def predicted_run(result: dict, base: dict, points: list[dict]) -> list[str] | N
             key = "lr" if optimizer.get("name") == "adamw" else "matrix_lr"
             optimizer[key] = float(f"{values['lr']:.4g}")
         return reproduce_overrides(config)
-    except Exception:  # a user's function's config: no run of sweeper's to predict
+    except Exception:  # a user's function's config (no run of sweeper's to predict), odd records
         return None
 
 
