@@ -527,7 +527,7 @@ def test_within_a_seed_the_lowest_of_runs_the_records_cannot_tell_apart_is_taken
     records = [{**point, "loss": y, "seed": s} for y, s in ((3.0, 0), (3.4, 0), (3.2, 1))]
     pts, info = average_seeds(to_points(records))
     assert list(pts.loss) == pytest.approx([3.1])
-    assert list(pts.n_seeds) == [2]
+    assert pts.by_seed == [{0.0: 3.0, 1.0: 3.2}]  # each seed's lowest
     assert info["sd"] == pytest.approx(np.std([3.0, 3.2], ddof=1))
     # a record without a seed stays a point of its own
     pts, _ = average_seeds(to_points(records + [{**point, "loss": 2.5}]))

@@ -218,7 +218,6 @@ class Points:
     n_records: int
     n_dropped: int
     seed: np.ndarray | None = None  # NaN where unknown; None: no record has one
-    n_seeds: np.ndarray | None = None  # seeds averaged into each point (average_seeds)
     by_seed: list[dict] | None = None  # each averaged point's loss on each seed: {seed: loss}
 
     def has(self, name: str) -> np.ndarray:
@@ -269,7 +268,6 @@ def to_points(records: list[dict]) -> Points:
         n_records=len(records),
         n_dropped=len(records) - len(keep),
         seed=col["seed"][keep],
-        n_seeds=np.ones(len(keep), dtype=int),
     )
 
 
@@ -304,13 +302,12 @@ def average_seeds(pts: Points) -> tuple[Points, dict | None]:
         s = float(pts.seed[i])
         if s not in per_seed or pts.loss[i] < pts.loss[per_seed[s]]:
             per_seed[s] = i
-    first, loss, n_seeds, by_seed, spread = [], [], [], [], []
+    first, loss, by_seed, spread = [], [], [], []
     for per_seed in groups.values():
         idx = sorted(per_seed.values())
         first.append(idx[0])
         values = pts.loss[idx]
         loss.append(float(values.mean()))
-        n_seeds.append(len(idx))
         by_seed.append({s: float(pts.loss[i]) for s, i in per_seed.items()})
         if len(idx) > 1 and pts.final[idx[0]]:
             spread.append((len(idx) - 1, float(values.var(ddof=1))))
@@ -329,8 +326,7 @@ def average_seeds(pts: Points) -> tuple[Points, dict | None]:
         n_records=pts.n_records,
         n_dropped=pts.n_dropped,
         seed=np.full(len(keep), np.nan),
-        n_seeds=np.array(n_seeds + [1] * len(alone), dtype=int)[order],
-        by_seed=[(by_seed + [{}] * len(alone))[i] for i in order],
+        by_seed=[by_seed[i] if i < len(by_seed) else {} for i in order],  # alone: {}
     )
     if not spread:
         return averaged, None
