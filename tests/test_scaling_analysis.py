@@ -630,3 +630,37 @@ def test_the_predicted_run_is_the_sweeps_config_at_the_target_with_the_laws_valu
     assert run({"lr_opt": 0.01}).trainer.total_batch_size == base["trainer"]["total_batch_size"]
     assert run({"frontier_loss": 2.0}) is None  # no hyperparameter law: nothing to run
     assert predicted_run({"target_flops": 1e15, "predictions": {"lr_opt": 0.01}}, {}, []) is None
+
+
+def margin_grid(margins: list[float]) -> list[dict]:
+    """LRs 0.01, 0.02, 0.04 at two budgets on len(margins) seeds: 0.02 is best, and on
+    seed s the next best (0.01) trails it by margins[s]; 0.04 trails by 1."""
+    records = []
+    for c in (1e12, 1e13):
+        for s, margin in enumerate(margins):
+            luck = 0.3 * s  # a seed's own luck, shared by its runs
+            for lr, extra in ((0.01, margin), (0.02, 0.0), (0.04, 1.0)):
+                loss = 3.0 + luck + extra
+                records.append({"N": 3e6, "C": c, "budget": c, "lr": lr, "loss": loss,
+                                "final": True, "seed": s})  # fmt: skip
+    return records
+
+
+def test_from_three_seeds_a_paired_interval_decides_whether_an_optimum_is_resolved():
+    # five seeds, four clear wins and one loss by a hair: two seeds' "all must agree" would
+    # call it unresolved; the paired interval does not (mean 0.0428, sd 0.0252: lower
+    # bound 0.0428 - t(0.95, 4) 0.0113 = 0.0188 with t(0.95, 4) = 2.132)
+    clear = fit_all(margin_grid([0.05, 0.06, 0.055, 0.05, -0.001]))
+    assert not [w for w in clear["warnings"] if "not resolved" in w]
+    # three seeds that all agree, by margins that scatter: mean 0.1003, sd 0.0995, lower
+    # bound 0.1003 - 2.920 * 0.0995 / sqrt(3) = -0.0674 (t(0.95, 2) = 2.920)
+    res = fit_all(margin_grid([0.001, 0.1, 0.2]))
+    notes = [w for w in res["warnings"] if "not resolved" in w]
+    margins = np.array([0.001, 0.1, 0.2])
+    lower = margins.mean() - 2.919986 * margins.std(ddof=1) / math.sqrt(3)
+    assert notes == [
+        f"lr-vs-compute: at C = {c:.3g} the best (0.02) beats the next (0.01) by 0.1 on "
+        f"average over 3 seeds (3 won), but the paired 95% lower bound is {lower:.3g}: "
+        "not resolved"
+        for c in (1e12, 1e13)
+    ]

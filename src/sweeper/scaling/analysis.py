@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy import stats
 
 from .bootstrap import bootstrap_chinchilla, bootstrap_frontier
 from .frontier import fit_frontier, lower_envelope
@@ -340,12 +341,16 @@ def _lr_vs_batch(pts: Points, opts: dict, warnings: list) -> tuple:
 
 
 def _split_by_seed(values, losses, by_seed: list[dict]) -> str | None:
-    """Where seeds were averaged: does the best value (lowest mean) beat the next best on
-    every seed the two share? Seeds are compared pairwise because a seed's luck is shared:
-    runs on one seed that differ only in their LR see the same data in the same order (in
+    """Where seeds were averaged: is the best value (lowest mean) really better than the
+    next best? Seeds are compared pairwise because a seed's luck is shared: runs on one
+    seed that differ only in their LR see the same data in the same order (in
     lr_bs_scaling, seed 1 trained 0.15-0.20 bpb better than seed 0 at every LR of the
     smallest batch, 1e12 FLOPs), so the spread of single runs would bury differences that
-    every seed agrees on. Says where they do not agree; None where they do."""
+    every seed agrees on. Two seeds can only say whether both agree. From three on, the
+    per-seed margins give a paired t-interval: resolved where its one-sided 95% lower bound
+    is above 0, so that one unlucky seed among many does not unresolve a clear lead, and
+    agreeing seeds whose margins scatter around 0 do not resolve it. Says where it is not
+    resolved; None where it is."""
     grid = sorted(set(float(v) for v in values))
     if len(grid) < 2:
         return None
@@ -357,12 +362,18 @@ def _split_by_seed(values, losses, by_seed: list[dict]) -> str | None:
     shared = sorted(set(seeds1) & set(seeds2))
     if len(shared) < 2:
         return None
-    wins = sum(seeds1[s] < seeds2[s] for s in shared)
-    if wins == len(shared):
+    margins = np.array([seeds2[s] - seeds1[s] for s in shared])  # > 0: the best won there
+    wins, n = int((margins > 0).sum()), len(shared)
+    lead = f"the best ({best:.4g}) beats the next ({second:.4g})"
+    if n == 2:
+        return None if wins == n else f"{lead} on {wins} of {n} seeds: not resolved"
+    mean, sem = margins.mean(), margins.std(ddof=1) / math.sqrt(n)
+    lower = mean - stats.t.ppf(0.95, n - 1) * sem
+    if lower > 0:
         return None
     return (
-        f"the best ({best:.4g}) beats the next ({second:.4g}) on {wins} of {len(shared)} "
-        "seeds: not resolved"
+        f"{lead} by {mean:.3g} on average over {n} seeds ({wins} won), but the paired 95% "
+        f"lower bound is {lower:.3g}: not resolved"
     )
 
 
