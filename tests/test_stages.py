@@ -142,6 +142,19 @@ def test_reproduce_overrides_are_the_changes_from_the_default_run():
     assert hydra_value(None) == "null" and hydra_value(True) == "true"
 
 
+@pytest.mark.parametrize(
+    "value, text",
+    [(1e15, "1e15"), (3e12, "3e12"), (-1.5e7, "-1.5e7"), (1e6, "1e6"), (524288.0, "524288.0"),
+     (12345678.0, "12345678.0"), (0.008631, "0.008631"), (2.5e-05, "2.5e-05"), (1e16, "1e+16")],
+)  # fmt: skip
+def test_a_float_override_is_short_and_reads_back_as_the_same_float(value, text):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    assert hydra_value(value) == text
+    override = OverridesParser.create().parse_override(f"x={text}")
+    assert override.value() == value and isinstance(override.value(), float)
+
+
 def test_the_reproduce_command_is_one_shell_line_that_keeps_every_override_whole():
     import shlex
 

@@ -351,7 +351,7 @@ def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_
     assert fit["predictions"]["lr_opt"] > 0  # at fit.target_flops: 1e15
     # that prediction as a run: the sweep's config at 1e15 FLOPs with the predicted LR
     run = fit["predicted_run"]
-    assert "trainer.budget_flops=1000000000000000.0" in run and "trainer.budget_tokens=null" in run
+    assert "trainer.budget_flops=1e15" in run and "trainer.budget_tokens=null" in run
     lr_opt = float(format(fit["predictions"]["lr_opt"], ".4g"))
     assert f"optimizer.matrix_lr={lr_opt!r}" in run and "model.seq_len=64" in run
     assert load_run_config(compose(run)).trainer.budget_flops == 1e15
@@ -717,7 +717,7 @@ def test_a_grid_is_checked_point_by_point_where_one_value_at_a_time_passes(tmp_p
     proc = run_cli(args, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        "error: sweep stage 'isoflop': trainer.budget_flops=1000000000000.0 (grid), "
+        "error: sweep stage 'isoflop': trainer.budget_flops=1e12 (grid), "
         "model.depth=5 (grid) together are not a valid run: trainer.budget_flops=1e+12 at "
         "39,813,120 FLOPs per token is 25,117 tokens, less than one optimizer step of "
         "trainer.total_batch_size=32768 tokens; raise the budget or lower the batch"
@@ -744,7 +744,7 @@ def test_a_grid_stage_is_checked_by_the_combinations_it_runs_not_by_values_alone
             compose([*grids, "sweep.stages.0.params.trainer.total_batch_size.grid=[256,8192]"])
         )
     assert str(refused.value).startswith(
-        "sweep stage 'lr_bs_vs_compute': trainer.budget_flops=4000000000.0 (grid) is not a valid "
+        "sweep stage 'lr_bs_vs_compute': trainer.budget_flops=4e9 (grid) is not a valid "
         "run: trainer.budget_flops=4e+09 at 786,432 FLOPs per token is 5,086 tokens, less than "
         "one optimizer step of trainer.total_batch_size=8192 tokens"
     )
@@ -760,7 +760,7 @@ def test_a_grid_stage_is_checked_by_the_combinations_it_runs_not_by_values_alone
             )
         )
     assert str(refused.value).startswith(
-        "sweep stage 'lr_bs_vs_compute': trainer.budget_flops=4000000000.0 (grid), "
+        "sweep stage 'lr_bs_vs_compute': trainer.budget_flops=4e9 (grid), "
         "trainer.total_batch_size=8192 (grid), optimizer.matrix_lr=0.01 (grid) together are not "
         "a valid run: trainer.budget_flops=4e+09"
     )

@@ -16,12 +16,11 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from sweeper.config import load_run_config
 from sweeper.sweep.preflight import base_config, resumable_state, trainable_target, validate_sweep
 from sweeper.sweep.spec import SweepSpec, flatten, stage_points, stage_space
-from sweeper.sweep.stages import pick_best
+from sweeper.sweep.stages import hydra_value, pick_best
 from sweeper.sweep.state import SweepState, sweep_definition
 from sweeper.sweep.trainable import RUNG_METRIC, TrialContext, batch_of, trial_config
 
@@ -510,11 +509,3 @@ def reproduce_overrides(final: dict) -> list[str]:
     before = flatten(RunConfig().to_dict())
     after = flatten(load_run_config(final).to_dict())
     return [f"{k}={hydra_value(after[k])}" for k in sorted(after) if before.get(k) != after[k]]
-
-
-def hydra_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return repr(value) if isinstance(value, float) else str(value)

@@ -23,7 +23,7 @@ from sweeper.sweep.spec import (
     stage_space,
     validate_spec,
 )
-from sweeper.sweep.stages import apply_params, get_dotted
+from sweeper.sweep.stages import apply_params, get_dotted, hydra_value
 from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
 from sweeper.sweep.trainable import load_target
 
@@ -177,7 +177,9 @@ def check_stage_values(spec: SweepSpec, base: dict) -> None:
                 if single.items() <= candidate.items():
                     candidate, error = single, single_error
                     break
-            shown = ", ".join(f"{k}={v} ({kind})" for k, (v, kind) in candidate.items())
+            shown = ", ".join(
+                f"{k}={hydra_value(v)} ({kind})" for k, (v, kind) in candidate.items()
+            )
             raise ConfigError(
                 f"sweep stage '{stage.name}': {shown} "
                 f"{'is' if len(candidate) == 1 else 'together are'} not a valid run: {error}"

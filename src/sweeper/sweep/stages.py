@@ -109,3 +109,25 @@ def seed_repeats(trials: list[dict]) -> list[list[dict]] | None:
 
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
+
+
+def hydra_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return float_text(value) if isinstance(value, float) else str(value)
+
+
+def float_text(value: float) -> str:
+    """A float as a Hydra override reads it back exactly, in as few characters as it takes:
+    1e15, not Python's 1000000000000000.0 (repr writes exponents only from 1e16 on)."""
+    text = repr(value)
+    if "e" in text or not math.isfinite(value) or abs(value) < 1e6:
+        return text
+    for digits in range(17):
+        mantissa, exponent = f"{value:.{digits}e}".split("e")
+        if float(f"{mantissa}e{exponent}") == value:
+            short = f"{mantissa}e{int(exponent)}"
+            return short if len(short) < len(text) else text
+    return text
