@@ -134,25 +134,31 @@ def test_cli_reads_sweep_directory(tmp_path):
     assert (tmp_path / "fit.json").is_file()
 
 
-def lr_grid_sweep_dir(path: Path, overrides: list[str] | None) -> Path:
+def lr_grid_sweep_dir(
+    path: Path, overrides: list[str] | None, seed: int | None = None, luck: float = 0.0
+) -> Path:
     """A sweep run dir as `+sweep=lr_scaling` leaves it: reports.csv's final rows of an LR
-    grid at 2 budgets, and the overrides Hydra kept (None: no .hydra directory)."""
+    grid at 2 budgets, and the overrides Hydra kept (None: no .hydra directory). With a
+    seed, reports.csv has a seed column (sweeps before it had none), and every loss is
+    `luck` off the noise-free one."""
     header = ["trial_id", "params", "tokens", "flops", "val_bpb", "budget", "peak_lr"]
-    header += ["total_batch_size", "final"]
+    header += ["total_batch_size", "final"] + ([] if seed is None else ["seed"])
     rows = [
         [
             f"t{i}",
             3e6,
             c / 1.8e7,
             c,
-            3.0 - 0.1 * np.log10(c) + 0.05 * np.log(m) ** 2,
+            3.0 - 0.1 * np.log10(c) + 0.05 * np.log(m) ** 2 + luck,
             c,
             0.04 * m * (c / 1e12) ** -0.3,
             2048,
             "True",
         ]
+        + ([] if seed is None else [seed])
         for i, (c, m) in enumerate((c, m) for c in (1e12, 1e13) for m in (0.25, 0.5, 1, 2, 4))
     ]
+    path.mkdir(exist_ok=True)
     write_csv(path / "reports.csv", header, rows)
     if overrides is not None:
         (path / ".hydra").mkdir()
@@ -185,6 +191,33 @@ def test_a_refit_without_the_sweeps_config_fits_without_a_run(tmp_path, override
     assert res["hparams"]["lr"]["p"] == pytest.approx(-0.3)
     assert res["target_flops"] is None and "predicted_run" not in res
     assert "Run it" not in proc.stdout
+
+
+def test_several_sweep_dirs_are_fitted_as_one_set_of_runs_on_their_seeds(tmp_path):
+    # the same sweep on seed 0 from before reports.csv had a seed column (its seed is the
+    # sweep's trainer.seed), and on seed 1, 0.04 worse at every point
+    first = lr_grid_sweep_dir(tmp_path / "s0", ["+sweep=lr_scaling"], luck=-0.02)
+    second = lr_grid_sweep_dir(tmp_path / "s1", ["+sweep=lr_scaling", "trainer.seed=1"], 1, 0.02)
+    proc = run_fit(first, second, "--no-plots", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((tmp_path / "combined-fit" / "fit.json").read_text())
+    assert res["seeds"]["seeds"] == [0, 1] and res["seeds"]["final_runs"] == 20
+    assert res["seeds"]["final_points"] == 10 and res["seeds"]["sd"] == pytest.approx(0.04 / 2**0.5)
+    assert res["hparams"]["lr"]["p"] == pytest.approx(-0.3)
+    assert "Seeds 0, 1:" in proc.stdout and "Run it at C = 1e+15 FLOPs:" in proc.stdout
+    assert not (first / "fit.json").exists() and not (second / "fit.json").exists()
+
+
+def test_inputs_whose_columns_differ_are_refused(tmp_path):
+    sweep = lr_grid_sweep_dir(tmp_path / "s0", None)
+    other = write_csv(tmp_path / "runs.csv", ["params", "tokens", "loss"], law_rows())
+    proc = run_fit(sweep, other, "--no-plots", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: {other} holds other columns than {sweep} (") and line.endswith(
+        "fit them separately"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.csv", "s0"]
 
 
 @pytest.mark.parametrize("column, option", [("seed", []), ("run_id_seed", ["--seed-col"])])

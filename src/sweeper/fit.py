@@ -30,14 +30,16 @@ L(N, D) = E + A/N^alpha + B/D^beta, IsoFLOP optima N_opt ~ C^a, D_opt ~ C^b, and
 learning rate / batch size vs compute -- whichever the data allow.
 
 PATH is a CSV file, or a finished sweep's directory (its reports.csv is read: params -> N,
-tokens -> D, flops -> C, val_bpb -> loss). CSV columns are detected case-insensitively
+tokens -> D, flops -> C, val_bpb -> loss). Several PATHs are fitted as one set of runs: the
+same sweep on other seeds (trainer.seed=1), say, whose runs then average per point. CSV columns are detected case-insensitively
 (N: n, params, parameters, "model size", num_params; D: d, tokens, "training tokens";
 C: c, flops, "training flop", compute; loss: loss, val_loss, val_bpb; budget: budget,
 flops_budget; also lr, batch_size, final, seed). With N and C only, D = C/(6N); with N and D,
 C = 6ND. Rows that differ only in their seed are fitted as their mean.
 
 Output: fit.json and PNG plots in --out (default: the sweep directory, or ./<csv-name>-fit/
-in the current directory for a CSV), and a summary (or the JSON, with --json) on stdout."""
+in the current directory for a CSV, or ./combined-fit/ for several PATHs), and a summary (or
+the JSON, with --json) on stdout."""
 
 
 def _at_least_zero(text: str) -> int:
@@ -60,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("path", metavar="PATH", help="CSV file or sweep directory")
+    p.add_argument(
+        "paths", metavar="PATH", nargs="+", help="CSV file or sweep directory (or several)"
+    )
     for fld, flag in COLUMN_FLAGS:
         p.add_argument(
             f"--{flag}-col",
@@ -118,21 +122,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_records(args) -> tuple[list[dict], Path, dict]:
-    """Records, output directory and conventions for the parsed arguments."""
-    path = Path(args.path)
+def load_records(args) -> tuple[list[dict], Path, dict, dict | None]:
+    """Records, output directory, conventions, and the first sweep directory's config
+    (`sweep_config`) for the parsed arguments. Several paths must agree on what their
+    columns hold; their records are fitted as one set."""
     explicit = {fld: getattr(args, f"col_{fld}") for fld, _ in COLUMN_FLAGS}
-    if path.is_dir():
-        csv_path, preferred, out = path / "reports.csv", SWEEP_COLUMNS, path
-        if not csv_path.is_file():
-            raise InputError(f"{path} is a directory without reports.csv")
-    elif path.is_file():
-        csv_path, preferred, out = path, None, Path.cwd() / f"{path.stem}-fit"
-    else:
-        raise InputError(f"{path}: no such file or directory")
-    records, columns = read_csv_records(csv_path, explicit, preferred, return_columns=True)
-    if args.drop_highest < 0:
-        raise InputError("--drop-highest must be >= 0")
+    records, first, sweep = [], None, None
+    for path in map(Path, args.paths):
+        if path.is_dir():
+            csv_path, preferred, out = path / "reports.csv", SWEEP_COLUMNS, path
+            if not csv_path.is_file():
+                raise InputError(f"{path} is a directory without reports.csv")
+        elif path.is_file():
+            csv_path, preferred, out = path, None, Path.cwd() / f"{path.stem}-fit"
+        else:
+            raise InputError(f"{path}: no such file or directory")
+        rows, columns = read_csv_records(csv_path, explicit, preferred, return_columns=True)
+        config = sweep_config(path) if path.is_dir() else None
+        if "seed" not in columns and config is not None:
+            # a sweep from before reports.csv had a seed column ran every trial on one
+            seed = config["base"].get("trainer", {}).get("seed")
+            rows = [{**r, "seed": float(seed)} for r in rows] if seed is not None else rows
+        held = (sorted(set(columns) - {"seed"}), _conventions(args, columns))
+        if first is None:
+            first, default_out, sweep = (path, held), out, config
+        elif held != first[1]:
+            raise InputError(
+                f"{path} holds other columns than {first[0]} "
+                f"({', '.join(held[0])} as {held[1]} against {', '.join(first[1][0])} as "
+                f"{first[1][1]}): fit them separately"
+            )
+        elif sweep is None:
+            sweep = config
+        records += rows
     if args.drop_highest:
         finite = sorted(
             (r for r in records if r["loss"] == r["loss"]), key=lambda r: r["loss"], reverse=True
@@ -141,13 +163,19 @@ def load_records(args) -> tuple[list[dict], Path, dict]:
         records = [r for r in records if id(r) not in dropped]
     usable = sum(1 for r in records if r["loss"] == r["loss"] and r["loss"] > 0)
     if usable < MIN_ROWS:
-        raise InputError(f"{csv_path}: {usable} usable row(s) with a loss; need >= {MIN_ROWS}")
-    conventions = {
+        named = csv_path if len(args.paths) == 1 else f"{len(args.paths)} inputs"
+        raise InputError(f"{named}: {usable} usable row(s) with a loss; need >= {MIN_ROWS}")
+    if len(args.paths) > 1:
+        default_out = Path.cwd() / "combined-fit"
+    return records, args.out or default_out, first[1][1], sweep
+
+
+def _conventions(args, columns: dict) -> dict:
+    return {
         "params": args.params_convention,
         "flops": args.flops_convention or ("given" if "C" in columns else "6ND"),
         "loss_unit": args.loss_unit or ("bpb" if "bpb" in columns["loss"].lower() else "nats"),
     }
-    return records, args.out or out, conventions
 
 
 def sweep_config(path: Path) -> dict | None:
@@ -182,8 +210,7 @@ def run(args) -> int:
     from sweeper.scaling.analysis import fit_all
     from sweeper.scaling.summary import format_summary
 
-    records, out_dir, conventions = load_records(args)
-    sweep = sweep_config(Path(args.path)) if Path(args.path).is_dir() else None
+    records, out_dir, conventions, sweep = load_records(args)
     target = args.target_flops or (sweep or {}).get("target_flops")
     result = fit_all(
         records,
