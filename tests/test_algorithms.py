@@ -250,6 +250,51 @@ def test_every_hyperband_bracket_ends_on_the_full_budget(scheduler, grace_fracti
         assert first * built._unit >= 65536 * grace_fraction * (1 - 1e-9)
 
 
+@pytest.mark.parametrize("clock", ["tokens", "training_iteration"])
+def test_an_extension_rounds_asha_ranks_its_trials_against_the_first_rounds(clock):
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import TrialScheduler
+
+    from sweeper.sweep.hyperband import record_earlier_trials
+
+    unit = 100 if clock == "tokens" else 1  # rungs at 1, 3 and 9 units
+    # the first round: three trials at the first rung (2.0, 2.2, 2.4 val_bpb), one of
+    # which went on to the second; a diverged report (NaN) is no rung value
+    earlier = [
+        {"trial_id": "a", "val_bpb": 2.0},
+        {"trial_id": "a", "val_bpb": 1.8},
+        {"trial_id": "b", "val_bpb": 2.2},
+        {"trial_id": "c", "val_bpb": 2.4},
+        {"trial_id": "d", "val_bpb": float("nan")},
+    ]
+    for row in earlier:
+        # each trial's n-th report at n x 2 units (2 then 4: past the rungs at 1 and 3)
+        n = sum(r["trial_id"] == row["trial_id"] for r in earlier[: earlier.index(row) + 1])
+        if clock == "tokens":
+            row["tokens"] = 2 * n * unit
+
+    def first_rung(scheduler, value: float) -> str:
+        trial = SimpleNamespace(trial_id=f"new {value}")
+        scheduler.on_trial_add(None, trial)
+        return scheduler.on_trial_result(None, trial, {clock: 2 * unit, "val_bpb": value})
+
+    def asha():
+        return build_scheduler(
+            "asha", metric="val_bpb", mode="min", time_attr=clock, max_t=9 * unit,
+            grace_period=unit, reduction_factor=3,
+        )  # fmt: skip
+
+    alone = asha()
+    assert first_rung(alone, 2.3) == TrialScheduler.CONTINUE  # nothing yet to cut against
+    assert first_rung(alone, 2.5) == TrialScheduler.STOP  # behind the round's own first
+    seeded = asha()
+    assert record_earlier_trials(seeded, earlier, clock, "val_bpb") == 3
+    # the first rung's cutoff is now the best third of 2.0, 2.2, 2.4 (2.133): 2.3 stops
+    assert first_rung(seeded, 2.3) == TrialScheduler.STOP
+    assert first_rung(seeded, 2.1) == TrialScheduler.CONTINUE
+
+
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [

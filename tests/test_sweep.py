@@ -262,6 +262,20 @@ EXTENDED = [
 ]
 
 
+def test_an_extension_rounds_asha_ranks_its_trials_against_the_first_round(
+    ray_cluster, tmp_path, capsys
+):
+    args = [o.replace("=fifo", "=asha") for o in EXTENDED]
+    summary = sweep(tmp_path, *args)
+    out = capsys.readouterr().out
+    assert "2 more trials past it" in out
+    # the round's ASHA holds the first round's trial at its rungs (hyperband.py's
+    # record_earlier_trials; its cutoffs are tested in test_algorithms.py)
+    assert "asha scheduler, 2 trials of" in out
+    assert "ranked at the rungs against the first round's 1 trial too" in out
+    assert summary["stages"][0]["trials"] == 3
+
+
 def test_a_best_at_the_end_of_its_range_is_searched_past_and_resumes(ray_cluster, tmp_path, capsys):
     summary = sweep(tmp_path, *EXTENDED)
     out = capsys.readouterr().out

@@ -296,6 +296,7 @@ def extend(
         stage=round_two,
         experiment_suffix=extension.EXPERIMENT_SUFFIX,
         spent_flops=spent,
+        earlier_reports=reports,
     )
     return (
         extension.merge_round(records, best, extra_records),
@@ -350,10 +351,12 @@ def run_stage(
     stage=None,
     experiment_suffix: str = "",
     spent_flops: float = 0.0,
+    earlier_reports: list[dict] | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Stage `index` on Ray Tune from `base`: its trial records and reports. `stage` stands
     in for spec.stages[index] in an extension round (sweep/extend.py), which also names its
-    own Tune experiment and counts the first round's `spent_flops` against sweep.max_flops."""
+    own Tune experiment, counts the first round's `spent_flops` against sweep.max_flops, and
+    has ASHA rank its trials against the first round's `earlier_reports` too."""
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
@@ -403,6 +406,13 @@ def run_stage(
         max_concurrent=spec.concurrency,
         brackets=spec.brackets,
     )
+    earlier = 0
+    if earlier_reports and scheduler_name == "asha":
+        from sweeper.sweep.hyperband import record_earlier_trials
+
+        earlier = record_earlier_trials(
+            scheduler, earlier_reports, time_attr, RUNG_METRIC if ctx.rungs else spec.metric
+        )
     workers = 1 if target else int(base["trainer"]["workers"])
     # a DDP trial only launches its TorchTrainer, whose workers hold the CPUs/GPUs
     # (sweep.cpus_per_trial / gpus_per_trial are then per rank); Ray refuses an empty
@@ -440,6 +450,9 @@ def run_stage(
         if spec.brackets and scheduler_name in ("hyperband", "bohb")
         else None,
         random_start(search, space, planned, given=len(points)),
+        f"ranked at the rungs against the first round's {earlier} trial{'s' * (earlier > 1)} too"
+        if earlier
+        else None,
     ]
     print(
         f"[{stage.name}] {search} search, {scheduler_name} scheduler, "

@@ -224,3 +224,41 @@ def grace_unit_scheduler(base: type) -> type:
 
     GraceUnitScheduler.__name__ = GraceUnitScheduler.__qualname__ = f"GraceUnit{base.__name__}"
     return GraceUnitScheduler
+
+
+def record_earlier_trials(scheduler: Any, reports: list[dict], time_attr: str, metric: str) -> int:
+    """Record trials of an earlier run of a stage at the rungs of Ray's ASHA, as if they had
+    run under it; returns how many trials were recorded.
+
+    A stage's extension round (sweep/extend.py) is a Tune run of its own. Its ASHA would
+    otherwise rank the round's few trials only against each other: the best third of them
+    go on to the full budget however far behind the first round they are. Replayed here,
+    each rung's cutoff is the one a single ASHA over both rounds would have set. Ray has no
+    way to give a scheduler earlier results, so this feeds each report to the bracket's own
+    bookkeeping (`_Bracket.on_result`, Ray 2.60), under an id no trial of the round can
+    have. Every bracket records every earlier trial (one ASHA over both rounds would have
+    given each trial one bracket; with Ray's default of one bracket, that is the same).
+    `reports` are a stage's report rows (sweep/results.py), in the order each trial made
+    them."""
+    from types import SimpleNamespace
+
+    op = getattr(scheduler, "_metric_op", None)
+    brackets = getattr(scheduler, "_brackets", None)
+    if op is None or not brackets:
+        return 0
+    rows_by_trial: dict[str, list[dict]] = {}
+    for row in reports:
+        rows_by_trial.setdefault(str(row["trial_id"]), []).append(row)
+    recorded = 0
+    for trial_id, rows in rows_by_trial.items():
+        earlier = SimpleNamespace(trial_id=f"earlier round: {trial_id}")
+        for iteration, row in enumerate(rows, 1):
+            # a user's function's clock is its report count, which Tune does not keep here
+            when = iteration if time_attr == "training_iteration" else row.get(time_attr)
+            value = row.get(metric)
+            if when is None or not isinstance(value, int | float) or value != value:
+                continue
+            for bracket in brackets:
+                bracket.on_result(earlier, when, op * value)
+        recorded += any(earlier.trial_id in r for b in brackets for _, r in b._rungs)
+    return recorded
