@@ -31,7 +31,9 @@ learning rate / batch size vs compute -- whichever the data allow.
 
 PATH is a CSV file, or a finished sweep's directory (its reports.csv is read: params -> N,
 tokens -> D, flops -> C, val_bpb -> loss). Several PATHs are fitted as one set of runs: the
-same sweep on other seeds (trainer.seed=1), say, whose runs then average per point. CSV columns are detected case-insensitively
+same sweep on other seeds (trainer.seed=1), say, whose runs then average per point.
+
+CSV columns are detected case-insensitively
 (N: n, params, parameters, "model size", num_params; D: d, tokens, "training tokens";
 C: c, flops, "training flop", compute; loss: loss, val_loss, val_bpb; budget: budget,
 flops_budget; also lr, batch_size, final, seed). With N and C only, D = C/(6N); with N and D,

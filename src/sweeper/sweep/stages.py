@@ -1,5 +1,6 @@
 """Pure helpers of the staged sweep: apply sampled values, follow the batch size with the
-LRs, pick a stage's best trial, freeze it into the next stage's base config."""
+LRs, pick a stage's best trial, freeze it into the next stage's base config, and write
+values back as Hydra overrides."""
 
 from __future__ import annotations
 
