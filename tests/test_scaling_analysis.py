@@ -664,3 +664,24 @@ def test_from_three_seeds_a_paired_interval_decides_whether_an_optimum_is_resolv
         "not resolved"
         for c in (1e12, 1e13)
     ]
+
+
+def test_in_a_joint_grid_lrs_are_compared_at_the_best_batch_and_batches_at_their_best_lr():
+    # the best LR is 0.02 at batch 512 and 0.04 at 1024; each seed's luck is its own at
+    # each batch (another batch, another data order): seed 0 is 0.02 better at 512 and
+    # 0.02 worse at 1024, seed 1 the other way round by 0.03
+    luck = {(0, 512): -0.02, (0, 1024): 0.02, (1, 512): 0.03, (1, 1024): -0.03}
+    records = [
+        {"N": 3e6, "C": c, "budget": c, "lr": lr, "batch_size": b, "final": True, "seed": s,
+         "loss": 3.0 + 0.05 * math.log(lr / (0.02 if b == 512 else 0.04)) ** 2 + luck[s, b]}
+        for c in (1e12, 1e13) for b in (512, 1024) for lr in (0.01, 0.02, 0.04) for s in (0, 1)
+    ]  # fmt: skip
+    notes = [w for w in fit_all(records)["warnings"] if "not resolved" in w]
+    # batch 1024 (at LR 0.04) against 512 (at its best LR, 0.02): the seeds split
+    assert notes == [
+        f"batch_size-vs-compute: at C = {c:.3g} the best (1024) beats the next (512) on 1 of 2 "
+        "seeds: not resolved"
+        for c in (1e12, 1e13)
+    ]
+    # at batch 1024, LR 0.04 beats 0.02 on both seeds; compared with 0.02 at its own best
+    # batch (512), the batch split would have read as an LR split too

@@ -257,7 +257,14 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
             best.append(value)
             how.append(method)
             if pts.by_seed is not None:
-                split = _split_by_seed(values[idx], losses[idx], [pts.by_seed[i] for i in ok[idx]])
+                # in a joint LR x batch grid, LRs are compared at the best point's batch size
+                # (a split between two batches is not also a split between two LRs), and
+                # batch sizes each at its own best LR, since the best LR moves with the batch
+                idx = np.asarray(idx)
+                held = idx[_at_best_batch(pts, ok[idx])] if name == "lr" else idx
+                split = _split_by_seed(
+                    values[held], losses[held], [pts.by_seed[i] for i in ok[held]]
+                )
                 if split:
                     warnings.append(f"{name}-vs-compute: at C = {budget:.3g} {split}")
         if len(budgets) > 1 and set(how) == {"grid end"}:
@@ -338,6 +345,14 @@ def _lr_vs_batch(pts: Points, opts: dict, warnings: list) -> tuple:
             + ("" if xs else ": no budget has two optima inside the grid, so no slope")
         )
     return {"budgets": per_budget, "exponent": exponent, "closest_lr_rule": rule}, {}
+
+
+def _at_best_batch(pts: Points, rows: np.ndarray) -> np.ndarray:
+    """Mask of `rows` (indices into pts) at the batch size of the row of lowest loss (a
+    batch size that is absent counts as one value)."""
+    batch = pts.batch_size[rows]
+    best = batch[np.argmin(pts.loss[rows])]
+    return (batch == best) | (np.isnan(batch) & np.isnan(best))
 
 
 def _split_by_seed(values, losses, by_seed: list[dict]) -> str | None:
