@@ -129,7 +129,8 @@ def load_records(args) -> tuple[list[dict], Path, dict, dict | None]:
     (`sweep_config`) for the parsed arguments. Several paths must agree on what their
     columns hold; their records are fitted as one set."""
     explicit = {fld: getattr(args, f"col_{fld}") for fld, _ in COLUMN_FLAGS}
-    records, first, sweep = [], None, None
+    records, sweep = [], None
+    first: tuple[Path, tuple] | None = None  # the first path, and what its columns hold
     for path in map(Path, args.paths):
         if path.is_dir():
             csv_path, preferred, out = path / "reports.csv", SWEEP_COLUMNS, path
