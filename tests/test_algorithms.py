@@ -295,6 +295,32 @@ def test_an_extension_rounds_asha_ranks_its_trials_against_the_first_rounds(cloc
     assert first_rung(seeded, 2.1) == TrialScheduler.CONTINUE
 
 
+def test_a_resumed_extension_round_keeps_the_first_rounds_trials_at_its_rungs(tmp_path):
+    # a resumed round is Tuner.restore'd from the tuner.pkl Tune writes when the Tuner is
+    # made, after the records were replayed into its scheduler
+    import ray.cloudpickle as pickle
+    from ray import tune
+
+    from sweeper.sweep.hyperband import record_earlier_trials
+
+    scheduler = build_scheduler(
+        "asha", metric="val_bpb", mode="min", time_attr="tokens", max_t=900, grace_period=100,
+        reduction_factor=3,
+    )  # fmt: skip
+    assert record_earlier_trials(scheduler, [{"trial_id": "a", "tokens": 200, "val_bpb": 2.0}],
+                                 "tokens", "val_bpb") == 1  # fmt: skip
+    tune.Tuner(
+        lambda config: None,
+        tune_config=tune.TuneConfig(scheduler=scheduler),
+        run_config=tune.RunConfig(name="round", storage_path=str(tmp_path)),
+    )
+    state = pickle.loads((tmp_path / "round" / "tuner.pkl").read_bytes())
+    rungs = state["_tune_config"].scheduler._brackets[0]._rungs
+    assert [(milestone, dict(recorded)) for milestone, recorded in rungs] == [
+        (900, {}), (300, {}), (100, {"earlier round: a": -2.0})
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [

@@ -239,7 +239,8 @@ def record_earlier_trials(scheduler: Any, reports: list[dict], time_attr: str, m
     have. Every bracket records every earlier trial (one ASHA over both rounds would have
     given each trial one bracket; with Ray's default of one bracket, that is the same).
     `reports` are a stage's report rows (sweep/results.py), in the order each trial made
-    them."""
+    them. Tune pickles the scheduler into the round's tuner.pkl when its Tuner is made, so
+    a resumed round (`Tuner.restore`) keeps these records."""
     from types import SimpleNamespace
 
     op = getattr(scheduler, "_metric_op", None)
