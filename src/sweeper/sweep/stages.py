@@ -122,9 +122,13 @@ def hydra_value(value: Any) -> str:
 
 def float_text(value: float) -> str:
     """A float as a Hydra override reads it back exactly, in as few characters as it takes:
-    1e15, not Python's 1000000000000000.0 (repr writes exponents only from 1e16 on)."""
+    1e15, not Python's 1000000000000000.0 (repr writes exponents only from 1e16 on), and
+    exponents without a sign or a leading zero (2.5e-5, not 2.5e-05)."""
     text = repr(value)
-    if "e" in text or not math.isfinite(value) or abs(value) < 1e6:
+    if "e" in text:
+        mantissa, exponent = text.split("e")
+        return f"{mantissa}e{int(exponent)}"
+    if not math.isfinite(value) or abs(value) < 1e6:
         return text
     for digits in range(17):
         mantissa, exponent = f"{value:.{digits}e}".split("e")
