@@ -561,6 +561,83 @@ def test_luck_a_seed_shares_across_the_grid_does_not_unresolve_an_optimum():
     assert res["hparams"]["lr"]["best"] == pytest.approx([lr_opt(c) for c in (1e12, 1e13, 1e14)])
 
 
+def test_each_seed_alone_is_fitted_as_if_it_were_the_only_one(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from sweeper.scaling.plots import plot_hparams
+    from sweeper.scaling.records import average_seeds, to_points
+    from sweeper.scaling.summary import format_summary
+
+    # seed 0's best LR grows linearly with the batch, seed 1's as its square root: the mean
+    # lies between them, and each seed's own fit must say which is which
+    lrs = [0.001 * 2**k for k in range(9)]
+    runs = {0: lr_by_batch_grid(1.0, lrs), 1: lr_by_batch_grid(0.5, lrs)}
+    for seed, records in runs.items():
+        for r in records:
+            r["seed"] = seed
+            r["loss"] += 0.01 * seed * math.log(r["lr"])  # seed 1 leans to lower LRs too
+    res = fit_all(runs[0] + runs[1], target_flops=1e16)
+    for seed, records in runs.items():
+        alone = fit_all(
+            [{k: v for k, v in r.items() if k != "seed"} for r in records], target_flops=1e16
+        )
+        own = res["hparams"]["lr"]["per_seed"][seed]
+        law = alone["hparams"]["lr"]
+        assert own["seed"] == seed
+        assert own["p"] == pytest.approx(law["p"], rel=1e-12)
+        assert own["best"] == pytest.approx(law["best"], rel=1e-12)
+        assert own["prediction"] == pytest.approx(alone["predictions"]["lr_opt"], rel=1e-12)
+        g = res["lr_vs_batch"]["per_seed"][seed]
+        assert g == {"seed": seed, "exponent": pytest.approx(alone["lr_vs_batch"]["exponent"])}
+    # the parabola through an exact quadratic finds each seed's own slope
+    assert [e["exponent"] for e in res["lr_vs_batch"]["per_seed"]] == pytest.approx([1.0, 0.5])
+    assert 0.5 < res["lr_vs_batch"]["exponent"] < 1.0
+    # seed 1's tilt moves its optima, so the seeds' laws differ
+    p0, p1 = (e["p"] for e in res["hparams"]["lr"]["per_seed"])
+    assert p0 != pytest.approx(p1, abs=1e-3)
+
+    text = format_summary(res)
+    assert f"  each seed alone: C^{p0:.3f} (seed 0), C^{p1:.3f} (seed 1)" in text
+    assert "  each seed alone: g = 1.00 (seed 0), 0.50 (seed 1)" in text
+    own = [e["prediction"] for e in res["hparams"]["lr"]["per_seed"]]
+    assert f"(each seed's own law: {own[0]:.4g}, {own[1]:.4g})" in text
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    plot_hparams(res, tmp_path / "h.png", average_seeds(to_points(runs[0] + runs[1]))[0])
+    law_panel = drawn[0].axes[1]
+    grey = [line for line in law_panel.get_lines() if line.get_linestyle() == "--"]
+    assert len(grey) == 2
+    c = np.asarray(grey[1].get_xdata())
+    assert list(grey[1].get_ydata()) == pytest.approx(own_law(res, 1, c))
+
+
+def own_law(res: dict, seed: int, c: np.ndarray) -> np.ndarray:
+    entry = res["hparams"]["lr"]["per_seed"][seed]
+    return entry["k"] * c ** entry["p"]
+
+
+def test_a_seed_whose_optima_are_all_grid_ends_has_no_law_of_its_own():
+    from sweeper.scaling.summary import format_summary
+
+    records = seeded_lr_grid(seeds=(0, 1, 2), wobble=0.0)
+    for r in records:
+        if r["seed"] == 2:  # the higher the LR, the lower its loss, at every budget
+            r["loss"] -= 0.1 * math.log2(r["lr"] / lr_opt(r["C"]))
+    res = fit_all(records)
+    law = res["hparams"]["lr"]
+    assert law["p"] is not None  # the means still bottom out inside the grid
+    assert [e["p"] is None for e in law["per_seed"]] == [False, False, True]
+    assert law["per_seed"][0]["p"] == pytest.approx(LR_EXP, rel=1e-9)
+    assert law["per_seed"][2]["best"] is None
+    assert f"C^{LR_EXP:.3f} (seed 1), no law (seed 2)" in format_summary(res)
+
+
+def test_without_seeds_there_is_no_per_seed_fit():
+    res = fit_all(seeded_lr_grid(seeds=(3,)), target_flops=1e16)
+    assert "per_seed" not in res["hparams"]["lr"]
+
+
 def test_the_summary_and_the_hparams_plot_show_the_seeds(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 

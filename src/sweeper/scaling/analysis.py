@@ -87,6 +87,7 @@ def fit_all(
             f"dropped {pts.n_dropped} of {pts.n_records} record(s) with a missing, NaN/inf or "
             "non-positive loss"
         )
+    runs = pts  # each seed's own runs, for the per-seed laws below
     pts, result["seeds"] = average_seeds(pts)
     opts = {
         "target": target_flops,
@@ -114,6 +115,8 @@ def fit_all(
         if section is not None:
             result[name] = section
         result["predictions"].update(preds)
+    if result["seeds"] and "hparams" in fits:
+        _each_seed_alone(runs, result, opts)
     return _jsonable(result)
 
 
@@ -345,6 +348,37 @@ def _lr_vs_batch(pts: Points, opts: dict, warnings: list) -> tuple:
             + ("" if xs else ": no budget has two optima inside the grid, so no slope")
         )
     return {"budgets": per_budget, "exponent": exponent, "closest_lr_rule": rule}, {}
+
+
+def _each_seed_alone(runs: Points, result: dict, opts: dict) -> None:
+    """Where seeds were averaged: each hyperparameter law and the pooled LR-vs-batch slope
+    fitted again on each seed's runs alone, next to the fit of the means (`per_seed`). The
+    spread of those exponents and predictions is what a reader would otherwise guess from
+    the seed-to-seed sd: on lr_bs_scaling's three seeds, say, how far apart the seeds put
+    the law. A seed whose optima give no law (all at an end of the values tried, say) is
+    listed with p = None. Its fits' warnings would repeat those of the means, so they are
+    dropped."""
+    seeds = sorted(set(runs.seed[np.isfinite(runs.seed)]))
+    for seed in seeds:
+        own = runs.take(np.flatnonzero(runs.seed == seed))
+        try:
+            with np.errstate(all="ignore"):
+                laws, preds = _hparams(own, opts, [])
+                slope, _ = _lr_vs_batch(own, opts, [])
+        except Exception:  # the fit of the means stands; a seed's own is only a spread
+            laws, preds, slope = {}, {}, None
+        label = int(seed) if float(seed).is_integer() else float(seed)
+        for name, law in result["hparams"].items():
+            mine = laws.get(name)
+            keys = ("p", "k", "budgets", "best", "how")
+            entry = {"seed": label, **dict.fromkeys(keys)}
+            if mine is not None:
+                entry.update({key: mine[key] for key in keys})
+                entry["prediction"] = preds.get(f"{name}_opt")
+            law.setdefault("per_seed", []).append(entry)
+        if result["lr_vs_batch"] is not None:
+            g = None if slope is None else slope["exponent"]
+            result["lr_vs_batch"].setdefault("per_seed", []).append({"seed": label, "exponent": g})
 
 
 def _at_best_batch(pts: Points, rows: np.ndarray) -> np.ndarray:

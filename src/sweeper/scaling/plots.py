@@ -237,6 +237,18 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
             )
         c_line = np.logspace(np.log10(c.min()), np.log10(c.max()), 50)
         ax.plot(c_line, law["k"] * c_line ** law["p"], c="C1", label=f"fit ∝ C^{law['p']:.3f}")
+        # with seeds averaged: each seed's own optima and law, grey, for how far apart they lie
+        own = [e for e in law.get("per_seed") or [] if e["p"] is not None]
+        for n, e in enumerate(own):
+            ax.scatter(e["budgets"], e["best"], marker="x", c="0.45", s=18, zorder=2)
+            ax.plot(
+                c_line,
+                e["k"] * c_line ** e["p"],
+                c="0.45",
+                ls="--",
+                lw=0.7,
+                label=None if n else "each seed's own optima and law",
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         if min(law["best"]) == max(law["best"]):  # a flat law: a log axis of zero height

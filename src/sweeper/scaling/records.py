@@ -220,6 +220,23 @@ class Points:
     seed: np.ndarray | None = None  # NaN where unknown; None: no record has one
     by_seed: list[dict] | None = None  # each averaged point's loss on each seed: {seed: loss}
 
+    def take(self, idx: np.ndarray) -> Points:
+        """The points at indices `idx` (their seeds' losses too, where averaged)."""
+        return Points(
+            N=self.N[idx],
+            D=self.D[idx],
+            C=self.C[idx],
+            loss=self.loss[idx],
+            lr=self.lr[idx],
+            batch_size=self.batch_size[idx],
+            budget=[self.budget[i] for i in idx],
+            final=self.final[idx],
+            n_records=self.n_records,
+            n_dropped=self.n_dropped,
+            seed=None if self.seed is None else self.seed[idx],
+            by_seed=None if self.by_seed is None else [self.by_seed[i] for i in idx],
+        )
+
     def has(self, name: str) -> np.ndarray:
         """Mask of points where the numeric column is finite and positive."""
         v = getattr(self, name)

@@ -67,6 +67,15 @@ def _isoflop_lines(iso: dict) -> list[str]:
     return [line]
 
 
+def _fixed(x, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _seed_law(entry: dict) -> str:
+    law = "no law" if entry["p"] is None else f"C^{entry['p']:.3f}"
+    return f"{law} (seed {entry['seed']})"
+
+
 def _hparam_lines(hp: dict) -> list[str]:
     lines = []
     for name, law in hp.items():
@@ -79,6 +88,9 @@ def _hparam_lines(hp: dict) -> list[str]:
             + (f"; {ends} at an end of the values tried" if ends else "")
             + ")"
         )
+        if law.get("per_seed"):
+            own = ", ".join(_seed_law(e) for e in law["per_seed"])
+            lines.append(f"  each seed alone: {own}")
     return lines
 
 
@@ -96,6 +108,11 @@ def _lr_vs_batch_lines(lvb: dict) -> list[str]:
             f"  pooled g = {lvb['exponent']:.2f}: the nearest lr_rule for this LR over these "
             f"batches is {lvb['closest_lr_rule']} (sqrt 0.5, linear 1)"
         )
+        if lvb.get("per_seed"):
+            own = ", ".join(
+                f"{_fixed(e['exponent'], 2)} (seed {e['seed']})" for e in lvb["per_seed"]
+            )
+            lines.append(f"  each seed alone: g = {own}")
     return lines
 
 
@@ -125,7 +142,15 @@ def _prediction_lines(result: dict) -> list[str]:
         )
     for name in ("lr", "batch_size"):
         if f"{name}_opt" in pr:
-            lines.append(f"  optimal {name}: {_num(pr[f'{name}_opt'])}")
+            own = [
+                e.get("prediction")
+                for e in (result.get("hparams") or {}).get(name, {}).get("per_seed") or []
+            ]
+            spread = ", ".join(_num(x) for x in own)
+            lines.append(
+                f"  optimal {name}: {_num(pr[f'{name}_opt'])}"
+                + (f" (each seed's own law: {spread})" if own else "")
+            )
     return lines
 
 
