@@ -154,9 +154,22 @@ def test_frontier_e_bound_flagged_when_unconstrained():
     c = np.logspace(18, 21, 8)
     y = 5.0 * c**-0.02  # a pure power law: E wants to be 0
     fit = fit_frontier(c, y)
-    assert fit.E == pytest.approx(0.0, abs=1e-6)
+    assert fit.E == 0.0  # the bound itself, not a solver's 3e-18 (or a denormal) next to it
     assert fit.e_at_bound and fit.warnings
-    assert fit.alpha == pytest.approx(0.02, rel=1e-3)
+    assert fit.alpha == pytest.approx(0.02, rel=1e-9)
+    assert fit.A == pytest.approx(5.0, rel=1e-9)
+    assert fit.warnings[0].startswith("frontier fit: E=0 is at its bound")
+    # a curve that steepens in log-log (E would be negative): E = 0's least squares are
+    # the log-log line's
+    u = np.log(c) - np.log(c).mean()
+    noisy = y * np.exp(-0.002 * u**2 + np.random.default_rng(0).normal(0, 0.001, y.size))
+    fit = fit_frontier(c, noisy)
+    slope, icpt = np.polyfit(np.log(c), np.log(noisy), 1)
+    assert (fit.E, fit.alpha) == (0.0, pytest.approx(-slope, rel=1e-9))
+    assert fit.A == pytest.approx(np.exp(icpt), rel=1e-9)
+    assert fit.rmse_log == pytest.approx(
+        np.sqrt(np.mean((np.log(noisy) - icpt - slope * np.log(c)) ** 2)), rel=1e-9
+    )
 
 
 def test_frontier_rejects_too_few_points():

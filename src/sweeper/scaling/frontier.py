@@ -111,6 +111,16 @@ def fit_frontier(flops, loss) -> FrontierFit:
         max_nfev=10_000,
     )
     e, log_a, alpha = (float(v) for v in res.x)
+    if e <= 1e-6 * e_max:
+        # At its lower bound the bounded solver only creeps towards E = 0 (ending at 3e-18,
+        # or a denormal 5e-324 in a bootstrap replicate). With E = 0 the law is a line in
+        # log-log and its least-squares fit is exact, so the bound is taken as it is.
+        e = 0.0
+        slope, log_a = (float(v) for v in np.polyfit(x, log_l, 1))
+        if slope > 0:  # a loss that rises with compute: the flat law, as alpha's bound gives
+            slope, log_a = 0.0, float(np.mean(log_l))
+        alpha = -slope
+        res.fun = _frontier_residuals(np.array([e, log_a, alpha]), x, log_l)
     with np.errstate(over="ignore"):  # reported below
         amplitude = float(np.exp(log_a + alpha * x0))
     fit = FrontierFit(
