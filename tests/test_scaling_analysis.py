@@ -543,10 +543,19 @@ def test_an_optimum_not_best_on_every_seed_is_named(wobble, named):
     assert bool(notes) == named
     if named:
         assert len(notes) == 3
+        # both neighbours lose to the best in the mean and win on seed 1; the LRs two steps
+        # away lose on both seeds
         assert notes[0] == (
             f"lr-vs-compute: at C = 1e+12 the best ({lr_opt(1e12):.4g}) beats the next "
-            f"({lr_opt(1e12) / 2:.4g}) on 1 of 2 seeds: not resolved"
+            f"({lr_opt(1e12) / 2:.4g}) on 1 of 2 seeds: not resolved; nor against "
+            f"{lr_opt(1e12) * 2:.4g} (the best won on 1 of 2 seeds)"
         )
+        spread = [0.5, 2.0]
+    else:
+        spread = [1.0, 1.0]
+    within = np.array(res["hparams"]["lr"]["within_noise"])
+    expected = [[lr_opt(c) * f for f in spread] for c in (1e12, 1e13, 1e14)]
+    assert within == pytest.approx(np.array(expected))
 
 
 def test_luck_a_seed_shares_across_the_grid_does_not_unresolve_an_optimum():
@@ -709,14 +718,15 @@ def test_the_predicted_run_is_the_sweeps_config_at_the_target_with_the_laws_valu
     assert predicted_run({"target_flops": 1e15, "predictions": {"lr_opt": 0.01}}, {}, []) is None
 
 
-def margin_grid(margins: list[float]) -> list[dict]:
+def margin_grid(margins: list[float], far: list[float] | None = None) -> list[dict]:
     """LRs 0.01, 0.02, 0.04 at two budgets on len(margins) seeds: 0.02 is best, and on
-    seed s the next best (0.01) trails it by margins[s]; 0.04 trails by 1."""
+    seed s the next best (0.01) trails it by margins[s]; 0.04 trails by far[s] (1)."""
     records = []
+    far = far or [1.0] * len(margins)
     for c in (1e12, 1e13):
         for s, margin in enumerate(margins):
             luck = 0.3 * s  # a seed's own luck, shared by its runs
-            for lr, extra in ((0.01, margin), (0.02, 0.0), (0.04, 1.0)):
+            for lr, extra in ((0.01, margin), (0.02, 0.0), (0.04, far[s])):
                 loss = 3.0 + luck + extra
                 records.append({"N": 3e6, "C": c, "budget": c, "lr": lr, "loss": loss,
                                 "final": True, "seed": s})  # fmt: skip
@@ -741,6 +751,56 @@ def test_from_three_seeds_a_paired_interval_decides_whether_an_optimum_is_resolv
         "not resolved"
         for c in (1e12, 1e13)
     ]
+
+
+def test_every_value_the_best_does_not_clearly_beat_is_named_not_only_the_next():
+    t2 = 2.919986  # t(0.95, 2)
+
+    def lower(m):
+        m = np.array(m)
+        return m.mean() - t2 * m.std(ddof=1) / math.sqrt(len(m))
+
+    # 0.01 trails clearly on every seed; 0.04, further behind in the mean, scatters
+    far = [0.3, 0.001, 0.2]
+    res = fit_all(margin_grid([0.05, 0.06, 0.055], far))
+    notes = [w for w in res["warnings"] if "not resolved" in w]
+    assert notes[0] == (
+        f"lr-vs-compute: at C = 1e+12 the best (0.02) beats 0.04 by {np.mean(far):.3g} on "
+        f"average over 3 seeds (3 won), but the paired 95% lower bound is {lower(far):.3g}: "
+        "not resolved"
+    )
+    # the range runs from the optimum (the parabola's vertex, below 0.02 here) to 0.04
+    law = res["hparams"]["lr"]
+    assert all(v < 0.02 for v in law["best"])
+    assert law["within_noise"] == [[v, 0.04] for v in law["best"]]
+    # both unresolved: the next first, then the other
+    near = [0.001, 0.1, 0.2]
+    res = fit_all(margin_grid(near, [0.3, 0.001, 0.25]))
+    notes = [w for w in res["warnings"] if "not resolved" in w]
+    assert notes[0].endswith(
+        f"lower bound is {lower(near):.3g}: not resolved; nor against 0.04 (paired lower bound "
+        f"{lower([0.3, 0.001, 0.25]):.3g})"
+    )
+    assert res["hparams"]["lr"]["within_noise"] == [[0.01, 0.04], [0.01, 0.04]]
+    # all resolved: the range is the optimum alone
+    law = fit_all(margin_grid([0.05, 0.06, 0.055]))["hparams"]["lr"]
+    assert law["within_noise"] == [[v, 0.02] for v in law["best"]]
+
+
+def test_the_hparams_plot_draws_the_values_within_the_noise(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from sweeper.scaling.plots import plot_hparams
+    from sweeper.scaling.records import average_seeds, to_points
+
+    records = margin_grid([0.001, 0.1, 0.2], [0.3, 0.001, 0.25])
+    res = fit_all(records)
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    plot_hparams(res, tmp_path / "h.png", average_seeds(to_points(records))[0])
+    bars = [line for line in drawn[0].axes[1].get_lines() if line.get_linewidth() == 6]
+    assert [list(b.get_xdata()) for b in bars] == [[1e12, 1e12], [1e13, 1e13]]
+    assert [list(b.get_ydata()) for b in bars] == [[0.01, 0.04], [0.01, 0.04]]
 
 
 def test_in_a_joint_grid_lrs_are_compared_at_the_best_batch_and_batches_at_their_best_lr():

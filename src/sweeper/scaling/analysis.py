@@ -254,6 +254,7 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
         if len(set(values)) < 2:
             continue  # the same everywhere: its "law" would be that constant
         budgets, best, how = [], [], []
+        within = []  # per budget: the range of values the optimum may be, given the seeds
         for budget, idx, _ in groups:
             value, method = optimum_on_grid(values[idx], losses[idx])
             budgets.append(budget)
@@ -265,9 +266,10 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
                 # batch sizes each at its own best LR, since the best LR moves with the batch
                 idx = np.asarray(idx)
                 held = idx[_at_best_batch(pts, ok[idx])] if name == "lr" else idx
-                split = _split_by_seed(
+                split, plausible = _split_by_seed(
                     values[held], losses[held], [pts.by_seed[i] for i in ok[held]]
                 )
+                within.append([min(plausible + [value]), max(plausible + [value])])
                 if split:
                     warnings.append(f"{name}-vs-compute: at C = {budget:.3g} {split}")
         if len(budgets) > 1 and set(how) == {"grid end"}:
@@ -289,6 +291,8 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
             continue
         law = fit_hparam_vs_compute(budgets, best)
         section[name] = {**law.to_dict(), "budgets": budgets, "best": best, "how": how}
+        if within:
+            section[name]["within_noise"] = within
         if opts["target"] is not None:
             preds[f"{name}_opt"] = float(law.predict(opts["target"]))
     return section, preds
@@ -389,41 +393,61 @@ def _at_best_batch(pts: Points, rows: np.ndarray) -> np.ndarray:
     return (batch == best) | (np.isnan(batch) & np.isnan(best))
 
 
-def _split_by_seed(values, losses, by_seed: list[dict]) -> str | None:
-    """Where seeds were averaged: is the best value (lowest mean) really better than the
-    next best? Seeds are compared pairwise because a seed's luck is shared: runs on one
+def _split_by_seed(values, losses, by_seed: list[dict]) -> tuple[str | None, list[float]]:
+    """Where seeds were averaged: which values the best value (lowest mean) is not clearly
+    better than. Seeds are compared pairwise because a seed's luck is shared: runs on one
     seed that differ only in their LR see the same data in the same order (in
     lr_bs_scaling, seed 1 trained 0.15-0.20 bpb better than seed 0 at every LR of the
     smallest batch, 1e12 FLOPs), so the spread of single runs would bury differences that
     every seed agrees on. Two seeds can only say whether both agree. From three on, the
     per-seed margins give a paired t-interval: resolved where its one-sided 95% lower bound
     is above 0, so that one unlucky seed among many does not unresolve a clear lead, and
-    agreeing seeds whose margins scatter around 0 do not resolve it. Says where it is not
-    resolved; None where it is."""
+    agreeing seeds whose margins scatter around 0 do not resolve it.
+
+    Every other value is checked, not only the next best: with seed noise as large as the
+    grid's steps, a value two steps away can be as plausible as the neighbour. Returns the
+    warning (None where every value is resolved) and the values the optimum may be: the
+    best and those it does not beat clearly."""
     grid = sorted(set(float(v) for v in values))
-    if len(grid) < 2:
-        return None
     lowest = []  # each value's point of lowest mean loss
     for g in grid:
         i = min((i for i, v in enumerate(values) if v == g), key=lambda i: losses[i])
         lowest.append((float(losses[i]), g, by_seed[i]))
-    (_, best, seeds1), (_, second, seeds2) = sorted(lowest, key=lambda t: t[:2])[:2]
-    shared = sorted(set(seeds1) & set(seeds2))
-    if len(shared) < 2:
-        return None
-    margins = np.array([seeds2[s] - seeds1[s] for s in shared])  # > 0: the best won there
-    wins, n = int((margins > 0).sum()), len(shared)
-    lead = f"the best ({best:.4g}) beats the next ({second:.4g})"
-    if n == 2:
-        return None if wins == n else f"{lead} on {wins} of {n} seeds: not resolved"
-    mean, sem = margins.mean(), margins.std(ddof=1) / math.sqrt(n)
-    lower = mean - stats.t.ppf(0.95, n - 1) * sem
-    if lower > 0:
-        return None
-    return (
-        f"{lead} by {mean:.3g} on average over {n} seeds ({wins} won), but the paired 95% "
-        f"lower bound is {lower:.3g}: not resolved"
-    )
+    if len(lowest) < 2:
+        return None, grid
+    (_, best, mine), *rivals = sorted(lowest, key=lambda t: t[:2])
+    unresolved = []  # (value, the comparison in words)
+    for rank, (_, value, theirs) in enumerate(rivals):
+        shared = sorted(set(mine) & set(theirs))
+        if len(shared) < 2:
+            continue
+        margins = np.array([theirs[s] - mine[s] for s in shared])  # > 0: the best won there
+        wins, n = int((margins > 0).sum()), len(shared)
+        if n == 2:
+            if wins < n:
+                won = f"on {wins} of {n} seeds"
+                unresolved.append((value, rank, won, f"the best won {won}"))
+            continue
+        mean, sem = margins.mean(), margins.std(ddof=1) / math.sqrt(n)
+        lower = mean - stats.t.ppf(0.95, n - 1) * sem
+        if lower <= 0:
+            unresolved.append(
+                (
+                    value,
+                    rank,
+                    f"by {mean:.3g} on average over {n} seeds ({wins} won), but the paired 95% "
+                    f"lower bound is {lower:.3g}",
+                    f"paired lower bound {lower:.3g}",
+                )
+            )
+    if not unresolved:
+        return None, [best]
+    (value, rank, how, _), *others = unresolved
+    rival = f"the next ({value:.4g})" if rank == 0 else f"{value:.4g}"
+    text = f"the best ({best:.4g}) beats {rival} {how}: not resolved"
+    if others:
+        text += "; nor against " + ", ".join(f"{v:.4g} ({short})" for v, _, _, short in others)
+    return text, [best] + [v for v, *_ in unresolved]
 
 
 def optimum_on_grid(values, losses) -> tuple[float, str]:

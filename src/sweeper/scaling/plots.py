@@ -235,6 +235,12 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
                 zorder=3,
                 label="best at an end of the values tried",
             )
+        # with seeds averaged: the values the seeds cannot tell from the optimum, a bar
+        for n, (budget, (lo, hi), colour) in enumerate(
+            zip(c, law.get("within_noise") or [], colours)
+        ):
+            label = None if n else "values the seeds cannot tell from the optimum"
+            ax.plot([budget, budget], [lo, hi], c=colour, lw=6, alpha=0.35, label=label)
         c_line = np.logspace(np.log10(c.min()), np.log10(c.max()), 50)
         ax.plot(c_line, law["k"] * c_line ** law["p"], c="C1", label=f"fit ∝ C^{law['p']:.3f}")
         # with seeds averaged: each seed's own optima and law, grey, for how far apart they lie
