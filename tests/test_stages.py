@@ -3,6 +3,7 @@
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sweeper.cli import compose
@@ -127,6 +128,58 @@ def test_a_configuration_run_on_several_seeds_ranks_by_its_mean():
     assert alone["trial_id"] == "c0" and "seeds" not in alone
     # a seed axis with the other params differing everywhere groups nothing
     assert "seeds" not in pick_best([trials[0], trials[3]], "val_bpb", "min")
+
+
+def test_the_configurations_a_seeded_best_does_not_clearly_beat_are_named(capsys):
+    from sweeper.sweep.outputs import print_stage_table
+    from sweeper.sweep.spec import SweepSpec
+    from sweeper.sweep.stages import unresolved_rivals
+
+    def trial(lr, seed, metric, status="completed"):
+        params = {"optimizer.matrix_lr": lr, "trainer.seed": seed}
+        return {"trial_id": f"{lr}-{seed}", "status": status, "metric": metric, "params": params}
+
+    luck = [0.0, 0.3, -0.2]  # each seed's own luck, shared by its runs
+    near = [0.05, -0.01, 0.02]  # 0.04 trails 0.02 by these: mean 0.02, scattered
+    trials = (
+        [trial(0.02, s, 3.0 + luck[s]) for s in range(3)]
+        + [trial(0.04, s, 3.0 + luck[s] + near[s]) for s in range(3)]
+        + [trial(0.01, s, 3.1 + luck[s]) for s in range(3)]  # 0.1 behind on every seed
+        # diverged on seed 2: compared on seeds 0 and 1, where it wins one
+        + [trial(0.08, 0, 2.99), trial(0.08, 1, 3.4), trial(0.08, 2, None, "diverged")]
+    )
+    best = pick_best(trials, "val_bpb", "min")
+    assert best["params"] == {"optimizer.matrix_lr": 0.02}
+    m = np.array(near)
+    lower = m.mean() - 2.919986 * m.std(ddof=1) / math.sqrt(3)  # t(0.95, 2)
+    assert unresolved_rivals(trials, best, "min") == [
+        {
+            "params": {"optimizer.matrix_lr": 0.04},
+            "mean": pytest.approx(3.0 + np.mean(luck) + m.mean()),
+            "note": f"paired lower bound {lower:.3g}",
+        },
+        {
+            "params": {"optimizer.matrix_lr": 0.08},
+            "mean": pytest.approx((2.99 + 3.4) / 2),
+            "note": "the best won on 1 of 2 seeds",
+        },
+    ]
+    # maximising: the same runs with the metric's sign turned, the same verdicts
+    flipped = [{**t, "metric": None if t["metric"] is None else -t["metric"]} for t in trials]
+    best_max = pick_best(flipped, "val_bpb", "max")
+    notes = [r["note"] for r in unresolved_rivals(flipped, best_max, "max")]
+    assert notes == [f"paired lower bound {lower:.3g}", "the best won on 1 of 2 seeds"]
+    # a best from one seed, or none, has no rivals to name
+    assert unresolved_rivals(trials, pick_best(trials[:1], "val_bpb", "min"), "min") == []
+    assert unresolved_rivals(trials, None, "min") == []
+
+    spec = SweepSpec(name="t", metric="val_bpb", mode="min", stages=[])
+    print_stage_table("lr", trials, best, spec)
+    out = capsys.readouterr().out
+    assert (
+        "  not resolved: the seeds cannot tell it from optimizer.matrix_lr=0.04 (paired lower "
+        f"bound {lower:.3g}); optimizer.matrix_lr=0.08 (the best won on 1 of 2 seeds)\n"
+    ) in out
 
 
 def test_reproduce_overrides_are_the_changes_from_the_default_run():

@@ -427,6 +427,21 @@ def test_a_scaling_grid_run_on_two_seeds_is_fitted_on_each_points_mean(
     }
     assert out.count("<- best (mean over seeds)") == 2
     assert f"best by the mean over seeds 0, 1: val_bpb {np.mean(values):.4f}" in out
+    # the configurations the best does not beat on both seeds are named, closest first
+    on_seed = {
+        (float(r["budget"]), float(r["peak_lr"]), int(r["seed"])): float(r["val_bpb"])
+        for r in finals
+    }
+    split = sorted(
+        (np.mean(v), point)
+        for point, v in by_point.items()
+        if point != (budget, lr)
+        and not all(on_seed[(*point, s)] > on_seed[budget, lr, s] for s in (0, 1))
+    )
+    assert [r["mean"] for r in stage["not_resolved_from"]] == pytest.approx([m for m, _ in split])
+    for rival, (_, (c, rate)) in zip(stage["not_resolved_from"], split, strict=True):
+        changed = {"trainer.budget_flops": c, "optimizer.matrix_lr": rate}
+        assert rival["params"] == {k: v for k, v in changed.items() if stage["best_params"][k] != v}
 
 
 def test_the_lr_bs_scaling_sweep_fits_the_best_lr_and_batch_size_against_compute(

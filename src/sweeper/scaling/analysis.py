@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import stats
+
+from sweeper.seeds import paired_lead
 
 from .bootstrap import bootstrap_chinchilla, bootstrap_frontier
 from .frontier import fit_frontier, lower_envelope
@@ -395,19 +396,11 @@ def _at_best_batch(pts: Points, rows: np.ndarray) -> np.ndarray:
 
 def _split_by_seed(values, losses, by_seed: list[dict]) -> tuple[str | None, list[float]]:
     """Where seeds were averaged: which values the best value (lowest mean) is not clearly
-    better than. Seeds are compared pairwise because a seed's luck is shared: runs on one
-    seed that differ only in their LR see the same data in the same order (in
-    lr_bs_scaling, seed 1 trained 0.15-0.20 bpb better than seed 0 at every LR of the
-    smallest batch, 1e12 FLOPs), so the spread of single runs would bury differences that
-    every seed agrees on. Two seeds can only say whether both agree. From three on, the
-    per-seed margins give a paired t-interval: resolved where its one-sided 95% lower bound
-    is above 0, so that one unlucky seed among many does not unresolve a clear lead, and
-    agreeing seeds whose margins scatter around 0 do not resolve it.
-
-    Every other value is checked, not only the next best: with seed noise as large as the
-    grid's steps, a value two steps away can be as plausible as the neighbour. Returns the
-    warning (None where every value is resolved) and the values the optimum may be: the
-    best and those it does not beat clearly."""
+    better than, seed by seed (`seeds.paired_lead`). Every other value is checked, not only
+    the next best: with seed noise as large as the grid's steps, a value two steps away can
+    be as plausible as the neighbour. Returns the warning (None where every value is
+    resolved) and the values the optimum may be: the best and those it does not clearly
+    beat."""
     grid = sorted(set(float(v) for v in values))
     lowest = []  # each value's point of lowest mean loss
     for g in grid:
@@ -416,37 +409,18 @@ def _split_by_seed(values, losses, by_seed: list[dict]) -> tuple[str | None, lis
     if len(lowest) < 2:
         return None, grid
     (_, best, mine), *rivals = sorted(lowest, key=lambda t: t[:2])
-    unresolved = []  # (value, the comparison in words)
+    unresolved = []  # (value, its rank after the best, the lead over it)
     for rank, (_, value, theirs) in enumerate(rivals):
-        shared = sorted(set(mine) & set(theirs))
-        if len(shared) < 2:
-            continue
-        margins = np.array([theirs[s] - mine[s] for s in shared])  # > 0: the best won there
-        wins, n = int((margins > 0).sum()), len(shared)
-        if n == 2:
-            if wins < n:
-                won = f"on {wins} of {n} seeds"
-                unresolved.append((value, rank, won, f"the best won {won}"))
-            continue
-        mean, sem = margins.mean(), margins.std(ddof=1) / math.sqrt(n)
-        lower = mean - stats.t.ppf(0.95, n - 1) * sem
-        if lower <= 0:
-            unresolved.append(
-                (
-                    value,
-                    rank,
-                    f"by {mean:.3g} on average over {n} seeds ({wins} won), but the paired 95% "
-                    f"lower bound is {lower:.3g}",
-                    f"paired lower bound {lower:.3g}",
-                )
-            )
+        lead = paired_lead(mine, theirs)
+        if lead is not None and not lead.resolved:
+            unresolved.append((value, rank, lead))
     if not unresolved:
         return None, [best]
-    (value, rank, how, _), *others = unresolved
+    (value, rank, lead), *others = unresolved
     rival = f"the next ({value:.4g})" if rank == 0 else f"{value:.4g}"
-    text = f"the best ({best:.4g}) beats {rival} {how}: not resolved"
+    text = f"the best ({best:.4g}) beats {rival} {lead.words()}: not resolved"
     if others:
-        text += "; nor against " + ", ".join(f"{v:.4g} ({short})" for v, _, _, short in others)
+        text += "; nor against " + ", ".join(f"{v:.4g} ({lead.short()})" for v, _, lead in others)
     return text, [best] + [v for v, *_ in unresolved]
 
 

@@ -14,6 +14,7 @@ from sweeper.config import BUDGET_KEYS
 from sweeper.sweep.results import REPORT_COLUMNS
 from sweeper.sweep.space import ParamSpec, range_edge
 from sweeper.sweep.spec import SweepSpec, flatten, flatten_params, stage_space
+from sweeper.sweep.stages import unresolved_rivals
 from sweeper.sweep.state import SweepState, write_json_atomic
 from sweeper.sweep.trainable import RUNG_METRIC
 
@@ -208,9 +209,18 @@ def print_stage_table(
     if best is not None and "seeds" in best:
         seeds = ", ".join(map(str, best["seeds"]))
         print(f"  best by the mean over seeds {seeds}: {spec.metric} {best['metric']:.4f}")
+        rivals = unresolved_rivals(records, best, spec.mode)
+        if rivals:
+            named = "; ".join(f"{_params_text(r['params'])} ({r['note']})" for r in rivals[:5])
+            more = f"; and {len(rivals) - 5} more" if len(rivals) > 5 else ""
+            print(f"  not resolved: the seeds cannot tell it from {named}{more}")
     for edge in edges:
         print(f"  note: {edge['note']}")
     print()
+
+
+def _params_text(params: dict) -> str:
+    return " ".join(f"{k}={_fmt(v)}" for k, v in sorted(params.items()))
 
 
 def _signed(value, mode):
@@ -273,6 +283,9 @@ def write_all(
                 **({"extended": stage["extended"]} if stage.get("extended") else {}),
             }
         )
+        if best and "seeds" in best:
+            rivals = unresolved_rivals(stage["records"], best, spec.mode)
+            stages[-1]["not_resolved_from"] = rivals
     final = state.stages[-1]["base_after"] if state.stages else base
     finished = [s["best"] for s in state.stages if s["best"]]
     best_value = finished[-1]["metric"] if finished else None
@@ -465,6 +478,12 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
         )
         for edge in stage["at_range_edge"]:
             print(f"    note: {edge['note']}")
+        if stage.get("not_resolved_from"):
+            n = len(stage["not_resolved_from"])
+            print(
+                f"    note: its seeds cannot tell this best from {n} other "
+                f"configuration{'s' * (n != 1)} (the stage table names them)"
+            )
     base = (summary.get("baseline") or {}).get("value")
     best = (summary.get("best") or {}).get("value")
     if base is not None and best is not None and math.isfinite(base):

@@ -8,6 +8,8 @@ import copy
 import math
 from typing import Any
 
+from sweeper.seeds import paired_lead
+
 BATCH_KEY = "trainer.total_batch_size"
 SEED_KEY = "trainer.seed"
 
@@ -92,6 +94,36 @@ def pick_best(trials: list[dict], metric: str, mode: str) -> dict | None:
         "seeds": sorted(t["params"][SEED_KEY] for t in group),
         "trial_ids": [t["trial_id"] for t in group],
     }
+
+
+def unresolved_rivals(trials: list[dict], best: dict | None, mode: str) -> list[dict]:
+    """Where the stage's best is a mean over seeds (`pick_best`): the configurations it
+    does not clearly beat on the seeds both ran (`seeds.paired_lead`), closest first. Each
+    is {"params": what differs from the best, "mean": its mean, "note": the lead in words}.
+    A stage whose seeds cannot tell its best from another value froze one of several
+    equally good values."""
+    if not best or "seeds" not in best:
+        return []
+    usable = [t for t in trials if _finite(t.get("metric"))]
+    pool = [t for t in usable if t.get("status") == "completed"] or usable
+    sign = 1 if mode == "min" else -1
+    ids = set(best["trial_ids"])
+    mine = {t["params"][SEED_KEY]: t["metric"] for t in pool if t["trial_id"] in ids}
+    rivals = []
+    for group in seed_repeats(pool) or []:
+        if ids & {t["trial_id"] for t in group}:
+            continue
+        lead = paired_lead(mine, {t["params"][SEED_KEY]: t["metric"] for t in group}, sign)
+        if lead is None or lead.resolved:
+            continue
+        params = {
+            k: v
+            for k, v in group[0]["params"].items()
+            if k != SEED_KEY and best["params"].get(k) != v
+        }
+        mean = sum(t["metric"] for t in group) / len(group)
+        rivals.append({"params": params, "mean": mean, "note": lead.short()})
+    return sorted(rivals, key=lambda r: sign * r["mean"])
 
 
 def seed_repeats(trials: list[dict]) -> list[list[dict]] | None:
