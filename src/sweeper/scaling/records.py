@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import csv
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -331,17 +331,9 @@ def average_seeds(pts: Points) -> tuple[Points, dict | None]:
     keep = np.array(first + alone, dtype=int)
     order = np.argsort(keep, kind="stable")  # the records' order, as before
     keep = keep[order]
-    averaged = Points(
-        N=pts.N[keep],
-        D=pts.D[keep],
-        C=pts.C[keep],
+    averaged = replace(
+        pts.take(keep),
         loss=np.array(loss + [float(pts.loss[i]) for i in alone])[order],
-        lr=pts.lr[keep],
-        batch_size=pts.batch_size[keep],
-        budget=[pts.budget[i] for i in keep],
-        final=pts.final[keep],
-        n_records=pts.n_records,
-        n_dropped=pts.n_dropped,
         seed=np.full(len(keep), np.nan),
         by_seed=[by_seed[i] if i < len(by_seed) else {} for i in order],  # alone: {}
     )
