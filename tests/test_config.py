@@ -116,6 +116,11 @@ BAD_INPUTS = [
     (["mlflow.enabled=maybe"], "mlflow.enabled"),
     (["fit.bootstrap=-5"], "fit.bootstrap must be >= 0"),
     (["trainer.workers=3", "trainer.total_batch_size=12288"], "need 3 CPUs, but the local"),
+    # a resume without the run dir would start a new sweep in a new timestamped dir
+    (["+sweep=smoke", "sweep.resume=true"], "sweep.resume=true continues the sweep in the run"),
+    # what only a sweep uses is still checked in a single run
+    (["trainable._target_=nonexistent.fn"], "trainable._target_=nonexistent.fn: a user's"),
+    (["mlflow.tracking_uri=foo://bar"], "mlflow.tracking_uri=foo://bar: MLflow has no store"),
 ]
 
 

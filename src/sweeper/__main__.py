@@ -158,6 +158,14 @@ def validate(overrides: list[str]) -> None:
 
         probe(str(cfg.ray.address))  # an unreachable cluster: one line, nothing written
     resumes = "sweep" in cfg and bool(cfg.sweep.get("resume"))
+    if resumes and not run_dir:  # Hydra would make a new timestamped dir: a new sweep
+        raise ConfigError(
+            "sweep.resume=true continues the sweep in the run dir it names: add "
+            "hydra.run.dir=<the interrupted sweep's dir> (its path is in the line it printed "
+            "when it stopped)"
+        )
+    if "sweep" not in cfg:
+        check_single_run(cfg)
     if run_dir and not resumes:
         from pathlib import Path
 
@@ -195,6 +203,25 @@ def validate(overrides: list[str]) -> None:
             resumable_state(
                 Path(run_dir).resolve(), spec, base_config(cfg, spec, trainable_target(cfg))
             )
+
+
+def check_single_run(cfg) -> None:
+    """What only a sweep uses is still checked in a single run: a user's function runs as
+    a sweep's trainable (a single run trains sweeper's GPT), and a tracking URI no MLflow
+    store takes is wrong wherever it is written. Its server is not probed: a single run
+    logs nothing to MLflow."""
+    from sweeper.sweep.preflight import trainable_target
+    from sweeper.tracking.mlflow_store import check_database_driver, check_scheme
+
+    if target := trainable_target(cfg):
+        raise ConfigError(
+            f"trainable._target_={target}: a user's function is swept with +sweep=NAME (a "
+            "one-point grid runs it once); a single run trains sweeper's GPT"
+        )
+    uri = (cfg.get("mlflow") or {}).get("tracking_uri")
+    if uri:
+        check_scheme(str(uri))
+        check_database_driver(str(uri))
 
 
 def hydra_run_dir(overrides: list[str]) -> str | None:
