@@ -822,3 +822,13 @@ def test_in_a_joint_grid_lrs_are_compared_at_the_best_batch_and_batches_at_their
     ]
     # at batch 1024, LR 0.04 beats 0.02 on both seeds; compared with 0.02 at its own best
     # batch (512), the batch split would have read as an LR split too
+
+
+def test_one_model_size_is_named_as_why_the_size_fits_are_skipped():
+    # an LR grid at three budgets: plenty of points, but every run has N = 3e6
+    warnings = fit_all(seeded_lr_grid(seeds=(0,)))["warnings"]
+    assert "parametric: a single model size N = 3e+06 (need >= 2); L(N, D) not fitted" in warnings
+    isoflop = [w for w in warnings if w.startswith("isoflop")]
+    assert isoflop == [
+        "isoflop: a single model size N = 3e+06 at every budget (need >= 3 per budget); skipped"
+    ]

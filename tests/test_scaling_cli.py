@@ -208,6 +208,43 @@ def test_several_sweep_dirs_are_fitted_as_one_set_of_runs_on_their_seeds(tmp_pat
     assert not (first / "fit.json").exists() and not (second / "fit.json").exists()
 
 
+def test_a_sweep_dirs_refit_bootstraps_as_the_sweeps_own_fit_did(tmp_path):
+    # one trial's learning curve: 8 points on the compute frontier
+    flops = np.logspace(12, 14, 8)
+    rows = [["t0", 3e6, c / 1.8e7, c, 2.0 + 400 * c**-0.2, c == flops[-1]] for c in flops]
+    write_csv(
+        tmp_path / "reports.csv",
+        ["trial_id", "params", "tokens", "flops", "val_bpb", "final"],
+        rows,
+    )
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- +sweep=lr\n- fit.bootstrap=20\n")
+    sweep = tmp_path
+    assert run_fit(sweep, "--no-plots").returncode == 0
+    res = json.loads((sweep / "fit.json").read_text())
+    assert res["frontier"]["bootstrap"]["n_boot"] == 20
+    assert run_fit(sweep, "--no-plots", "--bootstrap", "0").returncode == 0  # the flag wins
+    assert "bootstrap" not in json.loads((sweep / "fit.json").read_text())["frontier"]
+
+
+def test_the_same_input_twice_is_refused_and_repeated_points_are_named(tmp_path):
+    first = lr_grid_sweep_dir(tmp_path / "s0", ["+sweep=lr_scaling"])
+    proc = run_fit(first, "s0", "--no-plots", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"error: s0 is given twice (as {first} too): its runs would count twice\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s0"]
+    # another sweep of the same grid on the same seed: its points are named, not averaged
+    again = lr_grid_sweep_dir(tmp_path / "again", ["+sweep=lr_scaling"], seed=0, luck=0.01)
+    proc = run_fit(first, again, "--no-plots", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((tmp_path / "combined-fit" / "fit.json").read_text())
+    assert res["seeds"] is None  # one seed: nothing averaged
+    assert res["warnings"][0] == (
+        "10 final run(s) appear in more than one input on the same seed (the same point "
+        "trained twice?): each point takes its lowest loss, as if one run"
+    )
+
+
 def test_inputs_whose_columns_differ_are_refused(tmp_path):
     sweep = lr_grid_sweep_dir(tmp_path / "s0", None)
     other = write_csv(tmp_path / "runs.csv", ["params", "tokens", "loss"], law_rows())

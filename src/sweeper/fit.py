@@ -14,6 +14,7 @@ from pathlib import Path
 from sweeper.scaling.records import SWEEP_COLUMNS, InputError, read_csv_records
 
 MIN_ROWS = 3
+INPUT_KEY = "_input"  # which PATH a record came from (1, 2, ...)
 # record field -> its --<flag>-col option
 COLUMN_FLAGS = (
     ("N", "n"),
@@ -91,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bootstrap",
         type=_at_least_zero,
-        default=0,
         metavar="K",
-        help="bootstrap replicates for 95%% CIs (e.g. 1000; default 0 = none)",
+        help="bootstrap replicates for 95%% CIs (e.g. 1000; default for a sweep's directory: "
+        "the sweep's fit.bootstrap, as its own fit had; else 0 = none)",
     )
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
     p.add_argument(
@@ -131,7 +132,13 @@ def load_records(args) -> tuple[list[dict], Path, dict, dict | None]:
     explicit = {fld: getattr(args, f"col_{fld}") for fld, _ in COLUMN_FLAGS}
     records, sweep = [], None
     first: tuple[Path, tuple] | None = None  # the first path, and what its columns hold
+    seen: dict[Path, Path] = {}
     for path in map(Path, args.paths):
+        if path.resolve() in seen:  # its runs would count twice, as if on other seeds
+            before = seen[path.resolve()]
+            also = "" if str(before) == str(path) else f" (as {before} too)"
+            raise InputError(f"{path} is given twice{also}: its runs would count twice")
+        seen[path.resolve()] = path
         if path.is_dir():
             csv_path, preferred, out = path / "reports.csv", SWEEP_COLUMNS, path
             if not csv_path.is_file():
@@ -157,7 +164,7 @@ def load_records(args) -> tuple[list[dict], Path, dict, dict | None]:
             )
         elif sweep is None:
             sweep = config
-        records += rows
+        records += [{**r, INPUT_KEY: len(seen)} for r in rows]
     if args.drop_highest:
         finite = sorted(
             (r for r in records if r["loss"] == r["loss"]), key=lambda r: r["loss"], reverse=True
@@ -179,6 +186,19 @@ def _conventions(args, columns: dict) -> dict:
         "flops": args.flops_convention or ("given" if "C" in columns else "6ND"),
         "loss_unit": args.loss_unit or ("bpb" if "bpb" in columns["loss"].lower() else "nats"),
     }
+
+
+def repeated_across_inputs(records: list[dict]) -> int:
+    """Final runs whose point (N, D, C, LR, batch size, budget) and seed another input
+    holds too: two sweeps of the same grid on one seed, say, which the seeds' average
+    would not see (`records.average_seeds` takes a seed's lowest)."""
+    inputs: dict[tuple, set] = {}
+    for r in records:
+        if r.get("final") is False:  # read_csv_records made it a bool (None: unknown)
+            continue
+        key = tuple(str(r.get(k)) for k in ("N", "D", "C", "lr", "batch_size", "budget", "seed"))
+        inputs.setdefault(key, set()).add(r[INPUT_KEY])
+    return sum(len(held) - 1 for held in inputs.values() if len(held) > 1)
 
 
 def sweep_config(path: Path) -> dict | None:
@@ -203,6 +223,7 @@ def sweep_config(path: Path) -> dict | None:
         spec = validate_sweep(cfg)
         return {
             "target_flops": cfg.get("fit", {}).get("target_flops"),
+            "bootstrap": cfg.get("fit", {}).get("bootstrap"),
             "base": base_config(cfg, spec, None),
         }
     except Exception:  # the refit stands without it
@@ -215,14 +236,24 @@ def run(args) -> int:
 
     records, out_dir, conventions, sweep = load_records(args)
     target = args.target_flops or (sweep or {}).get("target_flops")
+    bootstrap = args.bootstrap
+    if bootstrap is None:
+        bootstrap = int((sweep or {}).get("bootstrap") or 0)
+    repeated = repeated_across_inputs(records)
     result = fit_all(
         records,
         target_flops=target,
-        bootstrap=args.bootstrap,
+        bootstrap=bootstrap,
         seed=args.seed,
         conventions=conventions,
         grid=args.grid,
     )
+    if repeated:
+        result["warnings"].insert(
+            0,
+            f"{repeated} final run(s) appear in more than one input on the same seed (the same "
+            "point trained twice?): each point takes its lowest loss, as if one run",
+        )
     if not any(result[k] for k in ("frontier", "parametric", "isoflop", "hparams")):
         raise InputError("no fit could be made: " + "; ".join(result["warnings"]))
     if sweep:

@@ -164,10 +164,10 @@ def _parametric(pts: Points, opts: dict, warnings: list, grid, n_refine) -> tupl
     ok = _best_per_pair(pts, np.flatnonzero(pts.final & pts.has("N") & pts.has("D")))
     n, d, y = pts.N[ok], pts.D[ok], pts.loss[ok]
     problem = None
-    if len(ok) < MIN_PARAMETRIC_POINTS:
+    if len(ok) > 1 and len(np.unique(n)) < 2:  # the reason, before the count it implies
+        problem = f"a single model size N = {n[0]:.4g} (need >= 2)"
+    elif len(ok) < MIN_PARAMETRIC_POINTS:
         problem = f"{len(ok)} final point(s) with N and D (need >= {MIN_PARAMETRIC_POINTS})"
-    elif len(np.unique(n)) < 2:
-        problem = "a single model size N (need >= 2)"
     elif len(np.unique(d)) < 2:
         problem = "a single token count D (need >= 2)"
     elif len({(a, b) for a, b in zip(n, d)}) < 5:
@@ -226,6 +226,12 @@ def _isoflop(pts: Points, opts: dict, warnings: list) -> tuple:
     ok = _with_budget(pts, pts.final & pts.has("N"))
     if len(ok) == 0:
         warnings.append("isoflop: no final points with a budget label and N; skipped")
+        return None, {}
+    if len(np.unique(pts.N[ok])) < 2:  # one line, not one per budget
+        warnings.append(
+            f"isoflop: a single model size N = {pts.N[ok][0]:.4g} at every budget (need >= "
+            f"{MIN_ISOFLOP_SIZES} per budget); skipped"
+        )
         return None, {}
     d = pts.D[ok] if np.all(pts.has("D")[ok]) else None
     budgets = [pts.budget[i] for i in ok]
