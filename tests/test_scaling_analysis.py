@@ -718,6 +718,28 @@ def test_the_predicted_run_is_the_sweeps_config_at_the_target_with_the_laws_valu
     assert predicted_run({"target_flops": 1e15, "predictions": {"lr_opt": 0.01}}, {}, []) is None
 
 
+def test_a_predicted_batch_the_run_cannot_take_is_said_beside_the_run():
+    from sweeper.cli import compose
+    from sweeper.sweep.outputs import predicted_run, predicted_run_note
+    from sweeper.sweep.preflight import base_config, validate_sweep
+
+    cfg = compose(["+sweep=lr_bs_scaling"])
+    base = base_config(cfg, validate_sweep(cfg), None)  # micro-batches of 512 tokens
+
+    def note(batch):
+        result = {"target_flops": 1e15, "predictions": {"lr_opt": 0.01, "batch_size_opt": batch}}
+        result["predicted_run"] = predicted_run(result, base, [])
+        return predicted_run_note(result)
+
+    assert note(180.3) == (
+        "(the batch law predicts 180.3 tokens; the run takes 512, the nearest whole number of "
+        "micro-batches (trainer.device_batch_size x model.seq_len), at least one)"
+    )
+    assert note(700.0).startswith("(the batch law predicts 700 tokens; the run takes 512,")
+    assert note(1500.0) is None  # 1536: within 10% of the law
+    assert predicted_run_note({"predictions": {"lr_opt": 0.01}, "predicted_run": ["x=1"]}) is None
+
+
 def margin_grid(margins: list[float], far: list[float] | None = None) -> list[dict]:
     """LRs 0.01, 0.02, 0.04 at two budgets on len(margins) seeds: 0.02 is best, and on
     seed s the next best (0.01) trails it by margins[s]; 0.04 trails by far[s] (1)."""

@@ -275,10 +275,12 @@ def run(args) -> int:
     else:
         print(format_summary(result))
         if result.get("predicted_run"):
-            from sweeper.sweep.outputs import reproduce_command
+            from sweeper.sweep.outputs import predicted_run_note, reproduce_command
 
             print(f"Run it at C = {result['target_flops']:.3g} FLOPs:")
             print(f"  {reproduce_command(result['predicted_run'])}")
+            if note := predicted_run_note(result):
+                print(f"  {note}")
         print("Wrote " + ", ".join(p.name for p in written) + f" to {out_dir}")
     return 0
 

@@ -387,6 +387,8 @@ def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict, base: d
     if result["predicted_run"]:
         print(f"run it at C = {result['target_flops']:.3g} FLOPs:")
         print(f"  {reproduce_command(result['predicted_run'])}")
+        if note := predicted_run_note(result):
+            print(f"  {note}")
     if not_fitted:
         print(f"not fitted: {'; '.join(not_fitted.values())} (+sweep=scaling trains such a grid)")
     return {
@@ -426,6 +428,25 @@ def predicted_run(result: dict, base: dict, points: list[dict]) -> list[str] | N
         return reproduce_overrides(config)
     except Exception:  # a user's function's config (no run of sweeper's to predict), odd records
         return None
+
+
+def predicted_run_note(result: dict) -> str | None:
+    """Where the predicted run's batch is not the batch law's prediction (rounded to whole
+    micro-batches, at least one), a line that says so: a law through batch optima at a
+    grid's end can predict fewer tokens than one sequence."""
+    predicted = (result.get("predictions") or {}).get("batch_size_opt")
+    run = [
+        o for o in result.get("predicted_run") or [] if o.startswith("trainer.total_batch_size=")
+    ]
+    if not predicted or not run:
+        return None
+    batch = int(run[-1].split("=", 1)[1])
+    if abs(batch - predicted) <= 0.1 * predicted:
+        return None
+    return (
+        f"(the batch law predicts {predicted:.4g} tokens; the run takes {batch}, the nearest "
+        "whole number of micro-batches (trainer.device_batch_size x model.seq_len), at least one)"
+    )
 
 
 def _best_at_largest_budget(points: list[dict], name: str) -> float | None:
