@@ -55,8 +55,8 @@ SPACE_FOR_SEARCH = {"random": MIXED, "grid": GRID, "tpe": SAMPLED, "gp": SAMPLED
         ("random", "bohb", SAMPLED, "scheduler 'bohb' needs search 'bohb'"),
         ("tpe", "asha", MIXED, "search 'tpe' samples from distributions and cannot enumerate"),
         ("gp", "fifo", GRID, "search 'gp' samples from distributions"),
-        ("bohb", "bohb", MIXED, "cannot enumerate grid params ['model.n_layer']"),
-        ("grid", "fifo", MIXED, "cannot sample ['optimizer.lr (log_uniform)']"),
+        ("bohb", "bohb", MIXED, "cannot enumerate grid params (model.n_layer)"),
+        ("grid", "fifo", MIXED, "cannot sample optimizer.lr (log_uniform);"),
         ("grid", "asha", SAMPLED, "search 'grid' runs every grid value once"),
     ],
 )

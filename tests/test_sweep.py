@@ -636,6 +636,11 @@ REFUSED = [
     (["sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.0,0.1]"], "matrix_lr"),
     (["+sweep.stages.0.params.optimizer.no_such_lr.uniform=[0,1]"], "no_such_lr"),
     (["sweep.stages.1.lr_rule=cubic"], "lr_rule"),
+    (  # the batch stage's grid cannot sample retune's LR bands; random runs both
+        ["sweep.stages.1.lr_rule=retune"],
+        "lr_rule=retune searches a band around each frozen LR, which search 'grid' cannot "
+        "sample; use sweep.stages.1.search=random",
+    ),
     (["sweep.budget.tokens_per_trial=null"], "tokens_per_trial"),
     (["sweep.mode=lowest"], "sweep.mode"),
     (  # the batch stage's 2048 is two steps' worth of the base's budget, and more

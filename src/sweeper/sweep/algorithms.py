@@ -34,14 +34,14 @@ def _check_search_space(search: str, space: Space) -> None:
         if grid:
             raise ValueError(
                 f"search {search!r} samples from distributions and cannot enumerate grid "
-                f"params {grid}; use choice: for them, or search: grid/random"
+                f"params ({', '.join(grid)}); use choice: for them, or search: grid/random"
             )
     if search == "grid":
         sampled = [f"{p.name} ({p.kind})" for p in space.params if p.kind != "grid"]
         if sampled:
             raise ValueError(
-                f"search 'grid' runs every grid value once and cannot sample {sampled}; "
-                "give them grid: values, or use search: random"
+                f"search 'grid' runs every grid value once and cannot sample "
+                f"{', '.join(sampled)}; give them grid: values, or use search: random"
             )
 
 

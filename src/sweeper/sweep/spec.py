@@ -307,7 +307,7 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
     _check(spec.max_failures >= 0, "sweep.max_failures must be >= 0")
     names = [s.name for s in spec.stages]
     _check(len(set(names)) == len(names), f"sweep stage names must be unique, got {names}")
-    for stage in spec.stages:
+    for index, stage in enumerate(spec.stages):
         where = f"sweep stage '{stage.name}'"
         _check(
             stage.num_samples >= 1, f"{where}: num_samples must be >= 1, got {stage.num_samples}"
@@ -325,6 +325,14 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
             for key in flatten_params(stage.params):
                 _check(key in run_values, f"{where}: unknown config key '{key}' in params")
         # retune bands are continuous: check with a stand-in frozen value for every LR key
+        if stage.lr_rule == "retune" and spec.stage_search(stage) == "grid":
+            has_grid = any(p.kind == "grid" for p in stage_space(spec, stage).params)
+            # random search runs grid values and samples bands; the model-based ones only sample
+            fix = "random" if has_grid else "tpe (or random)"
+            raise ConfigError(
+                f"{where}: lr_rule=retune searches a band around each frozen LR, which search "
+                f"'grid' cannot sample; use sweep.stages.{index}.search={fix}"
+            )
         frozen = dict.fromkeys(spec.lr_keys, 1e-3)
         space = stage_space(spec, stage, frozen)
         try:
