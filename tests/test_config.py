@@ -53,7 +53,8 @@ def test_help_names_the_program_its_commands_and_the_config_groups(tmp_path):
         assert command in proc.stdout, command
     assert "sweep: full, lr, lr_bs, lr_bs_scaling, lr_scaling, scaling, smoke" in proc.stdout
     # the header's own list of sweeps names every file in sweeps/
-    head = proc.stdout.split("any key below")[0].replace(",", " ").replace(")", " ").split()
+    head = proc.stdout.split("any key below")[0]
+    head = head.replace(",", " ").replace(")", " ").replace("=", " ").split()
     for path in (REPO / "sweeps").glob("*.yaml"):
         assert path.stem in head, path.stem
     assert "matrix_lr: 0.02" in proc.stdout  # the composed config follows
