@@ -92,7 +92,10 @@ def test_the_default_store_is_mlflow_db_in_the_working_directory(tmp_path, monke
     assert "a_1" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("case", ["unknown sweep", "no store", "dead server", "no such scheme"])
+@pytest.mark.parametrize(
+    "case",
+    ["unknown sweep", "no store", "dead server", "no such scheme", "no such dir", "store gone"],
+)
 def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -102,6 +105,19 @@ def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
         argv, expected = ["nosuch"], "no sweep 'nosuch'"
     elif case == "no store":
         argv, expected = [], "no MLflow store at"
+    elif case == "no such dir":
+        argv = [str(tmp_path / "outputs" / "nosuch")]
+        expected = f"{tmp_path / 'outputs' / 'nosuch'}: no such directory"
+    elif case == "store gone":  # the run dir names a store that has moved since
+        make_store(tmp_path / "elsewhere")
+        capsys.readouterr()
+        (tmp_path / "elsewhere" / "mlflow.db").unlink()
+        run_dir = tmp_path / "elsewhere" / "run_smoke"
+        argv = [str(run_dir)]
+        expected = (
+            f"no MLflow store at {tmp_path / 'elsewhere' / 'mlflow.db'}, where "
+            f"{run_dir}/mlflow_run.json says the sweep logged: pass --tracking-uri if it has moved"
+        )
     elif case == "no such scheme":
         argv, expected = ["--tracking-uri", "sqllite:///mlflow.db"], "MLflow has no store"
     else:
@@ -118,6 +134,13 @@ def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
     assert not (tmp_path / "mlflow.db").exists() or case == "unknown sweep"  # none created
+
+
+def test_large_whole_numbers_print_as_hydra_writes_them():
+    from sweeper.compare import _param
+
+    values = ("8192", "10000000000000.0", "1e13", "0.0200001", "2.5e-05", "abc")
+    assert [_param(v) for v in values] == ["8192", "1e13", "1e13", "0.02", "2.5e-5", "abc"]
 
 
 @pytest.mark.slow

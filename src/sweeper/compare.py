@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
 from sweeper.cli import fail
 from sweeper.config import ConfigError
+from sweeper.sweep.stages import float_text
 from sweeper.tracking.mlflow_store import shown
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -39,9 +41,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def compare(sweep: str | None, tracking_uri: str | None, experiment: str | None) -> str:
+    if sweep and os.sep in sweep and not Path(sweep).is_dir():  # a path, not a sweep's name
+        raise ConfigError(f"{sweep}: no such directory (name a sweep's run dir, name or run id)")
     run_dir = Path(sweep) if sweep and Path(sweep).is_dir() else None
     recorded = _recorded(run_dir) if run_dir else {}
-    client, uri = _client(tracking_uri or recorded.get("tracking_uri"))
+    named_by = None if tracking_uri or not recorded.get("tracking_uri") else run_dir
+    client, uri = _client(tracking_uri or recorded.get("tracking_uri"), named_by)
     experiments = _experiments(client, experiment)
     parent = _find_sweep(client, experiments, sweep, run_dir, recorded.get("run_id"))
     children = _children(client, parent)
@@ -55,7 +60,8 @@ def _recorded(run_dir: Path) -> dict:
         return {}
 
 
-def _client(tracking_uri: str | None):
+def _client(tracking_uri: str | None, named_by: Path | None = None):
+    """A client of the store; `named_by`: the run dir whose mlflow_run.json named it."""
     from mlflow import MlflowClient
 
     from sweeper.tracking.mlflow_store import (
@@ -70,6 +76,11 @@ def _client(tracking_uri: str | None):
     check_scheme(uri, "--tracking-uri" if tracking_uri else "MLFLOW_TRACKING_URI")
     path = sqlite_path(uri)
     if path is not None and not Path(path).is_file():
+        if named_by is not None:  # the sweep ran against a store that has moved or gone
+            raise ConfigError(
+                f"no MLflow store at {path}, where {named_by}/mlflow_run.json says the sweep "
+                "logged: pass --tracking-uri if it has moved"
+            )
         raise ConfigError(
             f"no MLflow store at {path}: run a sweep in this directory first, "
             "or pass --tracking-uri"
@@ -190,7 +201,9 @@ def _param(value: str | None) -> str:
         number = float(value)
     except ValueError:
         return value
-    return value if number.is_integer() and "e" not in value.lower() else f"{number:.4g}"
+    if number.is_integer() and abs(number) < 1e6:
+        return str(int(number))
+    return float_text(float(f"{number:.4g}"))  # as an override writes it: 1e13, 2.5e-5
 
 
 def _line(error: BaseException) -> str:
