@@ -317,8 +317,17 @@ def test_options_out_of_range_are_refused(tmp_path, capsys, option, value):
     with pytest.raises(SystemExit) as exit_:
         main([str(csv), option, value])
     assert exit_.value.code == 2
-    assert f"argument {option}: must be" in capsys.readouterr().err
+    (line,) = capsys.readouterr().err.splitlines()  # one line, not argparse's usage block
+    assert line.startswith(f"error: argument {option}: must be ")
+    assert line.endswith(" (python -m sweeper.fit --help)")
     assert not (tmp_path / "fit.json").exists()
+
+
+def test_an_out_dir_that_cannot_be_made_is_named(tmp_path, capsys):
+    csv = write_csv(tmp_path / "a.csv", ["params", "tokens", "loss"], law_rows())
+    (tmp_path / "file").write_text("")
+    assert main([str(csv), "--out", str(tmp_path / "file" / "fit"), "--no-plots"]) == 2
+    assert capsys.readouterr().err == f"error: --out {tmp_path / 'file' / 'fit'}: Not a directory\n"
 
 
 def test_cli_subprocess_bad_input_exit_2_without_traceback(tmp_path):

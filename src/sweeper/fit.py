@@ -59,8 +59,16 @@ def _above_zero(text: str) -> float:
     return value
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (its default prints the whole
+    usage block first), exit 2 as before."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (python -m sweeper.fit --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m sweeper.fit",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -159,8 +167,8 @@ def load_records(args) -> tuple[list[dict], Path, dict, dict | None]:
         elif held != first[1]:
             raise InputError(
                 f"{path} holds other columns than {first[0]} "
-                f"({', '.join(held[0])} as {held[1]} against {', '.join(first[1][0])} as "
-                f"{first[1][1]}): fit them separately"
+                f"({', '.join(held[0])} as {_words(held[1])} against {', '.join(first[1][0])} "
+                f"as {_words(first[1][1])}): fit them separately"
             )
         elif sweep is None:
             sweep = config
@@ -178,6 +186,10 @@ def load_records(args) -> tuple[list[dict], Path, dict, dict | None]:
     if len(args.paths) > 1:
         default_out = Path.cwd() / "combined-fit"
     return records, args.out or default_out, first[1][1], sweep
+
+
+def _words(conventions: dict) -> str:
+    return ", ".join(f"{key}={value}" for key, value in conventions.items())
 
 
 def _conventions(args, columns: dict) -> dict:
@@ -260,7 +272,10 @@ def run(args) -> int:
         from sweeper.sweep.outputs import predicted_run
 
         result["predicted_run"] = predicted_run(result, sweep["base"], records)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InputError(f"--out {out_dir}: {error.strerror or error}") from None
     (out_dir / "fit.json").write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
     written = [out_dir / "fit.json"]
     if not args.no_plots:
