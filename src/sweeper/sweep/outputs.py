@@ -14,7 +14,7 @@ from sweeper.config import BUDGET_KEYS
 from sweeper.sweep.results import REPORT_COLUMNS
 from sweeper.sweep.space import ParamSpec, range_edge
 from sweeper.sweep.spec import SweepSpec, flatten, flatten_params, stage_space
-from sweeper.sweep.stages import unresolved_rivals
+from sweeper.sweep.stages import float_text, unresolved_rivals
 from sweeper.sweep.state import SweepState, write_json_atomic
 from sweeper.sweep.trainable import RUNG_METRIC
 
@@ -228,7 +228,8 @@ def _signed(value, mode):
 
 
 def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    """4 significant digits, written as an override would be (1e13, 2.5e-5)."""
+    return float_text(float(f"{value:.4g}")) if isinstance(value, float) else str(value)
 
 
 # --- files -----------------------------------------------------------------------------
@@ -495,7 +496,8 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
         value = stage["best_value"]
         print(
             f"  stage {stage['name']:<14} best {spec.metric} "
-            f"{value if value is None else f'{value:.4f}'} with {stage['best_params']}"
+            f"{value if value is None else f'{value:.4f}'} with "
+            f"{_params_text(stage['best_params'] or {})}"
         )
         for edge in stage["at_range_edge"]:
             print(f"    note: {edge['note']}")
