@@ -729,7 +729,7 @@ def test_a_predicted_batch_the_run_cannot_take_is_said_beside_the_run():
     def note(batch):
         result = {"target_flops": 1e15, "predictions": {"lr_opt": 0.01, "batch_size_opt": batch}}
         result["predicted_run"] = predicted_run(result, base, [])
-        return predicted_run_note(result)
+        return predicted_run_note(result, [])
 
     assert note(180.3) == (
         "(the batch law predicts 180.3 tokens; the run takes 512, the nearest whole number of "
@@ -737,7 +737,23 @@ def test_a_predicted_batch_the_run_cannot_take_is_said_beside_the_run():
     )
     assert note(700.0).startswith("(the batch law predicts 700 tokens; the run takes 512,")
     assert note(1500.0) is None  # 1536: within 10% of the law
-    assert predicted_run_note({"predictions": {"lr_opt": 0.01}, "predicted_run": ["x=1"]}) is None
+    assert (
+        predicted_run_note({"predictions": {"lr_opt": 0.01}, "predicted_run": ["x=1"]}, []) is None
+    )
+    # no batch law: the best batch at the largest budget (256, one sequence, in a grid run
+    # with micro-batches of one sequence) in a config whose micro-batches hold two
+    grid = [
+        {"N": 3e6, "C": c, "budget": c, "lr": 0.01, "batch_size": b, "final": True,
+         "loss": 3 + b / 1e4 - c / 1e13}
+        for c in (1e12, 1e13) for b in (256, 512, 1024)
+    ]  # fmt: skip
+    result = {"target_flops": 1e15, "predictions": {"lr_opt": 0.01}}
+    result["predicted_run"] = predicted_run(result, base, grid)
+    assert "trainer.total_batch_size=512" in result["predicted_run"]
+    assert predicted_run_note(result, grid) == (
+        "(the best batch at the largest budget is 256 tokens; the run takes 512, the nearest "
+        "whole number of micro-batches (trainer.device_batch_size x model.seq_len), at least one)"
+    )
 
 
 def margin_grid(margins: list[float], far: list[float] | None = None) -> list[dict]:

@@ -294,7 +294,7 @@ def run(args) -> int:
 
             print(f"Run it at C = {result['target_flops']:.3g} FLOPs:")
             print(f"  {reproduce_command(result['predicted_run'])}")
-            if note := predicted_run_note(result):
+            if note := predicted_run_note(result, records):
                 print(f"  {note}")
         print("Wrote " + ", ".join(p.name for p in written) + f" to {out_dir}")
     return 0

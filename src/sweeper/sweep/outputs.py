@@ -388,7 +388,7 @@ def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict, base: d
     if result["predicted_run"]:
         print(f"run it at C = {result['target_flops']:.3g} FLOPs:")
         print(f"  {reproduce_command(result['predicted_run'])}")
-        if note := predicted_run_note(result):
+        if note := predicted_run_note(result, points):
             print(f"  {note}")
     if not_fitted:
         print(f"not fitted: {'; '.join(not_fitted.values())} (+sweep=scaling trains such a grid)")
@@ -431,22 +431,26 @@ def predicted_run(result: dict, base: dict, points: list[dict]) -> list[str] | N
         return None
 
 
-def predicted_run_note(result: dict) -> str | None:
-    """Where the predicted run's batch is not the batch law's prediction (rounded to whole
-    micro-batches, at least one), a line that says so: a law through batch optima at a
-    grid's end can predict fewer tokens than one sequence."""
-    predicted = (result.get("predictions") or {}).get("batch_size_opt")
+def predicted_run_note(result: dict, points: list[dict]) -> str | None:
+    """Where the predicted run's batch is not the one meant (the batch law's prediction, or
+    without a law the best batch at the largest budget), rounded to whole micro-batches of
+    the config the run starts from, a line that says so: a law through batch optima at a
+    grid's end can predict fewer tokens than one sequence, and a sweep's grid may have run
+    smaller micro-batches than that config's."""
     run = [
         o for o in result.get("predicted_run") or [] if o.startswith("trainer.total_batch_size=")
     ]
-    if not predicted or not run:
+    if not run:
         return None
+    predicted = (result.get("predictions") or {}).get("batch_size_opt")
+    meant = predicted or _best_at_largest_budget(points, "batch_size")
     batch = int(run[-1].split("=", 1)[1])
-    if abs(batch - predicted) <= 0.1 * predicted:
+    if not meant or abs(batch - meant) <= 0.1 * meant:
         return None
+    what = "the batch law predicts" if predicted else "the best batch at the largest budget is"
     return (
-        f"(the batch law predicts {predicted:.4g} tokens; the run takes {batch}, the nearest "
-        "whole number of micro-batches (trainer.device_batch_size x model.seq_len), at least one)"
+        f"({what} {meant:.4g} tokens; the run takes {batch}, the nearest whole number of "
+        "micro-batches (trainer.device_batch_size x model.seq_len), at least one)"
     )
 
 
