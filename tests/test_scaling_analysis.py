@@ -785,7 +785,7 @@ def test_from_three_seeds_a_paired_interval_decides_whether_an_optimum_is_resolv
     lower = margins.mean() - 2.919986 * margins.std(ddof=1) / math.sqrt(3)
     assert notes == [
         f"lr-vs-compute: at C = {c:.3g} the best (0.02) beats the next (0.01) by 0.1 on "
-        f"average over 3 seeds (3 won), but the paired 95% lower bound is {lower:.3g}: "
+        f"average over 3 seeds (won on 3), but the paired 95% lower bound is {lower:.3g}: "
         "not resolved"
         for c in (1e12, 1e13)
     ]
@@ -804,7 +804,7 @@ def test_every_value_the_best_does_not_clearly_beat_is_named_not_only_the_next()
     notes = [w for w in res["warnings"] if "not resolved" in w]
     assert notes[0] == (
         f"lr-vs-compute: at C = 1e+12 the best (0.02) beats 0.04 by {np.mean(far):.3g} on "
-        f"average over 3 seeds (3 won), but the paired 95% lower bound is {lower(far):.3g}: "
+        f"average over 3 seeds (won on 3), but the paired 95% lower bound is {lower(far):.3g}: "
         "not resolved"
     )
     # the range runs from the optimum (the parabola's vertex, below 0.02 here) to 0.04

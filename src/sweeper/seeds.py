@@ -39,7 +39,7 @@ class Lead:
         if self.lower is None:
             return f"on {self.wins} of {self.n} seeds"
         return (
-            f"by {self.mean:.3g} on average over {self.n} seeds ({self.wins} won), but the "
+            f"by {self.mean:.3g} on average over {self.n} seeds (won on {self.wins}), but the "
             f"paired 95% lower bound is {self.lower:.3g}"
         )
 
