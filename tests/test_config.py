@@ -126,6 +126,11 @@ BAD_INPUTS = [
     # what only a sweep uses is still checked in a single run
     (["trainable._target_=nonexistent.fn"], "trainable._target_=nonexistent.fn: a user's"),
     (["mlflow.tracking_uri=foo://bar"], "mlflow.tracking_uri=foo://bar: MLflow has no store"),
+    # Hydra would warn in two lines and go on without it: the missing dir is the error
+    (
+        ["hydra.searchpath=[file:///nonexistent]", "+sweep=mine"],
+        "hydra.searchpath: no config dir at /nonexistent",
+    ),
 ]
 
 

@@ -40,13 +40,32 @@ def compose(overrides: Sequence[str]):
 
 
 def _hydra_compose(overrides: Sequence[str]):
+    import warnings
+
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     from sweeper.paths import config_dir
 
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with initialize_config_dir(str(config_dir()), version_base="1.3"):
+                cfg, failure = hydra_compose("config", overrides=list(overrides)), None
+        except Exception as error:  # raised below, after the search path's check
+            cfg, failure = None, error
+    # Hydra warns (two lines, from its own source) of a search path it cannot find, then
+    # composes without it: the config dir that is not there is the error, before what it
+    # would have held ("Could not find 'sweep/mine'")
+    for warning in caught:
+        text = str(warning.message)
+        if "is not available" in text and "hydra.searchpath" in text:
+            path = text.split("path=", 1)[-1].split(" is not available")[0]
+            raise ConfigError(f"hydra.searchpath: no config dir at {path}")
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if failure is not None:
+        raise failure
+    return cfg
 
 
 def check_syntax(overrides: Sequence[str]) -> None:
