@@ -61,6 +61,18 @@ def test_help_names_the_program_its_commands_and_the_config_groups(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("flag", [["--cfg", "job"], ["--cfg=job"], ["-c", "job"]])
+def test_cfg_prints_a_valid_config_and_refuses_a_bad_one(tmp_path, flag):
+    proc = run_cli([*flag, "model.depth=3"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "model:\n  depth: 3\n" in proc.stdout
+    # the config a run would refuse is refused here too, in one line
+    proc = run_cli(["model.depth=0", *flag], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "error: model.depth must be >= 1, got 0\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_defaults_match_the_schema_defaults():
     # the dataclass defaults document the same run as conf/: drift would mislead readers
     from sweeper.config import RunConfig

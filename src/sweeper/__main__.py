@@ -20,7 +20,10 @@ from sweeper.cli import (
 from sweeper.config import ConfigError, check_platform_sections, load_run_config
 from sweeper.paths import config_dir
 
-HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--shell-completion")
+HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--info", "--shell-completion")
+# Hydra's flags that print the composed config instead of running it: the config they print
+# is checked as a run's would be, so that `--cfg job` shows no config a run would refuse
+PRINT_FLAGS = {"--cfg": 1, "-c": 1, "--package": 1, "-p": 1, "--resolve": 0}
 MULTIRUN_FLAGS = ("-m", "--multirun")
 MAX_CHECKED_JOBS = 64  # ~0.3 s each
 
@@ -117,11 +120,13 @@ def run_ddp(cfg, out_dir: str) -> dict:
         return json.load(f)
 
 
-def validate(overrides: list[str]) -> None:
+def validate(overrides: list[str], printing: bool = False) -> None:
+    """Every check of a run or sweep before Hydra starts it. printing: `--cfg` prints the
+    config and runs nothing, so what only matters to a run dir is not checked."""
     cfg = compose(overrides)
     run = load_run_config(cfg)
     check_platform_sections(cfg)
-    run_dir = hydra_run_dir(overrides)
+    run_dir = None if printing else hydra_run_dir(overrides)
     if run_dir and os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"hydra.run.dir={run_dir} is a file, not a directory")
     joins_a_cluster = bool(cfg.get("ray", {}).get("address"))
@@ -158,7 +163,7 @@ def validate(overrides: list[str]) -> None:
 
         probe(str(cfg.ray.address))  # an unreachable cluster: one line, nothing written
     resumes = "sweep" in cfg and bool(cfg.sweep.get("resume"))
-    if resumes and not run_dir:  # Hydra would make a new timestamped dir: a new sweep
+    if resumes and not run_dir and not printing:  # Hydra would make a new dir: a new sweep
         raise ConfigError(
             "sweep.resume=true continues the sweep in the run dir it names: add "
             "hydra.run.dir=<the interrupted sweep's dir> (its path is in the line it printed "
@@ -224,6 +229,19 @@ def check_single_run(cfg) -> None:
         check_database_driver(str(uri))
 
 
+def without_print_flags(args: list[str]) -> list[str]:
+    """args less Hydra's PRINT_FLAGS and the value each takes (`--cfg job`, `--cfg=job`)."""
+    kept, skip = [], 0
+    for arg in args:
+        if skip:
+            skip -= 1
+        elif arg.split("=")[0] in PRINT_FLAGS:
+            skip = 0 if "=" in arg else PRINT_FLAGS[arg]
+        else:
+            kept.append(arg)
+    return kept
+
+
 def hydra_run_dir(overrides: list[str]) -> str | None:
     """hydra.run.dir as the command line sets it (the last setting wins), else None."""
     values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra.run.dir=")]
@@ -252,7 +270,8 @@ def main() -> None:
     stop_on_sigterm_as_on_ctrl_c()
     args = sys.argv[1:]
     multirun = any(a in MULTIRUN_FLAGS for a in args)
-    overrides = [a for a in args if a not in MULTIRUN_FLAGS]
+    overrides = without_print_flags([a for a in args if a not in MULTIRUN_FLAGS])
+    printing = len(overrides) < len(args) - multirun
     if cleared := other_budgets_cleared(overrides):  # Hydra composes from sys.argv too
         overrides += cleared
         sys.argv += cleared
@@ -261,7 +280,7 @@ def main() -> None:
             # a multirun's jobs are checked before Hydra makes its multirun dir; the first
             # MAX_CHECKED_JOBS of a huge product, the rest as each job starts (run_job)
             for job in multirun_jobs(overrides)[:MAX_CHECKED_JOBS] if multirun else [overrides]:
-                validate(job)
+                validate(job, printing)
         except ConfigError as error:
             fail(str(error))
     import hydra
