@@ -275,6 +275,7 @@ def plot_lr_vs_batch(result: dict, path: Path) -> Path:
     fig, (ax,) = _new_figure()
     colours = colormaps["viridis"](np.linspace(0, 0.85, len(lvb["budgets"])))
     g = lvb["exponent"]
+    labelled = False
     for b, colour in zip(lvb["budgets"], colours):
         batch, lr = np.array(b["batch_size"]), np.array(b["lr"])
         ends = np.array([how == "grid end" for how in b["how"]])
@@ -284,7 +285,9 @@ def plot_lr_vs_batch(result: dict, path: Path) -> Path:
             # the pooled slope through this budget's optima (its own intercept)
             level = np.exp(np.mean(np.log(lr[~ends]) - g * np.log(batch[~ends])))
             line = np.geomspace(batch.min(), batch.max(), 20)
-            ax.plot(line, level * line**g, c=colour, lw=1)
+            label = None if labelled else f"pooled slope {g:.2f}, at each budget's level"
+            ax.plot(line, level * line**g, c=colour, lw=1, label=label)
+            labelled = True
     # the rules' lines start at an optimum inside the grid, of the largest budget that has one
     anchors = [
         (batch, lr)
