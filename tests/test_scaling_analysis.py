@@ -263,11 +263,11 @@ def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_name
                 "batch_size": 1024,
                 "final": True,
             }
-            for c in (1e12, 1e13)
+            for c in lr_opt
             for lr in (0.01, 0.02, 0.04)
         ]
 
-    res = fit_all(records({1e12: 0.04, 1e13: 0.02}))
+    res = fit_all(records({1e12: 0.04, 1e13: 0.02, 1e14: 0.02}))
     assert "batch_size" not in res["hparams"]  # 1024 in every run: nothing to fit
     # the plot draws the end of the grid hollow (a bound) and the vertex filled
     from matplotlib.figure import Figure
@@ -278,12 +278,17 @@ def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_name
     drawn = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
-        plot_hparams(res, Path("unused.png"), to_points(records({1e12: 0.04, 1e13: 0.02})))
+        plot_hparams(
+            res, Path("unused.png"), to_points(records({1e12: 0.04, 1e13: 0.02, 1e14: 0.02}))
+        )
     filled, hollow = drawn[0].axes[1].collections
-    assert filled.get_offsets().tolist() == [[1e13, pytest.approx(0.02)]]
+    assert filled.get_offsets().tolist() == [
+        [1e13, pytest.approx(0.02)],
+        [1e14, pytest.approx(0.02)],
+    ]
     assert hollow.get_offsets().tolist() == [[1e12, 0.04]] and not hollow.get_facecolors().size
-    assert res["hparams"]["lr"]["best"] == pytest.approx([0.04, 0.02])
-    assert res["hparams"]["lr"]["how"] == ["grid end", "parabola"]
+    assert res["hparams"]["lr"]["best"] == pytest.approx([0.04, 0.02, 0.02])
+    assert res["hparams"]["lr"]["how"] == ["grid end", "parabola", "parabola"]
     assert [w for w in res["warnings"] if "vs-compute" in w] == [
         "lr-vs-compute: at C = 1e+12 the best lr (0.04) is at an end of the values tried: "
         "the optimum may lie beyond it"
@@ -294,6 +299,13 @@ def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_name
     assert [w for w in res["warnings"] if "vs-compute" in w] == [
         "lr-vs-compute: the best lr is at an end of the values tried at every budget "
         "(0.04, 0.04): no law; try values beyond"
+    ]
+    # one optimum and a bound: the slope would be the bound's, so no law either
+    res = fit_all(records({1e12: 0.04, 1e13: 0.02}))
+    assert res["hparams"] == {} and "lr_opt" not in res["predictions"]
+    assert [w for w in res["warnings"] if "vs-compute" in w] == [
+        "lr-vs-compute: only one optimum lies inside the values tried (at an end: 1e+12: "
+        "0.04): no law, which needs two; try values beyond"
     ]
 
 

@@ -279,12 +279,24 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
                 within.append([min(plausible + [value]), max(plausible + [value])])
                 if split:
                     warnings.append(f"{name}-vs-compute: at C = {budget:.3g} {split}")
-        if len(budgets) > 1 and set(how) == {"grid end"}:
+        inside = sum(method != "grid end" for method in how)
+        if len(budgets) > 1 and inside == 0:
             # no optimum was found, only bounds: a law through them would be the grid's ends
             # (lr_bs_scaling's first run had batch 1024, its smallest, best at every budget)
             warnings.append(
                 f"{name}-vs-compute: the best {name} is at an end of the values tried at every "
                 f"budget ({', '.join(f'{v:.4g}' for v in best)}): no law; try values beyond"
+            )
+            continue
+        if len(budgets) > 1 and inside < 2:
+            # one optimum and bounds: the law's slope would be set by a bound (two seeds of
+            # lr_bs_scaling with batch 256: 835, then 256 at both ends, "predicted" 21 tokens)
+            ends = ", ".join(
+                f"{c:.3g}: {v:.4g}" for c, v, m in zip(budgets, best, how) if m == "grid end"
+            )
+            warnings.append(
+                f"{name}-vs-compute: only one optimum lies inside the values tried (at an end: "
+                f"{ends}): no law, which needs two; try values beyond"
             )
             continue
         for budget, value, method in zip(budgets, best, how):
