@@ -70,6 +70,26 @@ def run_cli(
     )
 
 
+def run_cli_into_closed_pipe(args: list[str], cwd: Path, module: str = "sweeper"):
+    """`python -m <module> args | head` once head has quit: stdout is a pipe nobody reads.
+    Returns the CompletedProcess, stderr captured."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), RAY_USAGE_STATS_ENABLED="0")
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", module, *args],
+            cwd=cwd,
+            env=env,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+
+
 # a sweep of a few seconds per trial: tiny model, tiny budget, tiny eval
 TINY_SWEEP = [
     "+sweep=smoke",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 
@@ -10,7 +11,7 @@ import pytest
 
 from sweeper.compare import compare, main
 
-from .conftest import run_cli
+from .conftest import run_cli, run_cli_into_closed_pipe
 
 
 def make_store(folder) -> tuple[str, dict]:
@@ -170,3 +171,11 @@ def test_a_smoke_sweep_then_compare_in_the_same_directory(tmp_path):
     assert sorted(r[0] for r in rows) == ["batch_size", "batch_size", "lr"]
     values = [float(r[3]) for r in rows if r[3] != "-"]
     assert values == sorted(values) and len(values) == 3
+
+
+def test_compare_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`python -m sweeper.compare | head -1`: no BrokenPipeError traceback."""
+    uri, _ = make_store(tmp_path)
+    proc = run_cli_into_closed_pipe(["--tracking-uri", uri], tmp_path, module="sweeper.compare")
+    assert proc.returncode == -signal.SIGPIPE, proc.stderr
+    assert proc.stderr == ""

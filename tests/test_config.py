@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ from sweeper.cli import compose, other_budgets_cleared
 from sweeper.config import ConfigError, load_run_config
 from sweeper.paths import config_dir
 
-from .conftest import REPO, run_cli
+from .conftest import REPO, run_cli, run_cli_into_closed_pipe
 
 GROUPS = ["model", "optimizer", "scheduler", "data", "trainer"]
 
@@ -58,6 +59,16 @@ def test_help_names_the_program_its_commands_and_the_config_groups(tmp_path):
     for path in (REPO / "sweeps").glob("*.yaml"):
         assert path.stem in head, path.stem
     assert "matrix_lr: 0.02" in proc.stdout  # the composed config follows
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"]])
+def test_printing_into_a_closed_pipe_ends_quietly(tmp_path, args):
+    """`python -m sweeper --help | head -1`: ended by SIGPIPE as `cat` would be, without
+    a BrokenPipeError traceback."""
+    proc = run_cli_into_closed_pipe(args, cwd=tmp_path)
+    assert proc.returncode == -signal.SIGPIPE, proc.stderr
+    assert proc.stderr == ""
     assert list(tmp_path.iterdir()) == []
 
 

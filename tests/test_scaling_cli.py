@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ import pytest
 
 from sweeper.fit import main
 from sweeper.scaling.records import InputError, detect_columns
+
+from .conftest import run_cli_into_closed_pipe
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -68,6 +71,17 @@ def test_detect_columns_aliases():
     }
     with pytest.raises(InputError):
         detect_columns(["a"], explicit={"loss": "nope"})
+
+
+def test_cli_into_a_closed_pipe_still_writes_the_fit(tmp_path):
+    """`python -m sweeper.fit runs.csv | head -1`: the fit's files are written before its
+    summary is printed, and the reader quitting ends the command without a traceback."""
+    src = write_csv(tmp_path / "runs.csv", ["params", "FLOPs", "loss"], law_rows())
+    args = [str(src), "--no-plots", "--out", str(tmp_path / "o")]
+    proc = run_cli_into_closed_pipe(args, tmp_path, module="sweeper.fit")
+    assert proc.returncode == -signal.SIGPIPE, proc.stderr
+    assert proc.stderr == ""
+    assert json.loads((tmp_path / "o" / "fit.json").read_text())["parametric"]["alpha"] > 0
 
 
 def test_cli_json_on_csv_with_n_and_c(tmp_path):

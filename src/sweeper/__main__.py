@@ -13,6 +13,7 @@ import sys
 from sweeper.cli import (
     chosen_budgets,
     compose,
+    end_quietly_when_output_closes,
     fail,
     other_budgets_cleared,
     stop_on_sigterm_as_on_ctrl_c,
@@ -275,7 +276,10 @@ def main() -> None:
     if cleared := other_budgets_cleared(overrides):  # Hydra composes from sys.argv too
         overrides += cleared
         sys.argv += cleared
-    if not any(a.split("=")[0] in HYDRA_FLAGS for a in overrides):
+    asks_hydra = any(a.split("=")[0] in HYDRA_FLAGS for a in overrides)
+    if printing or asks_hydra:  # prints and runs nothing: `--help | head` ends quietly
+        end_quietly_when_output_closes()
+    if not asks_hydra:
         try:
             # a multirun's jobs are checked before Hydra makes its multirun dir; the first
             # MAX_CHECKED_JOBS of a huge product, the rest as each job starts (run_job)

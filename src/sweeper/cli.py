@@ -192,6 +192,18 @@ def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str |
     return message
 
 
+def end_quietly_when_output_closes() -> None:
+    """A command whose output goes into `head` or `less` ends silently when the reader
+    quits, as `cat` and `ls` do, not with a BrokenPipeError traceback. Python ignores
+    SIGPIPE and raises instead; restoring the default lets the kernel end the process.
+    Only for commands that print and change nothing (a sweep keeps Python's way: it has a
+    Ray cluster and a state file to close)."""
+    import signal
+
+    if hasattr(signal, "SIGPIPE"):  # not on Windows
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
 def one_line(error: BaseException) -> str:
     """Hydra's and OmegaConf's multi-line messages, folded into one line."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]

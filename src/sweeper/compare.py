@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from sweeper.cli import fail
+from sweeper.cli import end_quietly_when_output_closes, fail
 from sweeper.config import ConfigError
 from sweeper.sweep.stages import float_text
 from sweeper.tracking.mlflow_store import shown
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tracking-uri", help="MLflow store (default: sqlite:///mlflow.db)")
     parser.add_argument("--experiment", help="only this MLflow experiment (default: all)")
     args = parser.parse_args(argv)
+    end_quietly_when_output_closes()
     try:
         print(compare(args.sweep, args.tracking_uri, args.experiment))
     except ConfigError as error:

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from sweeper.cli import end_quietly_when_output_closes
 from sweeper.scaling.records import SWEEP_COLUMNS, InputError, read_csv_records
 
 MIN_ROWS = 3
@@ -302,6 +303,8 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # safe here: the fit's files are written before its summary is printed
+    end_quietly_when_output_closes()
     try:
         return run(args)
     except InputError as exc:
