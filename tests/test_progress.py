@@ -42,3 +42,47 @@ def test_endings_are_tallied_and_no_paused_count_without_paused_trials(capsys):
     assert lines[0].startswith("[bs] 1/3 trials done (1 pruned), 2 running | best val_bpb - |")
     assert lines[1].startswith("[bs] 2/3 trials done (1 pruned, 1 diverged), 1 running | ")
     assert "paused" not in "".join(lines)
+
+
+def test_a_grid_over_budgets_estimates_the_time_left_by_compute(capsys):
+    """lr_bs_scaling's budgets are 10x apart: after the cheap trials the time left is the
+    FLOPs left at the rate trained so far, not the trial count's (here 3x too short)."""
+    import math
+    import re
+    import time
+
+    from sweeper.config import load_run_config
+    from sweeper.model import GPT, GPTShape
+    from sweeper.sweep.callbacks import GridCosts
+
+    from .conftest import tiny
+
+    base = tiny(trainer={"max_steps": None, "budget_flops": 1e10})
+    budgets = [1e10, 3e10, 1e11]
+    costs = GridCosts(base, {}, {"trainer.budget_flops": budgets})
+    per_token = GPT(GPTShape.from_config(load_run_config(base).model)).flops_per_token()
+    # whole optimizer steps of 512 tokens, as the run trains them
+    plans = [math.ceil(b / per_token / 512) * 512 * per_token for b in budgets]
+    assert costs.total == sum(plans)
+
+    trials = trials_in(Trial.RUNNING, Trial.RUNNING, Trial.PENDING)
+    for trial, budget in zip(trials, budgets):
+        trial.config = {"trainer.budget_flops": budget}
+    progress = ProgressCallback("lr_bs", planned=3, metric="val_bpb", mode="min", costs=costs)
+    progress.started = time.time() - 100.0
+    trials[0].update_last_result({"val_bpb": 3.0, "status": "completed", "flops": plans[0]})
+    trials[1].update_last_result({"val_bpb": 3.5, "status": "running", "flops": plans[0]})
+
+    progress.on_trial_complete(0, trials, trials[0])
+    trials[0].set_status(Trial.TERMINATED)
+    # the second was pruned after as many FLOPs as the first trained: its rest is not run
+    trials[1].update_last_result({"val_bpb": 3.5, "status": "pruned", "flops": 2 * plans[0]})
+    progress.on_trial_complete(0, trials, trials[1])
+
+    lines = capsys.readouterr().out.splitlines()
+    etas = [float(re.search(r"~(\d+)s left", line).group(1)) for line in lines]
+    # 100 s for 2 plans[0] of FLOPs (one done, one running); left: all but those two
+    assert abs(etas[0] - 100 / (2 * plans[0]) * (sum(plans) - 2 * plans[0])) <= 2
+    assert abs(etas[1] - 100 / (3 * plans[0]) * plans[2]) <= 2
+    count_eta = 100 / 1 * 2  # 100 s per trial done, two to go
+    assert etas[0] > 2.5 * count_eta

@@ -6,6 +6,7 @@ where importing torch is only worth it for budgets that need the model's size.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from sweeper.config import ConfigError, RunConfig
@@ -42,14 +43,34 @@ def resolve_total_steps(cfg: RunConfig, params: int, flops_per_token: int) -> in
 
 def check_budget(cfg: RunConfig) -> int:
     """The run's optimizer steps, or the one-line error of `resolve_total_steps`, before
-    any weights exist: the model is built on the meta device only to count it."""
+    any weights exist."""
     t = cfg.trainer
     if t.budget_flops is None and t.tokens_per_param is None:
         return resolve_total_steps(cfg, 0, 0)  # no model needed, and no torch import
+    return resolve_total_steps(cfg, *model_counts(cfg))
+
+
+def planned_flops(cfg: RunConfig) -> float:
+    """Training FLOPs the run is planned to take: steps x batch x FLOPs per token (what a
+    sweep's progress line weighs its trials by)."""
+    params, flops_per_token = model_counts(cfg)
+    steps = resolve_total_steps(cfg, params, flops_per_token)
+    return float(steps * cfg.trainer.total_batch_size * flops_per_token)
+
+
+def model_counts(cfg: RunConfig) -> tuple[int, int]:
+    """(total parameters, FLOPs per token) of the run's model, counted on the meta device."""
+    from sweeper.model import GPTShape
+
+    return _counted(GPTShape.from_config(cfg.model))
+
+
+@functools.lru_cache(maxsize=64)  # a sweep's preflight asks again for every value it checks
+def _counted(shape) -> tuple[int, int]:
     import torch
 
-    from sweeper.model import GPT, GPTShape
+    from sweeper.model import GPT
 
     with torch.device("meta"):  # first use ~2 s: torch loads its meta kernels
-        model = GPT(GPTShape.from_config(cfg.model))
-    return resolve_total_steps(cfg, model.param_counts()["total"], model.flops_per_token())
+        model = GPT(shape)
+    return model.param_counts()["total"], model.flops_per_token()

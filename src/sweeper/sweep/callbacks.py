@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from pathlib import Path
@@ -11,10 +12,14 @@ from ray import tune
 
 class ProgressCallback(tune.Callback):
     """One line per finished trial: done (pruned, diverged, failed), running, paused, best
-    so far, ETA."""
+    so far, ETA. The ETA counts trials, or, given `costs` (`GridCosts`), compute: a grid
+    over budgets or model sizes has trials 10x apart in cost."""
 
-    def __init__(self, stage: str, planned: int, metric: str, mode: str):
+    def __init__(
+        self, stage: str, planned: int, metric: str, mode: str, costs: GridCosts | None = None
+    ):
         self.stage, self.planned, self.metric, self.mode = stage, planned, metric, mode
+        self.costs = costs
         self.started = time.time()
         self.counts = {"completed": 0, "pruned": 0, "diverged": 0, "failed": 0}
         self.best: float | None = None
@@ -56,6 +61,11 @@ class ProgressCallback(tune.Callback):
         elapsed = time.time() - self.started
         left = max(self.planned - done, 0)
         eta = elapsed / done * left if done else float("nan")
+        if self.costs is not None:
+            try:
+                eta = self.costs.eta(trials, trial, elapsed) or eta
+            except Exception:  # an exception in a Tune callback ends the sweep: not for an ETA
+                self.costs = None
         endings = ", ".join(f"{n} {k}" for k, n in self.counts.items() if n and k != "completed")
         best = f"{self.best:.4f}" if self.best is not None else "-"
         print(
@@ -65,6 +75,43 @@ class ProgressCallback(tune.Callback):
             f"best {self.metric} {best} | {elapsed:.0f}s elapsed, ~{eta:.0f}s left",
             flush=True,
         )
+
+
+class GridCosts:
+    """Each trial's planned training FLOPs, for a grid stage of sweeper's own training,
+    whose trials are all known before they run. The ETA is then the compute still to train
+    (the unseen trials' plans, the running trials' rest) at the rate trained so far, over
+    the trials' own reported FLOPs: a pruned trial leaves none of its plan behind."""
+
+    def __init__(self, base: dict, fixed: dict, grid: dict[str, list]):
+        self.base = base
+        self.plans: dict[str, float] = {}  # by trial id
+        self.total = sum(
+            self.of({**fixed, **dict(zip(grid, values))})
+            for values in itertools.product(*grid.values())
+        )
+
+    def of(self, params: dict) -> float:
+        from sweeper.budget import planned_flops
+        from sweeper.config import load_run_config
+        from sweeper.sweep.space import to_builtin
+        from sweeper.sweep.stages import apply_params
+
+        return planned_flops(load_run_config(apply_params(self.base, to_builtin(dict(params)))))
+
+    def eta(self, trials, finished, elapsed: float) -> float | None:
+        """Seconds left, or None before any FLOPs are reported; `finished`: the trial whose
+        end is being reported (Tune may not have marked it ended yet)."""
+        trained, left = 0.0, self.total
+        for trial in trials:
+            if trial.trial_id not in self.plans:
+                self.plans[trial.trial_id] = self.of(trial.config)
+            plan = self.plans[trial.trial_id]
+            flops = float((trial.last_result or {}).get("flops") or 0.0)
+            trained += flops
+            ended = trial is finished or trial.status in (trial.TERMINATED, trial.ERROR)
+            left -= plan if ended else min(flops, plan)
+        return elapsed / trained * max(left, 0.0) if trained > 0 else None
 
 
 class FlopCap(tune.Stopper):

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from sweeper.config import load_run_config
+from sweeper.config import ConfigError, load_run_config
 from sweeper.sweep.preflight import base_config, resumable_state, trainable_target, validate_sweep
 from sweeper.sweep.spec import SweepSpec, flatten, stage_points, stage_space
 from sweeper.sweep.stages import hydra_value, pick_best
@@ -25,6 +25,8 @@ from sweeper.sweep.state import SweepState, sweep_definition
 from sweeper.sweep.trainable import RUNG_METRIC, TrialContext, batch_of, trial_config
 
 # Ray's OOM kill of a worker, the CPU allocator's refusal, torch's CUDA OutOfMemoryError
+# a grid's trials are costed (load_run_config each, ~ms) for a compute-weighted ETA up to this
+MAX_COSTED_GRID = 1000
 OUT_OF_MEMORY_SIGNS = ("low on memory", "can't allocate memory", "OutOfMemoryError")
 
 
@@ -361,7 +363,7 @@ def run_stage(
     from ray.tune.logger import JsonLoggerCallback
 
     from sweeper.sweep.algorithms import build_scheduler, build_searcher, random_start
-    from sweeper.sweep.callbacks import FlopCap, ProgressCallback
+    from sweeper.sweep.callbacks import FlopCap, GridCosts, ProgressCallback
     from sweeper.sweep.results import collect_results
     from sweeper.sweep.space import is_pure_grid
     from sweeper.sweep.trainable import run_trial
@@ -423,7 +425,12 @@ def run_stage(
         else {"cpu": 0, "memory": 1}
     )
     trainable = tune.with_resources(tune.with_parameters(run_trial, base=base, ctx=ctx), resources)
-    progress = ProgressCallback(stage.name, planned, spec.metric, spec.mode)
+    costs = None
+    if not target and is_pure_grid(space) and planned <= MAX_COSTED_GRID:
+        fixed, grid = space.fixed, {p.name: list(p.values) for p in space.params}
+        with contextlib.suppress(ConfigError):  # a grid point no run takes fails as it starts
+            costs = GridCosts(base, fixed, grid) if grid else None
+    progress = ProgressCallback(stage.name, planned, spec.metric, spec.mode, costs)
     run_config = tune.RunConfig(
         name=f"stage{index}_{stage.name}{experiment_suffix}",
         storage_path=str(out / "ray"),
