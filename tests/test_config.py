@@ -230,9 +230,17 @@ def test_single_run_writes_result_json(tmp_path):
     assert "val bpb" in proc.stdout  # progress was printed
 
 
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])  # Ctrl+C; kill, docker stop
-def test_an_interrupted_run_leaves_a_failed_result_json(tmp_path, signame):
+@pytest.mark.parametrize(
+    "signame, background",
+    # Ctrl+C; kill, docker stop; kill of a run a script or `nohup ... &` started, which a
+    # shell without job control starts with SIGINT ignored
+    [("SIGINT", False), ("SIGTERM", False), ("SIGTERM", True)],
+)
+def test_an_interrupted_run_leaves_a_failed_result_json(tmp_path, signame, background):
     import signal
+
+    def as_a_background_job():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     args = [
         "model=tiny",
@@ -251,12 +259,17 @@ def test_an_interrupted_run_leaves_a_failed_result_json(tmp_path, signame):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=as_a_background_job if background else None,
     ) as proc:
         for line in proc.stdout:  # training has started once a step's line is printed
             if line.startswith("step"):
                 break
         proc.send_signal(getattr(signal, signame))
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # the signal was lost: the run would train on
+            raise
     assert proc.returncode == 130, err[-2000:]
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result == {"status": "failed", "error": "KeyboardInterrupt: "}

@@ -102,10 +102,18 @@ def stop_on_sigterm_as_on_ctrl_c() -> None:
     import signal
     import threading
 
+    def on_sigterm(signum, frame):
+        if callable(signal.getsignal(signal.SIGINT)):
+            # through SIGINT, not a raise here: inside tuner.fit() Tune's own SIGINT handler
+            # stops the trials and saves the experiment before it returns
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            # SIGINT is ignored: a shell without job control (a script, `nohup cmd &`)
+            # starts background jobs so. A SIGINT would be lost, and `kill` with it.
+            raise KeyboardInterrupt
+
     if threading.current_thread() is threading.main_thread():
-        # through SIGINT, not a raise here: inside tuner.fit() Tune's own SIGINT handler
-        # stops the trials and saves the experiment before it returns
-        signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(os.getpid(), signal.SIGINT))
+        signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def chosen_budgets(overrides: Sequence[str]) -> dict[str, str]:
