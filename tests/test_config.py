@@ -62,6 +62,19 @@ def test_help_names_the_program_its_commands_and_the_config_groups(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("flag_first", [False, True])
+def test_cfg_after_a_budget_override_prints_the_run_s_budget(tmp_path, flag_first):
+    """A budget named on the command line clears the preset's (other_budgets_cleared);
+    those overrides go beside the user's, so `--cfg job` may come last, as the README's
+    reproduce lines invite."""
+    args = ["trainer.max_steps=100", "model.depth=3"]
+    proc = run_cli(["--cfg", "job", *args] if flag_first else [*args, "--cfg", "job"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "  max_steps: 100\n" in proc.stdout and "  budget_tokens: null\n" in proc.stdout
+    assert "  depth: 3\n" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"]])
 def test_printing_into_a_closed_pipe_ends_quietly(tmp_path, args):
     """`python -m sweeper --help | head -1`: ended by SIGPIPE as `cat` would be, without

@@ -274,8 +274,11 @@ def main() -> None:
     overrides = without_print_flags([a for a in args if a not in MULTIRUN_FLAGS])
     printing = len(overrides) < len(args) - multirun
     if cleared := other_budgets_cleared(overrides):  # Hydra composes from sys.argv too
+        # beside the user's own overrides: Hydra's parser takes them as one run of words,
+        # and one after a flag (`... --cfg job trainer.X=null`) is refused
+        at = sys.argv.index(overrides[-1]) + 1
+        sys.argv[at:at] = cleared
         overrides += cleared
-        sys.argv += cleared
     asks_hydra = any(a.split("=")[0] in HYDRA_FLAGS for a in overrides)
     if printing or asks_hydra:  # prints and runs nothing: `--help | head` ends quietly
         end_quietly_when_output_closes()
