@@ -123,6 +123,21 @@ METHODS = {
         "sweep.brackets=1",
         "sweep.bohb.random_fraction=1",
     ],
+    # bohb_exploit ranking cooled-down forks at its rungs, as the sweeps do by default
+    # (sweep.rung_cooldown): the forks' training is counted in its compute
+    "bohb_exploit_forks": [
+        "sweep.stages.0.search=bohb",
+        "sweep.stages.0.scheduler=bohb",
+        "sweep.grace_fraction=0.111",
+        "sweep.bohb.random_fraction=0.1",
+        "sweep.bohb.bandwidth_factor=1",
+        "sweep.rung_cooldown=0.25",
+    ],
+    "asha_forks": [
+        "sweep.stages.0.search=random",
+        "sweep.stages.0.scheduler=asha",
+        "sweep.rung_cooldown=0.25",
+    ],
     # the sweeps' default: TPE's first 10 trials are random, then its model proposes
     "tpe_asha": ["sweep.stages.0.search=tpe", "sweep.stages.0.scheduler=asha"],
 }
@@ -171,7 +186,8 @@ def compute_to_reach(reports: list[dict], target: float) -> tuple[float | None, 
         default=float("inf"),
     )
     for r in sorted(reports, key=lambda r: float(r["wall_time"])):
-        flops = float(r["flops"])
+        # a trial's training so far, with its rung forks' (sweep.rung_cooldown) where it has any
+        flops = float(r["flops"]) + float(r.get("fork_flops") or 0.0)
         spent += flops - last.get(r["trial_id"], 0.0)
         last[r["trial_id"]] = flops
         done = r["final"] == "True" and r["status"] == "completed"
