@@ -25,9 +25,9 @@ from sweeper.sweep.state import SweepState, sweep_definition
 from sweeper.sweep.trainable import RUNG_METRIC, TrialContext, batch_of, trial_config
 
 # Ray's OOM kill of a worker, the CPU allocator's refusal, torch's CUDA OutOfMemoryError
-# a grid's trials are costed (load_run_config each, ~ms) for a compute-weighted ETA up to this
-MAX_COSTED_GRID = 1000
 OUT_OF_MEMORY_SIGNS = ("low on memory", "can't allocate memory", "OutOfMemoryError")
+# a grid's trials are costed (load_run_config each, ~13 ms) for a compute-weighted ETA up to this
+MAX_COSTED_GRID = 1000
 
 
 class SweepFailed(Exception):
