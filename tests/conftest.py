@@ -51,10 +51,13 @@ def run_cli(
     timeout: float = 120,
     module: str = "sweeper",
     memory_limit: int | None = None,
+    env: dict[str, str] | None = None,
 ):
     """`python -m <module> args` in `cwd`, like a user would; returns CompletedProcess.
-    `memory_limit` (bytes of address space) makes the process a machine with that much."""
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), RAY_USAGE_STATS_ENABLED="0")
+    `memory_limit` (bytes of address space) makes the process a machine with that much;
+    `env`: variables set on top of this one's."""
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO / "src"))
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
 
     def limit_memory():
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))

@@ -62,6 +62,31 @@ def test_help_names_the_program_its_commands_and_the_config_groups(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_hydra_s_short_flags_work_as_its_long_ones(tmp_path):
+    """Hydra's --hydra-help names `-sc install=bash`, and the script it installs calls
+    `-sc query=bash` at every <TAB>: the short forms must not be read as overrides."""
+    env = {"COMP_LINE": "sweeper mod"}
+    for flag in ("-sc", "--shell-completion"):
+        proc = run_cli([flag, "query=bash"], cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["model.", "model="]
+    proc = run_cli(["--version"], cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith("Hydra "), proc.stderr
+    proc = run_cli(["-r", "model=tiny", "--cfg", "job"], cwd=tmp_path)  # -r with -c: refused
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "error: --cfg and --run: Hydra takes only one of them at a time\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", [["-cn", "mine"], ["--config-dir=my_conf"], ["-cp", "x"]])
+def test_another_primary_config_is_refused_with_the_way_to_add_configs(tmp_path, flag):
+    proc = run_cli([*flag, "model=tiny"], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: {flag[0].split('=')[0]}: sweeper composes its own")
+    assert "hydra.searchpath=[file://DIR]" in proc.stderr and proc.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("flag_first", [False, True])
 def test_cfg_after_a_budget_override_prints_the_run_s_budget(tmp_path, flag_first):
     """A budget named on the command line clears the preset's (other_budgets_cleared);

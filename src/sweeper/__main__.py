@@ -21,11 +21,26 @@ from sweeper.cli import (
 from sweeper.config import ConfigError, check_platform_sections, load_run_config
 from sweeper.paths import config_dir
 
-HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--info", "--shell-completion")
+# Hydra's flags that print something of their own and run nothing
+HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--info", "-i")
+HYDRA_FLAGS += ("--shell-completion", "-sc")
+# flags that would point Hydra at another primary config than conf/config.yaml, which every
+# check here composes: refused, with the way to add configs of one's own instead
+CONFIG_SOURCE_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+CONFIG_SOURCE_FLAGS += ("--experimental-rerun",)
 # Hydra's flags that print the composed config instead of running it: the config they print
 # is checked as a run's would be, so that `--cfg job` shows no config a run would refuse
 PRINT_FLAGS = {"--cfg": 1, "-c": 1, "--package": 1, "-p": 1, "--resolve": 0}
 MULTIRUN_FLAGS = ("-m", "--multirun")
+RUN_FLAGS = ("-r", "--run")  # Hydra's default mode, said out loud
+# Hydra runs one of these modes per command
+MODE_FLAGS = (
+    (RUN_FLAGS, "--run"),
+    (MULTIRUN_FLAGS, "--multirun"),
+    (("--cfg", "-c"), "--cfg"),
+    (("--info", "-i"), "--info"),
+    (("--shell-completion", "-sc"), "--shell-completion"),
+)
 MAX_CHECKED_JOBS = 64  # ~0.3 s each
 
 
@@ -270,9 +285,19 @@ def multirun_jobs(overrides: list[str]) -> list[list[str]]:
 def main() -> None:
     stop_on_sigterm_as_on_ctrl_c()
     args = sys.argv[1:]
+    if source := next((a for a in args if a.split("=")[0] in CONFIG_SOURCE_FLAGS), None):
+        fail(
+            f"{source.split('=')[0]}: sweeper composes its own conf/; add config files of "
+            "your own with hydra.searchpath=[file://DIR] (e.g. DIR/sweep/NAME.yaml for "
+            "+sweep=NAME)"
+        )
+    modes = {mode for a in args for flags, mode in MODE_FLAGS if a.split("=")[0] in flags}
+    if len(modes) > 1:  # Hydra's own check raises a ValueError: a traceback
+        fail(f"{' and '.join(sorted(modes))}: Hydra takes only one of them at a time")
     multirun = any(a in MULTIRUN_FLAGS for a in args)
-    overrides = without_print_flags([a for a in args if a not in MULTIRUN_FLAGS])
-    printing = len(overrides) < len(args) - multirun
+    mode_flags = [a for a in args if a in MULTIRUN_FLAGS + RUN_FLAGS]
+    overrides = without_print_flags([a for a in args if a not in mode_flags])
+    printing = len(overrides) < len(args) - len(mode_flags)
     if cleared := other_budgets_cleared(overrides):  # Hydra composes from sys.argv too
         # beside the user's own overrides: Hydra's parser takes them as one run of words,
         # and one after a flag (`... --cfg job trainer.X=null`) is refused
