@@ -185,8 +185,10 @@ BAD_INPUTS = [
     # a resume without the run dir would start a new sweep in a new timestamped dir
     (["+sweep=smoke", "sweep.resume=true"], "sweep.resume=true continues the sweep in the run"),
     # what only a sweep uses is still checked in a single run
-    (["trainable._target_=nonexistent.fn"], "trainable._target_=nonexistent.fn: a user's"),
+    (["trainable._target_=nonexistent.fn"], "trainable._target_=nonexistent.fn cannot be"),
     (["mlflow.tracking_uri=foo://bar"], "mlflow.tracking_uri=foo://bar: MLflow has no store"),
+    # Hydra's three readings of a,b come on three more lines: all in the one line
+    (["optimizer.matrix_lr=0.01,0.03"], "key=[a,b], for a string key='a,b', and to run once"),
     # Hydra would warn in two lines and go on without it: the missing dir is the error
     (
         ["hydra.searchpath=[file:///nonexistent]", "+sweep=mine"],
@@ -310,7 +312,7 @@ def test_an_interrupted_run_leaves_a_failed_result_json(tmp_path, signame, backg
             raise
     assert proc.returncode == 130, err[-2000:]
     result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert result == {"status": "failed", "error": "KeyboardInterrupt: "}
+    assert result == {"status": "failed", "error": "interrupted (Ctrl+C, or SIGTERM from kill)"}
     assert err.strip().splitlines()[-1].startswith("interrupted: status failed ->"), err
     assert "Traceback" not in err
 

@@ -44,6 +44,23 @@ def test_endings_are_tallied_and_no_paused_count_without_paused_trials(capsys):
     assert "paused" not in "".join(lines)
 
 
+def test_a_trial_that_diverges_takes_its_earlier_values_out_of_the_best(capsys):
+    trials = trials_in(Trial.RUNNING, Trial.RUNNING)
+    progress = ProgressCallback("lr", planned=2, metric="val_bpb", mode="min")
+    progress.on_trial_result(0, trials, trials[0], {"val_bpb": 3.2, "status": "running"})
+    progress.on_trial_result(0, trials, trials[1], {"val_bpb": 3.6, "status": "running"})
+    progress.on_trial_result(0, trials, trials[0], {"val_bpb": 8.0, "status": "diverged"})
+    trials[0].update_last_result({"val_bpb": 8.0, "status": "diverged"})
+    progress.on_trial_complete(0, trials, trials[0])
+    trials[0].set_status(Trial.TERMINATED)
+    trials[1].update_last_result({"val_bpb": 3.4, "status": "diverged"})
+    progress.on_trial_complete(0, trials, trials[1])  # its last report unseen: still out
+
+    lines = capsys.readouterr().out.splitlines()
+    assert "1/2 trials done (1 diverged), 1 running | best val_bpb 3.6000 |" in lines[0]
+    assert "2/2 trials done (2 diverged), 0 running | best val_bpb - |" in lines[1]
+
+
 def test_a_grid_over_budgets_estimates_the_time_left_by_compute(capsys):
     """lr_bs_scaling's budgets are 10x apart: after the cheap trials the time left is the
     FLOPs left at the rate trained so far, not the trial count's (here 3x too short)."""

@@ -140,7 +140,9 @@ def test_cli_reads_sweep_directory(tmp_path):
     proc = run_fit(tmp_path, "--json", "--no-plots")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
-    assert res["conventions"]["loss_unit"] == "bpb"
+    # labelled as the sweep's own fit.json labels them, which this refit replaces
+    sweeps_own = {"params": "total", "flops": "per_token_with_attention", "loss_unit": "val_bpb"}
+    assert res["conventions"] == sweeps_own
     assert (
         res["parametric"]["n_points"] == 36 and res["parametric"]["n_excluded_intermediate"] == 36
     )

@@ -103,6 +103,28 @@ def test_pick_best_prefers_trials_that_ran_their_whole_budget():
     assert pick_best(trials, "val_bpb", "max")["trial_id"] == "b"
     assert pick_best(trials[:1], "val_bpb", "min")["trial_id"] == "a"
     assert pick_best([trials[3]], "val_bpb", "min") is None
+    # a diverged trial's value is the searcher's penalty: never anyone's best
+    penalised = {"trial_id": "p", "status": "diverged", "metric": 8.0}
+    assert pick_best([penalised], "val_bpb", "min") is None
+    assert pick_best([penalised, trials[0]], "val_bpb", "max")["trial_id"] == "a"
+
+
+def test_a_stage_keeps_its_start_only_where_the_two_values_compare():
+    from sweeper.sweep.stages import keeps_its_start
+
+    def trial(params, metric, status="completed", **extra):
+        return {"params": params, "metric": metric, "status": status, **extra}
+
+    start = trial({"optimizer.matrix_lr": 0.02}, 3.0)
+    worse = trial({"trainer.total_batch_size": 2048}, 3.1)
+    assert keeps_its_start(start, worse, "min")
+    assert not keeps_its_start(start, worse, "max")
+    assert not keeps_its_start(start, trial({"trainer.total_batch_size": 2048}, 2.9), "min")
+    assert not keeps_its_start(None, worse, "min") and not keeps_its_start(start, None, "min")
+    # a pruned start, a stage over budgets or seeds: other budgets, other noise
+    assert not keeps_its_start(trial(start["params"], 3.0, "pruned"), worse, "min")
+    assert not keeps_its_start(start, trial({"trainer.budget_tokens": 1e6}, 3.1), "min")
+    assert not keeps_its_start(start, trial({}, 3.1, seeds=[0, 1]), "min")
 
 
 def test_a_configuration_run_on_several_seeds_ranks_by_its_mean():
@@ -343,7 +365,7 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
     ("baseline", "best", "line"),
     [
         (3.54, 3.29, "baseline val_bpb 3.5400 -> best 3.2900 (+0.2500 better)"),
-        (3.5429, 3.556, "best 3.5560 (0.0131 worse: the unmodified config beat every trial)"),
+        (3.5429, 3.556, "best 3.5560 (0.0131 worse: the unmodified config did better)"),
     ],
 )
 def test_the_summary_says_whether_the_sweep_beat_the_baseline(capsys, baseline, best, line):
@@ -585,3 +607,26 @@ def test_a_rung_cooldown_asked_of_a_users_function_is_refused():
     target = "trainable._target_=tests.user_functions.noisy_bowl"
     with pytest.raises(ConfigError, match="sweep.rung_cooldown forks sweeper's own training"):
         validate_sweep(compose(["+sweep=lr", target, "sweep.rung_cooldown=0.25"]))
+
+
+def test_a_log_axis_names_the_values_tried():
+    """A batch grid of 512 and 2048 spans no power of ten: matplotlib alone labels none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sweeper.sweep.plots import log_axis_labelled
+
+    fig, (grid, wide) = plt.subplots(1, 2)
+    grid.scatter([512, 2048], [3.0, 3.1])
+    log_axis_labelled(grid.xaxis, [2048, 512, 512])
+    lrs = [0.002 * 1.4**i for i in range(10)]
+    wide.scatter(lrs, range(10))
+    log_axis_labelled(wide.xaxis, lrs)
+    fig.canvas.draw()
+    assert grid.get_xscale() == "log"
+    assert [t.get_text() for t in grid.get_xticklabels()] == ["512", "2048"]
+    shown = [t.get_text() for t in wide.get_xticklabels() if t.get_text()]
+    assert {"0.005", "0.01", "0.02"} <= set(shown), shown
+    plt.close(fig)

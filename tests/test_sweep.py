@@ -13,8 +13,8 @@ from sweeper.model import GPT, GPTShape
 from sweeper.sweep.engine import run_sweep
 from sweeper.sweep.preflight import base_config, validate_sweep
 
+from .conftest import REPO, run_cli
 from .conftest import TINY_SWEEP as TINY
-from .conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -615,16 +615,67 @@ def test_a_users_function_is_swept_with_the_same_dsl(ray_cluster, tmp_path, caps
     assert "every fresh seed gave the same value" in capsys.readouterr().out
 
 
-def test_a_users_function_that_reports_nan_ends_as_diverged(ray_cluster, tmp_path):
-    sweep(
-        tmp_path,
-        "trainable._target_=tests.user_functions.explodes",
-        "sweep.stages.0.num_samples=1",
-        "sweep.stages.0.scheduler=fifo",
-        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
-    )
+def test_a_users_function_that_reports_nan_ends_as_diverged(ray_cluster, tmp_path, capsys):
+    """Every trial diverges: none is anyone's best, nothing is frozen, and the sweep ends
+    as failed (exit 1) with its outputs written, summary.json strict JSON."""
+    from sweeper.sweep.engine import NothingToRank
+
+    with pytest.raises(NothingToRank, match=r"no trial of the sweep has a value to rank \(3"):
+        sweep(
+            tmp_path,
+            "trainable._target_=tests.user_functions.explodes",
+            "sweep.stages.0.num_samples=1",
+            "sweep.stages.0.scheduler=fifo",
+            "sweep.stages.1.params.trainer.total_batch_size.grid=[512,1024]",
+            "sweep.baseline=true",  # diverges too: its NaN must not reach summary.json
+        )
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     assert [r["status"] for r in state["stages"][0]["records"]] == ["diverged"]
+    assert [s["best"] for s in state["stages"]] == [None, None]
+    assert state["stages"][1]["base_after"] == state["base"]  # nothing frozen
+    summary = json.loads(
+        (tmp_path / "summary.json").read_text(),
+        parse_constant=lambda name: pytest.fail(f"summary.json holds {name}"),
+    )
+    assert summary["best"] is None and summary["baseline"]["status"] == "diverged"
+    out = capsys.readouterr().out
+    assert "<- best" not in out and "reproduce:" not in out
+    assert "[lr] no trial has a value to rank (each diverged or failed)" in out
+    assert "stage batch_size     no trial to rank (2 diverged)" in out
+    assert "baseline (the unmodified config) diverged under the same budget" in out
+
+
+def test_a_stage_worse_than_its_start_freezes_nothing(ray_cluster, tmp_path, capsys):
+    """The batch stage's grid leaves out the 512 tokens the sweep starts from, where this
+    function is best: its best is worse than the LR stage's, which the sweep keeps."""
+    summary = sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.bowl_in_lr_and_batch",
+        "sweep.stages.0.num_samples=3",
+        "sweep.stages.0.scheduler=fifo",
+        "~sweep.stages.0.params.optimizer.matrix_lr",
+        "+sweep.stages.0.params.optimizer.lr.log_uniform=[0.001,0.1]",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[1024,2048]",
+    )
+    lr_stage, batch_stage = summary["stages"]
+    assert batch_stage["best_value"] > lr_stage["best_value"]
+    assert summary["best"]["value"] == lr_stage["best_value"]
+    assert batch_stage["kept_from"] == {"stage": "lr", "value": lr_stage["best_value"]}
+    overrides = summary["best"]["overrides"]
+    assert overrides[0] == "trainable._target_=tests.user_functions.bowl_in_lr_and_batch"
+    assert "trainer.total_batch_size=512" in overrides
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    assert state["stages"][1]["base_after"] == state["stages"][0]["base_after"]
+    out = capsys.readouterr().out
+    assert "[batch_size] its best val_bpb" in out
+    assert "trainer.total_batch_size=512, stage 'lr'): that config is kept" in out
+    # the reproduce line runs the function once on the best config: the same value
+    again = tmp_path / "again"
+    proc = run_cli([*overrides, f"hydra.run.dir={again}"], cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "report 4: val_bpb=" in proc.stdout
+    result = json.loads((again / "result.json").read_text())
+    assert result["status"] == "completed" and result["val_bpb"] == summary["best"]["value"]
 
 
 REFUSED = [
@@ -689,6 +740,7 @@ REFUSED = [
     # overrides of keys the sweep does not have: the fix is in the line
     (["sweep.stages.0.serach=tpe"], "did you mean sweep.stages.0.search?"),
     (["sweep.stages.0.points=[base]"], "to add it, write +sweep.stages.0.points=[base]"),
+    (["sweep.stages.0.extend_trial=2"], "did you mean sweep.stages.0.extend_trials?"),
     (["sweep.stages.x.name=a"], "sweep.stages.x.name=a: Index 'x'"),
     (["sweep.stages.5.name=a"], "sweep.stages.5.name=a: list index out of range"),
     # found by a new user's mistakes: each used to start Ray, or end in a traceback
@@ -742,6 +794,17 @@ def test_refused_sweeps_error_in_one_line_before_ray_starts(tmp_path, args, name
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_key_no_stage_takes_gets_the_stage_s_keys_and_no_plus_advice(tmp_path):
+    # `+` would be refused as unknown too; every key a stage takes is named, set or not
+    proc = run_cli(["+sweep=smoke", "sweep.stages.0.nonsense=1"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: unknown config key: sweep.stages.0.nonsense (sweep.stages.0 has name, "
+        "lr_rule, search, scheduler, num_samples, params, retune_factor, points, "
+        "extend_trials)\n"
+    )
 
 
 def test_a_grid_is_checked_point_by_point_where_one_value_at_a_time_passes(tmp_path):
@@ -847,6 +910,15 @@ def test_trial_cap_limits_the_sweep_and_skips_a_grid_that_no_longer_fits(ray_clu
         "sweep.stages.1.params.trainer.total_batch_size.grid=[512,1024]",
     )
     assert summary["trials"] == 2 and [s["name"] for s in summary["stages"]] == ["lr"]
+
+
+def test_a_reached_trial_cap_is_named_with_the_way_to_go_on(ray_cluster, tmp_path, capsys):
+    summary = sweep(tmp_path, "sweep.max_trials=2", "sweep.stages.0.num_samples=2")
+    assert summary["trials"] == 2 and [s["name"] for s in summary["stages"]] == ["lr"]
+    assert (
+        "[batch_size] skipped, and the stages after it: sweep.max_trials=2 is reached. To go "
+        f"on, raise it and add sweep.resume=true hydra.run.dir={tmp_path}\n"
+    ) in capsys.readouterr().out
 
 
 def test_flop_cap_stops_the_sweep(ray_cluster, tmp_path):

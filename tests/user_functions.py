@@ -45,3 +45,12 @@ def trains_long_after_its_first_report(config: dict, report) -> None:
     finally:
         with open(config["log"], "a") as f:
             f.write(f"{done}\n")
+
+
+def bowl_in_lr_and_batch(config: dict, report) -> None:
+    """noisy_bowl's LR bowl plus a batch-size one, lowest at 512 tokens: a batch stage
+    whose grid leaves 512 out finds only worse configs than the one it starts from."""
+    lr, batch = config["optimizer"]["lr"], config["trainer"]["total_batch_size"]
+    for step in range(1, 5):
+        distance = (math.log10(lr) + 2.0) ** 2 + abs(math.log2(batch / 512))
+        report({"val_bpb": 1.0 + distance + 1.0 / step, "step": step, "tokens": step * 100})

@@ -61,6 +61,10 @@ def run_job(cfg) -> float | None:
             sys.exit(1)
         except KeyboardInterrupt:
             sys.exit(130)  # the engine said where the state is and how to resume
+    from sweeper.sweep.preflight import trainable_target
+
+    if target := trainable_target(cfg):
+        return run_user_function(cfg, target, out_dir)
     try:
         if cfg.trainer.workers > 1:
             result = run_ddp(cfg, out_dir)
@@ -73,7 +77,7 @@ def run_job(cfg) -> float | None:
     except (Exception, KeyboardInterrupt) as error:
         # the run did not finish: its result.json says so (status=failed), so a script that
         # reads it never mistakes an old file or a missing one for this run's outcome
-        write_result(out_dir, {"status": "failed", "error": f"{type(error).__name__}: {error}"})
+        write_result(out_dir, {"status": "failed", "error": failure_text(error)})
         if isinstance(error, KeyboardInterrupt):
             print(f"interrupted: status failed -> {out_dir}/result.json", file=sys.stderr)
             sys.exit(130)
@@ -88,6 +92,37 @@ def run_job(cfg) -> float | None:
         exit_out_of_memory(cfg, result["out_of_memory"], out_dir)
     print(f"{result['status']}: val_bpb {result['val_bpb']:.4f} -> {out_dir}/result.json")
     return result["val_bpb"]
+
+
+def run_user_function(cfg, target: str, out_dir: str) -> float | None:
+    """A user's function run once, on the tree a sweep's trial of it is given, each
+    report printed: what the reproduce line of a sweep of that function runs. Its last
+    report goes to result.json."""
+    from sweeper.sweep.preflight import load_user_function, user_function_config
+
+    reports: list[dict] = []
+
+    def report(metrics: dict, state=None) -> None:  # `state`: a checkpoint, not kept here
+        reports.append(dict(metrics))
+        shown = " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+        )
+        print(f"report {len(reports)}: {shown}", flush=True)
+
+    try:
+        load_user_function(target)(user_function_config(cfg), report)
+    except BaseException as error:
+        write_result(out_dir, {"status": "failed", "error": failure_text(error)})
+        if isinstance(error, KeyboardInterrupt):
+            print(f"interrupted: status failed -> {out_dir}/result.json", file=sys.stderr)
+            sys.exit(130)
+        raise
+    last = reports[-1] if reports else {}
+    write_result(out_dir, {"status": "completed", "reports": len(reports), **last})
+    value = last.get("val_bpb")
+    shown = f"val_bpb {value:.4f} " if isinstance(value, float) else ""
+    print(f"completed: {shown}after {len(reports)} reports -> {out_dir}/result.json")
+    return value
 
 
 def exit_out_of_memory(cfg, asked: str, out_dir: str) -> None:
@@ -106,6 +141,13 @@ def exit_out_of_memory(cfg, asked: str, out_dir: str) -> None:
         file=sys.stderr,
     )
     sys.exit(1)
+
+
+def failure_text(error: BaseException) -> str:
+    """What result.json says ended a run; an interrupt's exception has no message."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (Ctrl+C, or SIGTERM from kill)"
+    return f"{type(error).__name__}: {error}"
 
 
 def write_result(out_dir: str, result: dict) -> None:
@@ -227,18 +269,17 @@ def validate(overrides: list[str], printing: bool = False) -> None:
 
 
 def check_single_run(cfg) -> None:
-    """What only a sweep uses is still checked in a single run: a user's function runs as
-    a sweep's trainable (a single run trains sweeper's GPT), and a tracking URI no MLflow
-    store takes is wrong wherever it is written. Its server is not probed: a single run
-    logs nothing to MLflow."""
+    """What a sweep checks is still checked in a single run: a user's function (run once,
+    as a sweep's reproduce line does) must import and take (config, report), and a
+    tracking URI no MLflow store takes is wrong wherever it is written. Its server is not
+    probed: a single run logs nothing to MLflow."""
     from sweeper.sweep.preflight import trainable_target
     from sweeper.tracking.mlflow_store import check_database_driver, check_scheme
 
     if target := trainable_target(cfg):
-        raise ConfigError(
-            f"trainable._target_={target}: a user's function is swept with +sweep=NAME (a "
-            "one-point grid runs it once); a single run trains sweeper's GPT"
-        )
+        from sweeper.sweep.preflight import load_user_function
+
+        load_user_function(target)
     uri = (cfg.get("mlflow") or {}).get("tracking_uri")
     if uri:
         check_scheme(str(uri))

@@ -181,6 +181,7 @@ def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str |
     adds_the_key = key == missing_path or key.startswith(missing_path + ".")
     message = f"unknown config key: {key if adds_the_key else missing_path}"
     rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+    schema = sweep_schema_keys(parent_path)
     try:  # the config without the bad override, to read the level that lacks the key
         parent = compose(rest)
         if parent_path:
@@ -188,16 +189,32 @@ def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str |
         siblings = [str(k) for k in parent]
     except Exception:  # other overrides fail as well: say what is known
         return f"{message} ({parent_path or 'the config'} has no '{missing}')"
-    close = difflib.get_close_matches(missing, siblings, n=1)
+    # a sweep file sets only some of a level's keys: name every one a + may add
+    siblings += [k for k in schema or () if k not in siblings]
+    close = difflib.get_close_matches(missing, [k for k in siblings if k != missing], n=1)
     if close:
         message += f": did you mean {'.'.join(filter(None, [parent_path, close[0]]))}?"
     shown = ", ".join(siblings[:12]) + (", ..." if len(siblings) > 12 else "")
     message += f" ({parent_path or 'the config'} has {shown})"
-    # sweep stages take new keys (points, params) with a +; not a typo's fix
-    if key.startswith("sweep.") and adds_the_key and not close:
+    # a sweep's levels take their schema's other keys (points, extend_trials), and a
+    # stage's params any key to search, with a +; not a typo's fix
+    addable = schema is None or missing in schema
+    if key.startswith("sweep.") and adds_the_key and not close and addable:
         value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
         message += f"; to add it, write +{key}={value}"
     return message
+
+
+def sweep_schema_keys(path: str) -> list[str] | None:
+    """The keys the sweep schema allows at `path` (sweep, sweep.budget, sweep.bohb,
+    sweep.stages.N); None where any key goes (a stage's params) or outside sweep."""
+    from dataclasses import fields
+
+    from sweeper.sweep.spec import BohbSpec, BudgetSpec, StageSpec, SweepSpec
+
+    schemas = {"sweep": SweepSpec, "sweep.budget": BudgetSpec, "sweep.bohb": BohbSpec}
+    schema = schemas.get(path) or (StageSpec if re.fullmatch(r"sweep\.stages\.\d+", path) else None)
+    return [f.name for f in fields(schema)] if schema else None
 
 
 def end_quietly_when_output_closes() -> None:
@@ -225,6 +242,11 @@ def one_line(error: BaseException) -> str:
                 break
             options.append(line)
         message += f" (available: {', '.join(options)})"
+    if message.startswith("Ambiguous value for argument"):  # a,b: Hydra lists 3 readings
+        message += (
+            ": for a list write key=[a,b], for a string key='a,b', and to run once per "
+            "value add -m (--multirun)"
+        )
     # "Error merging override k=v" keeps its reason in the exception it wraps
     cause = str(error.__cause__ or "").strip().splitlines()
     if message.startswith("Error merging override") and cause:

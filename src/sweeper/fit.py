@@ -124,12 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--flops-convention",
         choices=("6ND", "per_token_with_attention", "given"),
-        help="how C was computed (default: given if the data have a compute column, else 6ND)",
+        help="how C was computed (default: per_token_with_attention for a sweep's run dir; "
+        "given if other data have a compute column, else 6ND)",
     )
     p.add_argument(
         "--loss-unit",
         metavar="UNIT",
-        help="unit of the loss column (default: bpb if its name says so, else nats)",
+        help="unit of the loss column (default: a sweep's metric for its run dir; bpb if "
+        "the column's name says so, else nats)",
     )
     return p
 
@@ -162,7 +164,7 @@ def load_records(args) -> tuple[list[dict], Path, dict, dict | None]:
             # a sweep from before reports.csv had a seed column ran every trial on one
             seed = config["base"].get("trainer", {}).get("seed")
             rows = [{**r, "seed": float(seed)} for r in rows] if seed is not None else rows
-        held = (sorted(set(columns) - {"seed"}), _conventions(args, columns))
+        held = (sorted(set(columns) - {"seed"}), _conventions(args, columns, path.is_dir()))
         if first is None:
             first, default_out, sweep = (path, held), out, config
         elif held != first[1]:
@@ -193,11 +195,19 @@ def _words(conventions: dict) -> str:
     return ", ".join(f"{key}={value}" for key, value in conventions.items())
 
 
-def _conventions(args, columns: dict) -> dict:
+def _conventions(args, columns: dict, sweep_dir: bool) -> dict:
+    """As the flags say, else as the data are: a sweep's reports.csv has its model's
+    FLOPs per token, attention included, and its loss column is the sweep's metric, which
+    the fit a sweep writes names them (so a refit labels them the same)."""
+    if sweep_dir:
+        flops, unit = "per_token_with_attention", columns["loss"]
+    else:
+        flops = "given" if "C" in columns else "6ND"
+        unit = "bpb" if "bpb" in columns["loss"].lower() else "nats"
     return {
         "params": args.params_convention,
-        "flops": args.flops_convention or ("given" if "C" in columns else "6ND"),
-        "loss_unit": args.loss_unit or ("bpb" if "bpb" in columns["loss"].lower() else "nats"),
+        "flops": args.flops_convention or flops,
+        "loss_unit": args.loss_unit or unit,
     }
 
 

@@ -22,20 +22,32 @@ class ProgressCallback(tune.Callback):
         self.costs = costs
         self.started = time.time()
         self.counts = {"completed": 0, "pruned": 0, "diverged": 0, "failed": 0}
-        self.best: float | None = None
+        # each trial's best value so far: a trial that diverges takes its earlier values
+        # with it, as the stage's table ranks it nowhere
+        self.values: dict[str, float] = {}
+
+    @property
+    def best(self) -> float | None:
+        if not self.values:
+            return None
+        return (min if self.mode == "min" else max)(self.values.values())
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         value = result.get(self.metric)
-        if result.get("status") == "diverged" or not isinstance(value, int | float):
+        if result.get("status") == "diverged":
+            self.values.pop(trial.trial_id, None)
             return
-        if math.isfinite(value) and (
-            self.best is None or (value < self.best if self.mode == "min" else value > self.best)
-        ):
-            self.best = value
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            return
+        known = self.values.get(trial.trial_id)
+        if known is None or (value < known if self.mode == "min" else value > known):
+            self.values[trial.trial_id] = value
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         result = trial.last_result or {}
         status = result.get("status")
+        if status == "diverged":
+            self.values.pop(trial.trial_id, None)
         if status not in ("completed", "diverged"):
             status = "completed" if status is None and result.get("done") else "pruned"
         self._finish(trial, trials, status)

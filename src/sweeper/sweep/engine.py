@@ -20,7 +20,7 @@ from pathlib import Path
 from sweeper.config import ConfigError, load_run_config
 from sweeper.sweep.preflight import base_config, resumable_state, trainable_target, validate_sweep
 from sweeper.sweep.spec import SweepSpec, flatten, stage_points, stage_space
-from sweeper.sweep.stages import hydra_value, pick_best
+from sweeper.sweep.stages import hydra_value, keeps_its_start, pick_best
 from sweeper.sweep.state import SweepState, sweep_definition
 from sweeper.sweep.trainable import RUNG_METRIC, TrialContext, batch_of, trial_config
 
@@ -137,9 +137,29 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     from omegaconf import OmegaConf
 
     fit_cfg = OmegaConf.to_container(cfg.fit, resolve=True) if "fit" in cfg else {}
-    summary = outputs.write_all(out, spec, state, base, fit_cfg)
+    summary = outputs.write_all(out, spec, state, base, fit_cfg, target)
     tracker.finish(summary, out)
+    if summary.get("best") is None and state.all_records():
+        raise NothingToRank(state, out)
     return summary["best"]["value"] if summary.get("best") else None
+
+
+class NothingToRank(SweepFailed):
+    """No trial of any stage has a value to rank: each diverged or failed. The sweep's
+    outputs are written (the learning curves show where each one went wrong), but it has
+    no best config to give, so the command fails."""
+
+    def __init__(self, state: SweepState, out: Path):
+        statuses: dict[str, int] = {}
+        for record in state.all_records():
+            statuses[record["status"]] = statuses.get(record["status"], 0) + 1
+        counts = ", ".join(f"{n} {status}" for status, n in sorted(statuses.items()))
+        Exception.__init__(
+            self,
+            f"no trial of the sweep has a value to rank ({counts}), so it has no best "
+            f"config: for diverged trials lower the LR ranges; each trial's reports are in "
+            f"{out}/reports.csv",
+        )
 
 
 def baseline_stage(spec: SweepSpec, base: dict, slots: int) -> int:
@@ -201,10 +221,16 @@ def run_stages(
         remaining_seconds = None
         if spec.max_seconds is not None:
             remaining_seconds = spec.max_seconds - (time.time() - started)
-        if (remaining_trials is not None and remaining_trials <= 0) or (
-            remaining_seconds is not None and remaining_seconds <= 0
-        ):
-            print(f"[{stage.name}] skipped: the sweep's trial or time cap is reached")
+        reached = None
+        if remaining_trials is not None and remaining_trials <= 0:
+            reached = f"sweep.max_trials={spec.max_trials}"
+        elif remaining_seconds is not None and remaining_seconds <= 0:
+            reached = f"sweep.max_seconds={spec.max_seconds:g}"
+        if reached:
+            print(
+                f"[{stage.name}] skipped, and the stages after it: {reached} is reached. To go "
+                f"on, raise it and add sweep.resume=true hydra.run.dir={out}"
+            )
             break
         if baseline is not None and index >= baseline.beside:
             baseline.launch(f"beside stage '{stage.name}'")
@@ -243,14 +269,24 @@ def run_stages(
             )
             best = pick_best(records, spec.metric, spec.mode)
             edges = outputs.range_edges(spec, stage.name, current, best, extended)
-        if best is not None:
+        incumbent, start = state.carried(), current
+        keeps_start = keeps_its_start(incumbent, best, spec.mode)
+        if best is not None and not keeps_start:
             current = trial_config(
                 best["params"], current, stage_context(spec, stage, current, target)
             )
+        carried = best if best is not None and not keeps_start else incumbent
         state.finish_stage(
-            stage.name, records, reports, best, current, time.time() - started, extended
+            stage.name, records, reports, best, current, time.time() - started, extended, carried
         )
         outputs.print_stage_table(stage.name, records, best, spec, edges)
+        if keeps_start:
+            print(f"[{stage.name}] {outputs.kept_note(spec, incumbent, best, start)}\n")
+        elif best is None:
+            print(
+                f"[{stage.name}] no trial has a value to rank (each diverged or failed): "
+                "nothing frozen, the next stage starts from the same config\n"
+            )
         if state.total_flops() >= (spec.max_flops or math.inf):
             print("the sweep's FLOP cap is reached: no further stages")
             break

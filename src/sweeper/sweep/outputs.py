@@ -25,10 +25,19 @@ def train_once(base: dict, metric: str, target: str | None, threads: int, gpus: 
     import torch
 
     if target:
-        from sweeper.sweep.trainable import load_target
+        from sweeper.sweep.trainable import Diverged, load_target, penalise
 
         seen: list[dict] = []
-        load_target(target)(base, lambda m, state=None: seen.append(dict(m)))
+
+        def report(metrics: dict, state=None) -> None:
+            seen.append(dict(metrics))
+            if penalise(metrics, metric, math.nan)[1]:  # ended as a trial would be
+                raise Diverged
+
+        try:
+            load_target(target)(base, report)
+        except Diverged:
+            return {"value": None, "status": "diverged"}
         return {"value": seen[-1].get(metric) if seen else None, "status": "completed"}
     from sweeper.sweep.trainable import placed
 
@@ -196,7 +205,9 @@ def print_stage_table(
     print(f"\n[{stage}] {count}, sorted by {spec.metric}:")
     print("  " + " | ".join([f"{spec.metric:>9}", f"{'status':>9}", *(f"{k:>22}" for k in keys)]))
     for r in order:
-        value = f"{r['metric']:.4f}" if r["metric"] is not None else "-"
+        # a diverged trial's value is the searcher's penalty, not a measurement
+        ranked = r["metric"] is not None and r["status"] not in ("diverged", "failed")
+        value = f"{r['metric']:.4f}" if ranked else "-"
         cells = [
             f"{value:>9}",
             f"{r['status']:>9}",
@@ -259,7 +270,12 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
 
 
 def write_all(
-    out: Path, spec: SweepSpec, state: SweepState, base: dict, fit_cfg: dict | None = None
+    out: Path,
+    spec: SweepSpec,
+    state: SweepState,
+    base: dict,
+    fit_cfg: dict | None = None,
+    target: str | None = None,
 ) -> dict:
     from sweeper.sweep.confirm import confirmation_summary
     from sweeper.sweep.engine import reproduce_overrides
@@ -284,12 +300,15 @@ def write_all(
                 **({"extended": stage["extended"]} if stage.get("extended") else {}),
             }
         )
+        carried = stage.get("carried", best)
+        if carried is not None and carried != best:  # the stage froze nothing
+            stages[-1]["kept_from"] = {"stage": carried["stage"], "value": carried["metric"]}
         if best and "seeds" in best:
             rivals = unresolved_rivals(stage["records"], best, spec.mode)
             stages[-1]["not_resolved_from"] = rivals
     final = state.stages[-1]["base_after"] if state.stages else base
-    finished = [s["best"] for s in state.stages if s["best"]]
-    best_value = finished[-1]["metric"] if finished else None
+    carried = state.carried()
+    best_value = carried["metric"] if carried else None
     baseline = state.baseline or {}
     summary = {
         "sweep": spec.name,
@@ -299,9 +318,9 @@ def write_all(
         "best": {
             "value": best_value,
             spec.metric: best_value,
-            "overrides": _overrides(final, base, reproduce_overrides),
+            "overrides": _overrides(final, base, reproduce_overrides, target),
         }
-        if finished
+        if carried
         else None,
         "baseline": {spec.metric: baseline.get("value"), **baseline} if baseline else None,
         "improvement": (baseline["value"] - best_value) * (1 if spec.mode == "min" else -1)
@@ -324,19 +343,56 @@ def write_all(
         )
     summary["plots"] = [p.name for p in plots if p]
     summary["fit"] = _fit(out, reports, spec, fit_cfg or {}, base)
-    write_json_atomic(out / "summary.json", summary)
+    write_json_atomic(out / "summary.json", finite_or_null(summary))
     _print_summary(summary, spec, out)
     return summary
 
 
-def _overrides(final: dict, base: dict, reproduce) -> list[str]:
-    try:
-        return reproduce(final)
-    except Exception:  # a user's function's config need not be a sweeper run config
-        from sweeper.sweep.spec import flatten
+def finite_or_null(tree):
+    """`tree` with NaN and infinities as None: JSON has no literal for them, and Python's
+    `NaN` makes the file unreadable to strict parsers (a diverged baseline's value)."""
+    if isinstance(tree, dict):
+        return {k: finite_or_null(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [finite_or_null(v) for v in tree]
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return None
+    return tree
 
+
+def kept_note(spec: SweepSpec, incumbent: dict, best: dict, start: dict) -> str:
+    """Why a stage froze nothing (stages.keeps_its_start), in one line; `start`: the config
+    the stage started from."""
+    from sweeper.sweep.stages import get_dotted
+
+    started = {k: get_dotted(start, k) for k in best["params"]}
+    return (
+        f"its best {spec.metric} {best['metric']:.4f} ({_params_text(best['params'])}) is "
+        f"worse than the {incumbent['metric']:.4f} of the config it started from "
+        f"({_params_text(started)}, stage '{incumbent['stage']}'): that config is kept"
+    )
+
+
+def _overrides(final: dict, base: dict, reproduce, target: str | None = None) -> list[str]:
+    """The overrides that give `python -m sweeper` the config `final`; for a user's
+    function, that runs it once (`trainable._target_` first), its own sections added."""
+    from sweeper.config import RUN_SECTIONS
+    from sweeper.sweep.spec import flatten
+    from sweeper.sweep.stages import hydra_value
+
+    if not target:
+        return reproduce(final)
+    own = {k: v for k, v in final.items() if k not in RUN_SECTIONS}
+    added = [f"+{k}={hydra_value(v)}" for k, v in sorted(flatten(own).items())]
+    try:
+        overrides = reproduce({k: v for k, v in final.items() if k in RUN_SECTIONS})
+    except Exception:  # sweeper's sections need not make a valid run for a user's function
         before, after = flatten(base), flatten(final)
-        return [f"{k}={after[k]}" for k in sorted(after) if before.get(k) != after[k]]
+        overrides = [
+            f"{k}={hydra_value(after[k])}" for k in sorted(after) if before.get(k) != after[k]
+        ]
+        added = []
+    return [f"trainable._target_={target}", *overrides, *added]
 
 
 def _count(records: list[dict]) -> dict[str, int]:
@@ -498,11 +554,18 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
     print(f"sweep '{spec.name}': {summary['trials']} trials in {summary['elapsed_s']:.0f}s")
     for stage in summary["stages"]:
         value = stage["best_value"]
-        print(
-            f"  stage {stage['name']:<14} best {spec.metric} "
-            f"{value if value is None else f'{value:.4f}'} with "
-            f"{_params_text(stage['best_params'] or {})}"
-        )
+        if value is None:
+            print(f"  stage {stage['name']:<14} no trial to rank ({_counts_text(stage)})")
+        else:
+            print(
+                f"  stage {stage['name']:<14} best {spec.metric} {value:.4f} with "
+                f"{_params_text(stage['best_params'] or {})}"
+            )
+        if kept := stage.get("kept_from"):
+            print(
+                f"    note: froze nothing; the config from stage '{kept['stage']}' "
+                f"({spec.metric} {kept['value']:.4f}) goes on"
+            )
         for edge in stage["at_range_edge"]:
             print(f"    note: {edge['note']}")
         if stage.get("not_resolved_from"):
@@ -511,16 +574,19 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
                 f"    note: its seeds cannot tell this best from {n} other "
                 f"configuration{'s' * (n != 1)} (the stage table names them)"
             )
-    base = (summary.get("baseline") or {}).get("value")
+    baseline = summary.get("baseline") or {}
+    base = baseline.get("value")
     best = (summary.get("best") or {}).get("value")
-    if base is not None and best is not None and math.isfinite(base):
+    if baseline.get("status") in ("diverged", "failed"):
+        print(f"  baseline (the unmodified config) {baseline['status']} under the same budget")
+    elif base is not None and best is not None and math.isfinite(base):
         gain = summary["improvement"]
         print(
             f"  baseline {spec.metric} {base:.4f} -> best {best:.4f} "
             + (
                 f"(+{gain:.4f} better)"
                 if gain >= 0
-                else f"({-gain:.4f} worse: the unmodified config beat every trial)"
+                else f"({-gain:.4f} worse: the unmodified config did better)"
             )
         )
     if summary.get("confirmation"):
@@ -533,6 +599,10 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
     fit = summary.get("fit") or {}
     files = ["reports.csv", *summary["plots"], *(["fit.json"] if fit.get("file") else [])]
     print(f"  outputs: {out}/summary.json, {', '.join([*files, *fit.get('plots', [])])}")
+
+
+def _counts_text(stage: dict) -> str:
+    return ", ".join(f"{n} {status}" for status, n in sorted(stage["statuses"].items()))
 
 
 def reproduce_command(overrides: list[str]) -> str:

@@ -80,6 +80,25 @@ def _positive(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
+def log_axis_labelled(axis, tried: list[float]) -> None:
+    """A log scale on `axis` whose labels name values: a range of a decade or two has one
+    power of ten to label, if any. A grid's few values are labelled themselves, else 1, 2
+    and 5 of each decade."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    if axis.axis_name == "x":
+        axis.axes.set_xscale("log")
+    else:
+        axis.axes.set_yscale("log")
+    axis.set_minor_formatter(NullFormatter())  # minor labels overlap
+    tried = sorted(set(tried))
+    if len(tried) <= 6:
+        axis.set_ticks(tried, [f"{v:g}" for v in tried])
+    else:
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+
+
 def plot_stage_lr(
     path: Path,
     records: list[dict],
@@ -94,8 +113,6 @@ def plot_stage_lr(
     The best trial is a star, and dashed lines mark each param's search range (`ranges`:
     name -> (low, high)), so a best value at an end of it shows; a shaded band, the part
     an extend_trials round searched past the end (`extended`: name -> [low, high])."""
-    from matplotlib.ticker import NullFormatter
-
     ranges = ranges or {}
     # trainer.seed as a grid axis repeats the points; it is not a value to plot against
     tuned = sorted({k for r in records for k in r["params"]} - {SEED_KEY})
@@ -144,8 +161,7 @@ def plot_stage_lr(
                 *extended[key], color="tab:orange", alpha=0.12, lw=0, label="searched past its end"
             )
         if min(values) > 0 and max(values) / min(values) > 3:
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap
+            log_axis_labelled(ax.xaxis, [r["params"][key] for r in points])
         ax.set_xlabel(key)
         ax.set_ylabel(f"{spec.metric} (last report)")
         ax.grid(alpha=0.3)

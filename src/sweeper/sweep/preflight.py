@@ -27,6 +27,9 @@ from sweeper.sweep.stages import apply_params, get_dotted, hydra_value
 from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
 from sweeper.sweep.trainable import load_target
 
+# the sections that configure the platform, not a run
+PLATFORM_KEYS = ("sweep", "ray", "mlflow", "trainable", "hydra", "fit")
+
 
 def trainable_target(cfg) -> str | None:
     """The user's function ("pkg.module.fn"), or None for sweeper's own training run."""
@@ -50,11 +53,7 @@ def validate_sweep(cfg) -> SweepSpec:
             "trainer.seed, which this config does not have"
         )
     if target:
-        try:
-            fn = load_target(target)
-        except (ImportError, AttributeError, ValueError) as error:
-            raise ConfigError(f"trainable._target_={target} cannot be imported: {error}") from None
-        check_trainable_signature(target, fn)
+        load_user_function(target)
     else:
         check_stage_values(spec, base_config(cfg, spec, None))
         threads = cfg.trainer.get("threads")
@@ -76,6 +75,27 @@ def validate_sweep(cfg) -> SweepSpec:
         workers = 1 if target else int(cfg.trainer.workers)
         check_trial_fits(spec, workers, *local_cluster_size(cfg.ray))
     return spec
+
+
+def load_user_function(target: str):
+    """The user's function `target` names, checked: importable, of (config, report)."""
+    try:
+        fn = load_target(target)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(f"trainable._target_={target} cannot be imported: {error}") from None
+    check_trainable_signature(target, fn)
+    return fn
+
+
+def user_function_config(cfg) -> dict:
+    """What a user's function is given: the whole composed tree as plain values, less the
+    platform's own sections (its own, `+mine.layers=3`, stay)."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for key in PLATFORM_KEYS:
+        tree.pop(key, None)
+    return tree
 
 
 def check_trainable_signature(target: str, fn: Any) -> None:
@@ -200,11 +220,7 @@ def _run_error(base: dict, candidate: dict) -> ConfigError | None:
 def base_config(cfg, spec: SweepSpec, target: str | None) -> dict:
     """The plain nested dict every trial starts from, with the sweep's budget written in
     and relative paths made absolute (Ray runs trials in their own working directories)."""
-    from omegaconf import OmegaConf
-
-    tree = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("sweep", "ray", "mlflow", "trainable", "hydra", "fit"):
-        tree.pop(key, None)
+    tree = user_function_config(cfg)
     if target:
         return tree
     trainer = tree["trainer"]

@@ -8,6 +8,7 @@ import copy
 import math
 from typing import Any
 
+from sweeper.config import BUDGET_KEYS
 from sweeper.seeds import paired_lead
 
 BATCH_KEY = "trainer.total_batch_size"
@@ -66,10 +67,20 @@ def follow_batch_size(
     return config
 
 
+def rankable(trials: list[dict]) -> list[dict]:
+    """Trials whose metric says how good their configuration is: not a diverged trial's
+    penalty (that is for the searcher), not a failed trial's."""
+    return [
+        t
+        for t in trials
+        if _finite(t.get("metric")) and t.get("status") not in ("diverged", "failed")
+    ]
+
+
 def pick_best(trials: list[dict], metric: str, mode: str) -> dict | None:
     """The best finished trial: among those that ran their whole budget when any did
     (a pruned trial's last value is at fewer tokens, not comparable), by `metric`."""
-    usable = [t for t in trials if _finite(t.get("metric"))]
+    usable = rankable(trials)
     complete = [t for t in usable if t.get("status") == "completed"]
     pool = complete or usable
     if not pool:
@@ -96,6 +107,28 @@ def pick_best(trials: list[dict], metric: str, mode: str) -> dict | None:
     }
 
 
+def keeps_its_start(incumbent: dict | None, best: dict | None, mode: str) -> bool:
+    """Whether the config a stage started from beats the stage's own best, so that the
+    stage must freeze nothing. `incumbent`: the trial, in an earlier stage, that config
+    came from. A stage whose grid leaves out the value it started from (a batch-size grid
+    without the frozen batch) must not trade a better config for a worse one. The two
+    values compare only where both trials trained the whole of the sweep's one budget on
+    one seed: not where a stage searched the budget or the seed itself."""
+    if incumbent is None or best is None:
+        return False
+    for trial in (incumbent, best):
+        searched = set(trial["params"]) | ({SEED_KEY} if "seeds" in trial else set())
+        if trial.get("status") != "completed" or searched & UNCOMPARABLE_KEYS:
+            return False
+    sign = 1 if mode == "min" else -1
+    return sign * incumbent["metric"] < sign * best["metric"]
+
+
+# a stage that searches one of these has trials that train other budgets (or seeds) than
+# the sweep's one: its values do not compare with another stage's
+UNCOMPARABLE_KEYS = frozenset({SEED_KEY, *(f"trainer.{key}" for key in BUDGET_KEYS)})
+
+
 def unresolved_rivals(trials: list[dict], best: dict | None, mode: str) -> list[dict]:
     """Where the stage's best is a mean over seeds (`pick_best`): the configurations it
     does not clearly beat on the seeds both ran (`seeds.paired_lead`), closest first. Each
@@ -104,7 +137,7 @@ def unresolved_rivals(trials: list[dict], best: dict | None, mode: str) -> list[
     equally good values."""
     if not best or "seeds" not in best:
         return []
-    usable = [t for t in trials if _finite(t.get("metric"))]
+    usable = rankable(trials)
     pool = [t for t in usable if t.get("status") == "completed"] or usable
     sign = 1 if mode == "min" else -1
     ids = set(best["trial_ids"])

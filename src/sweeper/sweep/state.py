@@ -62,8 +62,15 @@ class SweepState:
     def base_after_finished_stages(self) -> dict | None:
         return self.stages[-1]["base_after"] if self.stages else None
 
+    def carried(self) -> dict | None:
+        """The trial the config after the finished stages came from: the last stage's best,
+        or an earlier stage's where the last stage kept the config it started from."""
+        if not self.stages:
+            return None
+        return self.stages[-1].get("carried", self.stages[-1]["best"])
+
     def finish_stage(
-        self, name, records, reports, best, base_after, elapsed, extended=None
+        self, name, records, reports, best, base_after, elapsed, extended=None, carried=None
     ) -> None:
         self.stages.append(
             {
@@ -72,6 +79,7 @@ class SweepState:
                 "reports": reports,
                 "best": best,
                 "base_after": base_after,
+                "carried": carried,
                 # ranges an extend_trials round searched past the stage's own: {param: [lo, hi]}
                 **({"extended": extended} if extended else {}),
             }
