@@ -139,15 +139,17 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     fit_cfg = OmegaConf.to_container(cfg.fit, resolve=True) if "fit" in cfg else {}
     summary = outputs.write_all(out, spec, state, base, fit_cfg, target)
     tracker.finish(summary, out)
-    if summary.get("best") is None and state.all_records():
+    records = state.all_records()
+    if records and all(r["status"] in ("diverged", "failed") for r in records):
         raise NothingToRank(state, out)
     return summary["best"]["value"] if summary.get("best") else None
 
 
 class NothingToRank(SweepFailed):
-    """No trial of any stage has a value to rank: each diverged or failed. The sweep's
-    outputs are written (the learning curves show where each one went wrong), but it has
-    no best config to give, so the command fails."""
+    """Every trial of every stage diverged or failed. The sweep's outputs are written (the
+    learning curves show where each one went wrong), but it has no best config to give,
+    so the command fails. (Trials a sweep's own cap cut short before they reported leave
+    no best either, but that is the cap the user chose: no failure.)"""
 
     def __init__(self, state: SweepState, out: Path):
         statuses: dict[str, int] = {}
