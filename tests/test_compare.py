@@ -95,7 +95,17 @@ def test_the_default_store_is_mlflow_db_in_the_working_directory(tmp_path, monke
 
 @pytest.mark.parametrize(
     "case",
-    ["unknown sweep", "no store", "dead server", "no such scheme", "no such dir", "store gone"],
+    [
+        "unknown sweep",
+        "no store",
+        "dead server",
+        "no such scheme",
+        "no such dir",
+        "store gone",
+        "not a database",
+        "a plain path",
+        "an unknown flag",
+    ],
 )
 def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
     monkeypatch.chdir(tmp_path)
@@ -119,6 +129,13 @@ def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
             f"no MLflow store at {tmp_path / 'elsewhere' / 'mlflow.db'}, where "
             f"{run_dir}/mlflow_run.json says the sweep logged: pass --tracking-uri if it has moved"
         )
+    elif case == "not a database":
+        (tmp_path / "notes.db").write_text("not a database\n")
+        argv, expected = ["--tracking-uri", "sqlite:///notes.db"], "file is not a database"
+    elif case == "a plain path":  # MLflow 3 refuses its file store
+        argv, expected = ["--tracking-uri", str(tmp_path)], "MLflow's file store is retired"
+    elif case == "an unknown flag":
+        argv, expected = ["--bogus"], "unrecognized arguments: --bogus"
     elif case == "no such scheme":
         argv, expected = ["--tracking-uri", "sqllite:///mlflow.db"], "MLflow has no store"
     else:

@@ -187,6 +187,17 @@ BAD_INPUTS = [
     # what only a sweep uses is still checked in a single run
     (["trainable._target_=nonexistent.fn"], "trainable._target_=nonexistent.fn cannot be"),
     (["mlflow.tracking_uri=foo://bar"], "mlflow.tracking_uri=foo://bar: MLflow has no store"),
+    # found by a fresh review's bad-input hunt: each was a traceback, or ran and failed late
+    (["model.depth=${nothere}"], "model.depth: Interpolation key 'nothere' not found"),
+    (["trainable=null"], "trainable=null: trainable is a section"),
+    (["ray=null"], "ray=null: ray is a section"),
+    (["+sweep=smoke", "fit=null"], "fit=null: fit is a section"),
+    (["trainable._target_="], "trainable._target_=: name a function"),
+    (["hydra.run.dir="], "hydra.run.dir is empty"),
+    (["data.bytes_per_token=2.0"], "data.bytes_per_token must be 1 for the byte-level"),
+    (["+sweep=smoke", "sweep.stages.0.name=a/b"], "sweep.stages.0.name='a/b': a stage's"),
+    (["mlflow.tracking_uri=sqlite:///"], "mlflow.tracking_uri=sqlite:/// names no database"),
+    (["mlflow.tracking_uri=plain/dir"], "MLflow's file store is retired"),
     # Hydra's three readings of a,b come on three more lines: all in the one line
     (["optimizer.matrix_lr=0.01,0.03"], "key=[a,b], for a string key='a,b', and to run once"),
     # Hydra would warn in two lines and go on without it: the missing dir is the error
@@ -416,3 +427,29 @@ def test_unreachable_ray_address_is_one_line_within_seconds(tmp_path):
     proc = run_cli(["+sweep=smoke", f"ray.address=127.0.0.1:{port}"], cwd=tmp_path, timeout=60)
     assert time.monotonic() - start < 30
     _assert_clean_failure(proc, tmp_path, "ray.address")
+
+
+@pytest.mark.parametrize(
+    "content, reason",
+    [('{"name": "lr"', "Expecting"), ("[1, 2]", "a JSON list"), ('{"name": "lr"}', "'base'")],
+)
+def test_a_sweep_state_that_cannot_be_read_is_one_line_and_left_alone(tmp_path, content, reason):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "sweep_state.json").write_text(content)
+    proc = run_cli(["+sweep=smoke", "sweep.resume=true", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: {run_dir}/sweep_state.json is not a sweep state sweeper")
+    assert reason in line and "another hydra.run.dir" in line
+    assert [p.name for p in run_dir.iterdir()] == ["sweep_state.json"]
+    assert (run_dir / "sweep_state.json").read_text() == content
+
+
+def test_a_run_dir_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("")
+    proc = run_cli(["trainer.max_steps=2", f"hydra.run.dir={tmp_path}/afile/run"], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"error: hydra.run.dir={tmp_path}/afile/run cannot be made: {tmp_path}/afile is a file\n"
+    )

@@ -326,7 +326,14 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, setup, needle):
 
 
 @pytest.mark.parametrize(
-    "option, value", [("--bootstrap", "-1"), ("--drop-highest", "-2"), ("--target-flops", "0")]
+    "option, value",
+    [
+        ("--bootstrap", "-1"),
+        ("--drop-highest", "-2"),
+        ("--target-flops", "0"),
+        ("--target-flops", "inf"),
+        ("--seed", "-1"),
+    ],
 )
 def test_options_out_of_range_are_refused(tmp_path, capsys, option, value):
     csv = write_csv(tmp_path / "a.csv", ["params", "tokens", "loss"], [[1e6, 2e7, 3.0]] * 9)

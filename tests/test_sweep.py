@@ -640,7 +640,7 @@ def test_a_users_function_that_reports_nan_ends_as_diverged(ray_cluster, tmp_pat
     assert summary["best"] is None and summary["baseline"]["status"] == "diverged"
     out = capsys.readouterr().out
     assert "<- best" not in out and "reproduce:" not in out
-    assert "[lr] no trial has a value to rank (each diverged or failed)" in out
+    assert "[lr] no trial has a value to rank (1 diverged): nothing frozen" in out
     assert "stage batch_size     no trial to rank (2 diverged)" in out
     assert "baseline (the unmodified config) diverged under the same budget" in out
 

@@ -182,11 +182,11 @@ def validate(overrides: list[str], printing: bool = False) -> None:
     """Every check of a run or sweep before Hydra starts it. printing: `--cfg` prints the
     config and runs nothing, so what only matters to a run dir is not checked."""
     cfg = compose(overrides)
-    run = load_run_config(cfg)
     check_platform_sections(cfg)
+    run = load_run_config(cfg)
     run_dir = None if printing else hydra_run_dir(overrides)
-    if run_dir and os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise ConfigError(f"hydra.run.dir={run_dir} is a file, not a directory")
+    if run_dir is not None:
+        check_run_dir(run_dir)
     joins_a_cluster = bool(cfg.get("ray", {}).get("address"))
     if run.trainer.device == "cuda" and not (joins_a_cluster and "sweep" in cfg):
         import torch
@@ -266,6 +266,21 @@ def validate(overrides: list[str], printing: bool = False) -> None:
             resumable_state(
                 Path(run_dir).resolve(), spec, base_config(cfg, spec, trainable_target(cfg))
             )
+
+
+def check_run_dir(run_dir: str) -> None:
+    """hydra.run.dir as given: a directory there, or one that can be made there."""
+    if not run_dir.strip():  # Hydra would run in the working directory, over its files
+        raise ConfigError("hydra.run.dir is empty; name a directory for the run's files")
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"hydra.run.dir={run_dir} is a file, not a directory")
+    ancestor = os.path.dirname(os.path.abspath(run_dir))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ConfigError(f"hydra.run.dir={run_dir} cannot be made: {ancestor} is a file")
+    if not os.path.isdir(run_dir) and not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"hydra.run.dir={run_dir} cannot be made: {ancestor} is not writable")
 
 
 def check_single_run(cfg) -> None:

@@ -4,6 +4,7 @@ users get one line naming the problem and exit code 2 instead."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import re
 import sys
@@ -22,7 +23,7 @@ def compose(overrides: Sequence[str]):
 
     check_syntax(overrides)
     try:
-        return _hydra_compose(overrides)
+        return resolved(_hydra_compose(overrides))
     # TypeError: OmegaConf's for a list index that is not a number (sweep.stages.x.name=...)
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as error:
         message = unknown_key_message(error, overrides) or one_line(error)
@@ -37,6 +38,21 @@ def compose(overrides: Sequence[str]):
         where = f"{mark.name}, line {mark.line + 1}" if mark else "a config file"
         problem = getattr(error, "problem", None) or one_line(error)
         raise ConfigError(f"YAML syntax error in {where}: {problem}") from None
+
+
+def resolved(cfg):
+    """`cfg` once every ${...} in it resolves (Hydra composes without resolving): a typo in
+    one is the key that holds it and why, in one line."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as error:
+        where = getattr(error, "full_key", None)
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(f"{where}: {text}" if where else text) from None
+    return cfg
 
 
 def _hydra_compose(overrides: Sequence[str]):
@@ -252,6 +268,14 @@ def one_line(error: BaseException) -> str:
     if message.startswith("Error merging override") and cause:
         message += f": {cause[0].strip()}"
     return message
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (its default prints the whole
+    usage block first), exit 2 as before."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"error: {message} ({self.prog} --help)\n")
 
 
 def fail(message: str) -> None:

@@ -8,14 +8,13 @@ trial, status, the metric, tokens, and every parameter whose value differs acros
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import sys
 from pathlib import Path
 
-from sweeper.cli import end_quietly_when_output_closes, fail
+from sweeper.cli import OneLineParser, end_quietly_when_output_closes, fail
 from sweeper.config import ConfigError
 from sweeper.sweep.stages import float_text
 from sweeper.tracking.mlflow_store import shown
@@ -24,7 +23,7 @@ RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m sweeper.compare",
         description="Compare a sweep's trials from MLflow, sorted by the sweep's metric.",
     )
@@ -39,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
         print(compare(args.sweep, args.tracking_uri, args.experiment))
     except ConfigError as error:
         fail(str(error))
+    except Exception as error:  # the store's own failure (a file that is no database)
+        fail(f"MLflow store: {type(error).__name__}: {' '.join(str(error).split()[:40])}")
 
 
 def compare(sweep: str | None, tracking_uri: str | None, experiment: str | None) -> str:

@@ -166,6 +166,11 @@ class DataConfig:
                 self.vocab_size == 256,
                 f"data.vocab_size must be 256 for the byte-level stdlib corpus, got {self.vocab_size}",
             )
+            _require(  # one token is one byte: any other value would scale val_bpb
+                self.bytes_per_token == 1.0,
+                "data.bytes_per_token must be 1 for the byte-level stdlib corpus, got "
+                f"{self.bytes_per_token}",
+            )
 
 
 @dataclass
@@ -380,6 +385,11 @@ def check_platform_sections(tree: Any) -> None:
     from omegaconf import OmegaConf
 
     container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
+    for name in ("trainable", *PLATFORM_SECTIONS):
+        _require(
+            not (name in container and container[name] is None),
+            f"{name}=null: {name} is a section; set its keys ({name}.KEY=VALUE) instead",
+        )
     own_training = (container.get("trainable") or {}).get("_target_") == BUILTIN_TRAINABLE
     for key in container if own_training else ():
         close = difflib.get_close_matches(str(key), ROOT_KEYS, n=1)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
-from sweeper.cli import end_quietly_when_output_closes
+from sweeper.cli import OneLineParser, end_quietly_when_output_closes
 from sweeper.scaling.records import SWEEP_COLUMNS, InputError, read_csv_records
 
 MIN_ROWS = 3
@@ -55,17 +56,9 @@ def _at_least_zero(text: str) -> int:
 
 def _above_zero(text: str) -> float:
     value = float(text)
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line (its default prints the whole
-    usage block first), exit 2 as before."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (python -m sweeper.fit --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bootstrap replicates for 95%% CIs (e.g. 1000; default for a sweep's directory: "
         "the sweep's fit.bootstrap, as its own fit had; else 0 = none)",
     )
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    p.add_argument("--seed", type=_at_least_zero, default=0, help="bootstrap seed (default 0)")
     p.add_argument(
         "--grid",
         choices=("full", "small"),

@@ -34,6 +34,11 @@ PLATFORM_KEYS = ("sweep", "ray", "mlflow", "trainable", "hydra", "fit")
 def trainable_target(cfg) -> str | None:
     """The user's function ("pkg.module.fn"), or None for sweeper's own training run."""
     target = cfg.get("trainable", {}).get("_target_", BUILTIN_TRAINABLE)
+    if target is None or not str(target).strip():
+        raise ConfigError(
+            f"trainable._target_={target or ''}: name a function (pkg.module.fn), or leave "
+            f"it at {BUILTIN_TRAINABLE} for sweeper's own training"
+        )
     return None if target == BUILTIN_TRAINABLE else target
 
 

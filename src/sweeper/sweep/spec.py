@@ -8,6 +8,7 @@ does not have) becomes one ConfigError line here, so nothing is started or writt
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -307,6 +308,17 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
     _check(spec.max_failures >= 0, "sweep.max_failures must be >= 0")
     names = [s.name for s in spec.stages]
     _check(len(set(names)) == len(names), f"sweep stage names must be unique, got {names}")
+    for index, name in enumerate(names):  # each names files: stage_<name>.png, ray/stage0_<name>
+        _check(
+            bool(re.fullmatch(r"[A-Za-z0-9_.-]+", str(name))) and name not in (".", ".."),
+            f"sweep.stages.{index}.name={name!r}: a stage's name names its files; use "
+            "letters, digits, _ . and -",
+        )
+    _check(
+        bool(re.fullmatch(r"[A-Za-z0-9_.-]+", str(spec.name))),
+        f"sweep.name={spec.name!r}: use letters, digits, _ . and - (it names the sweep in "
+        "MLflow, where sweeper.compare looks it up)",
+    )
     for index, stage in enumerate(spec.stages):
         where = f"sweep stage '{stage.name}'"
         _check(

@@ -46,11 +46,24 @@ class SweepState:
 
     @classmethod
     def load(cls, out: Path) -> SweepState | None:
+        """The state in `out`, None where there is none; a file that is no sweep state
+        sweeper wrote (cut short by a full disk, edited by hand) is a ConfigError."""
+        from sweeper.config import ConfigError
+
         path = out / STATE_NAME
-        if not path.is_file():
+        if not path.exists():
             return None
-        data = json.loads(path.read_text())
-        return cls(out=out, **data)
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError(f"a JSON {type(data).__name__}, not an object")
+            return cls(out=out, **data)
+        except (OSError, ValueError, TypeError) as error:
+            reason = " ".join(str(error).split()) or type(error).__name__
+            raise ConfigError(
+                f"{path} is not a sweep state sweeper can read ({reason}); it cannot be "
+                "resumed: start the sweep again in another hydra.run.dir"
+            ) from None
 
     def save(self) -> None:
         payload = {k: v for k, v in asdict(self).items() if k != "out"}

@@ -101,6 +101,18 @@ def check_scheme(uri: str, name: str = "mlflow.tracking_uri") -> None:
     where it has moved the check is left to the tracker, inside the job."""
     from mlflow.exceptions import MlflowException
 
+    scheme = urlparse(uri).scheme
+    if scheme in ("", "file") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
+        # MLflow 3 refuses to open its file store unless the variable opts in
+        raise ConfigError(
+            f"{name}={shown(uri)}: MLflow's file store is retired (it refuses to open one "
+            "unless MLFLOW_ALLOW_FILE_STORE=true); use a database, e.g. sqlite:///mlflow.db"
+        )
+    if scheme == "sqlite" and uri.split(":", 1)[1].strip("/") in ("", ":memory:"):
+        # SQLAlchemy's in-memory database: the sweep's record would end with its process
+        raise ConfigError(
+            f"{name}={shown(uri)} names no database file; write sqlite:///PATH/TO/mlflow.db"
+        )
     try:
         from mlflow.tracking._tracking_service.utils import _tracking_store_registry
 
@@ -110,8 +122,7 @@ def check_scheme(uri: str, name: str = "mlflow.tracking_uri") -> None:
     except MlflowException:
         schemes = sorted(s for s in getattr(_tracking_store_registry, "_registry", {}) if s)
         raise ConfigError(
-            f"{name}={shown(uri)}: MLflow has no store for this URI "
-            f"(schemes: {', '.join(schemes)}; or a path)"
+            f"{name}={shown(uri)}: MLflow has no store for this URI (schemes: {', '.join(schemes)})"
         ) from None
 
 
