@@ -164,7 +164,7 @@ BAD_INPUTS = [
     # inf passes every "> 0" check; it would fail deep inside training
     (["trainer.budget_tokens=inf"], "trainer.budget_tokens must be a finite number, got inf"),
     (["optimizer.weight_decay=inf"], "optimizer.weight_decay must be a finite number"),
-    (["trainer.seed=-1"], "trainer.seed must be >= 0, got -1"),
+    (["trainer.seed=-1"], "trainer.seed must be in [0, 2^64), got -1"),
     # a budget under one optimizer step would train a whole step: many times the budget
     (["trainer.budget_tokens=100"], "trainer.budget_tokens=100, less than one optimizer step"),
     (
@@ -198,6 +198,10 @@ BAD_INPUTS = [
     (["+sweep=smoke", "sweep.stages.0.name=a/b"], "sweep.stages.0.name='a/b': a stage's"),
     (["mlflow.tracking_uri=sqlite:///"], "mlflow.tracking_uri=sqlite:/// names no database"),
     (["mlflow.tracking_uri=plain/dir"], "MLflow's file store is retired"),
+    (["ray.num_gpus=0.5"], "ray.num_gpus must be a whole number"),
+    (["trainer.seed=18446744073709551616"], "trainer.seed must be in [0, 2^64)"),
+    (["--cfg", "nope"], "--cfg nope: Hydra prints job, hydra or all"),
+    (["model=tiny", "--cfg"], "--cfg: Hydra prints job, hydra or all"),
     # Hydra's three readings of a,b come on three more lines: all in the one line
     (["optimizer.matrix_lr=0.01,0.03"], "key=[a,b], for a string key='a,b', and to run once"),
     # Hydra would warn in two lines and go on without it: the missing dir is the error
@@ -399,6 +403,25 @@ def test_sweep_file_with_a_syntax_error_is_one_line(tmp_path):
         [f"hydra.searchpath=[file://{tmp_path}/mine]", "+sweep=broken"], cwd=tmp_path, timeout=60
     )
     _assert_clean_failure(proc, tmp_path, "broken", keep=["mine"])
+
+
+@pytest.mark.parametrize(
+    "text, names",
+    [
+        ("- a\n- b\n", "sweep: a sweep file holds a mapping of keys (name, stages, ...), got list"),
+        (  # stages as a mapping over the base's list: Hydra's reason is on its next line
+            "# @package _global_\ndefaults:\n  - /sweep_base@sweep: default\nsweep:\n"
+            "  stages:\n    lr: {num_samples: 2}\n",
+            "raised while composing config: Cannot merge DictConfig with ListConfig",
+        ),
+    ],
+)
+def test_a_sweep_file_of_the_wrong_shape_is_one_line(tmp_path, text, names):
+    mine = tmp_path / "mine" / "sweep"
+    mine.mkdir(parents=True)
+    (mine / "odd.yaml").write_text(text)
+    proc = run_cli([f"hydra.searchpath=[file://{tmp_path}/mine]", "+sweep=odd"], tmp_path)
+    _assert_clean_failure(proc, tmp_path, names, keep=["mine"])
 
 
 def test_a_users_own_sweep_file_is_found_through_the_search_path(tmp_path):

@@ -467,3 +467,16 @@ def test_evaluation_records_no_autograd_graph():
     model.register_forward_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
     bpb = evaluate(model, data, cfg, torch.device("cpu"), torch.float32, rank=0, world=1)
     assert math.isfinite(bpb) and grad_modes and not any(grad_modes)
+
+
+def test_numpy_s_memory_error_counts_as_out_of_memory():
+    """A batch of indices too big for the machine fails in numpy, not torch: it is the
+    same out-of-memory, with its size, not a bug's traceback."""
+    import numpy as np
+
+    from sweeper.runtime import out_of_memory
+
+    with pytest.raises(MemoryError) as caught:
+        np.empty((4, 2**45), dtype=np.int64)  # 1 PiB: refused before any page is touched
+    assert out_of_memory(caught.value) == "1.00 PiB"
+    assert out_of_memory(ValueError("Unable to allocate 1 TiB")) is None

@@ -181,7 +181,14 @@ def run_ddp(cfg, out_dir: str) -> dict:
 def validate(overrides: list[str], printing: bool = False) -> None:
     """Every check of a run or sweep before Hydra starts it. printing: `--cfg` prints the
     config and runs nothing, so what only matters to a run dir is not checked."""
+    from omegaconf import OmegaConf
+
     cfg = compose(overrides)
+    if "sweep" in cfg and not OmegaConf.is_dict(cfg.sweep):  # a sweep file that is a list
+        raise ConfigError(
+            f"sweep: a sweep file holds a mapping of keys (name, stages, ...), got "
+            f"{type(OmegaConf.to_container(cfg.sweep)).__name__ if cfg.sweep is not None else 'null'}"
+        )
     check_platform_sections(cfg)
     run = load_run_config(cfg)
     run_dir = None if printing else hydra_run_dir(overrides)
@@ -348,6 +355,12 @@ def main() -> None:
             "+sweep=NAME)"
         )
     modes = {mode for a in args for flags, mode in MODE_FLAGS if a.split("=")[0] in flags}
+    for at, arg in enumerate(args):  # argparse's refusal is its whole usage block
+        flag, _, value = arg.partition("=")
+        if flag in ("--cfg", "-c"):
+            value = value or (args[at + 1] if at + 1 < len(args) else "")
+            if value not in ("job", "hydra", "all"):
+                fail(f"{' '.join(filter(None, [flag, value]))}: Hydra prints job, hydra or all")
     if len(modes) > 1:  # Hydra's own check raises a ValueError: a traceback
         fail(f"{' and '.join(sorted(modes))}: Hydra takes only one of them at a time")
     multirun = any(a in MULTIRUN_FLAGS for a in args)

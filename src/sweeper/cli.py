@@ -263,10 +263,14 @@ def one_line(error: BaseException) -> str:
             ": for a list write key=[a,b], for a string key='a,b', and to run once per "
             "value add -m (--multirun)"
         )
-    # "Error merging override k=v" keeps its reason in the exception it wraps
+    # "Error merging override k=v" (and "In 'sweep/x': ... raised while composing config:")
+    # keep their reason in the exception they wrap
     cause = str(error.__cause__ or "").strip().splitlines()
     if message.startswith("Error merging override") and cause:
         message += f": {cause[0].strip()}"
+    elif message.endswith(":"):  # its reason is on the next line (or in its cause)
+        reason = lines[1] if len(lines) > 1 else (cause[0].strip() if cause else "")
+        message = f"{message} {reason}".strip()
     return message
 
 

@@ -230,7 +230,9 @@ class TrainerConfig:
             f"trainer.max_loss_patience must be >= 1, got {self.max_loss_patience}",
         )
         _positive("trainer.threads", self.threads)
-        _require(self.seed >= 0, f"trainer.seed must be >= 0, got {self.seed}")
+        _require(  # torch.manual_seed takes 64 bits
+            0 <= self.seed < 2**64, f"trainer.seed must be in [0, 2^64), got {self.seed}"
+        )
         _positive("trainer.nan_at_step", self.nan_at_step)
         _require(
             0 <= self.rung_cooldown <= 1,
@@ -342,6 +344,11 @@ class RaySection:
 
     def __post_init__(self) -> None:
         _positive("ray.num_cpus", self.num_cpus)
+        for name, value in (("ray.num_cpus", self.num_cpus), ("ray.num_gpus", self.num_gpus)):
+            _require(  # Ray's own check comes after the MLflow run is made, and blames address
+                value is None or (math.isfinite(value) and value == int(value)),
+                f"{name} must be a whole number (Ray counts whole devices), got {value}",
+            )
         _require(
             self.num_gpus is None or self.num_gpus >= 0,
             f"ray.num_gpus must be >= 0, got {self.num_gpus}",

@@ -100,8 +100,12 @@ def release_freed_memory() -> None:
 
 def out_of_memory(error: BaseException) -> str | None:
     """How much the failed allocation asked for ("24.4 GiB"), where `error` is one: torch's
-    OutOfMemoryError (CUDA) or the CPU allocator's RuntimeError; else None."""
+    OutOfMemoryError (CUDA), the CPU allocator's RuntimeError or a MemoryError (numpy's,
+    for a batch of indices); else None."""
     text = str(error)
+    if isinstance(error, MemoryError):  # numpy's (_ArrayMemoryError): "allocate 8.00 TiB"
+        found = re.search(r"[Uu]nable to allocate ([\d.]+ \w+)", text)
+        return found[1] if found else "unknown size"
     if not (isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in text):
         return None
     if found := re.search(r"allocate (\d+) bytes", text):  # the CPU allocator counts bytes
