@@ -199,6 +199,7 @@ BAD_INPUTS = [
     (["mlflow.tracking_uri=sqlite:///"], "mlflow.tracking_uri=sqlite:/// names no database"),
     (["mlflow.tracking_uri=plain/dir"], "MLflow's file store is retired"),
     (["ray.num_gpus=0.5"], "ray.num_gpus must be a whole number"),
+    (["data.val_every_n_files=1000000000"], "leaves 0 bytes for validation, fewer than"),
     (["trainer.seed=18446744073709551616"], "trainer.seed must be in [0, 2^64)"),
     (["--cfg", "nope"], "--cfg nope: Hydra prints job, hydra or all"),
     (["model=tiny", "--cfg"], "--cfg: Hydra prints job, hydra or all"),
@@ -379,6 +380,16 @@ def test_shard_contents_are_checked_before_the_run_dir_is_made(tmp_path, tokens,
     proc = run_cli(
         ["data=shards", f"data.path={tmp_path}/data/*.bin", *args], cwd=tmp_path, timeout=60
     )
+    _assert_clean_failure(proc, tmp_path, names, keep=["data"])
+
+
+def test_a_validation_shard_shorter_than_one_window_is_named(tmp_path):
+    (tmp_path / "data").mkdir()
+    np.arange(20_000).astype(np.uint16).tofile(tmp_path / "data" / "train_000.bin")
+    np.arange(10).astype(np.uint16).tofile(tmp_path / "data" / "val.bin")
+    args = [f"data.path={tmp_path}/data/train_*.bin", f"data.val_path={tmp_path}/data/val.bin"]
+    proc = run_cli(["data=shards", "data.vocab_size=20000", *args], cwd=tmp_path, timeout=60)
+    names = "val.bin holds 10 tokens, fewer than model.seq_len + 1 = 257"
     _assert_clean_failure(proc, tmp_path, names, keep=["data"])
 
 

@@ -211,6 +211,10 @@ def validate(overrides: list[str], printing: bool = False) -> None:
         from sweeper.data import check_shards
 
         check_shards(run.data, run.model.seq_len)
+    else:
+        from sweeper.data import check_stdlib_split
+
+        check_stdlib_split(run.data.val_every_n_files, run.model.seq_len)
     if run.trainer.workers > 1 and "sweep" not in cfg and not joins_a_cluster:
         from sweeper.sweep.ray_cluster import local_cluster_size
 

@@ -78,6 +78,23 @@ def load_stdlib(every_n: int = 50, root: str | None = None) -> TokenData:
     )
 
 
+@functools.lru_cache(maxsize=4)
+def check_stdlib_split(every_n: int, seq_len: int, root: str | None = None) -> None:
+    """Both sides of the stdlib split hold a window of seq_len + 1 bytes, from the files'
+    sizes (no read): data.val_every_n_files=1 leaves nothing to train on, a huge value
+    nothing to validate on, and val_bpb would be NaN."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    sizes = {False: 0, True: 0}
+    for path in stdlib_files(root):
+        sizes[is_val_file(path.relative_to(base).as_posix(), every_n)] += path.stat().st_size + 1
+    for held_out, side in ((True, "validation"), (False, "training")):
+        if sizes[held_out] < seq_len + 1:
+            raise ConfigError(
+                f"data.val_every_n_files={every_n} leaves {sizes[held_out]} bytes for {side}, "
+                f"fewer than model.seq_len + 1 = {seq_len + 1} (the default is 50)"
+            )
+
+
 # --- token shards -----------------------------------------------------------------------
 def read_shard(path: str) -> np.ndarray:
     """Memory-map a uint16 token shard, with or without the 256-int32 header."""
@@ -182,6 +199,11 @@ def shard_splits(
     trains = [read_shard(f) for f in train_files]
     if val_files:
         vals = [read_shard(f) for f in val_files]
+        if sum(v.size for v in vals) < min_tokens:  # not one window to evaluate
+            raise ConfigError(
+                f"data.val_path={val_path} holds {sum(v.size for v in vals)} tokens, fewer "
+                f"than model.seq_len + 1 = {min_tokens}"
+            )
     else:
         # no validation files: hold out the tail of the last shard (never trained on)
         val_files = train_files[-1:]
