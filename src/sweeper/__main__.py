@@ -211,7 +211,7 @@ def validate(overrides: list[str], printing: bool = False) -> None:
         from sweeper.data import check_shards
 
         check_shards(run.data, run.model.seq_len)
-    else:
+    elif run.data.name == "stdlib" and not is_users_function(cfg):  # it reads its own data
         from sweeper.data import check_stdlib_split
 
         check_stdlib_split(run.data.val_every_n_files, run.model.seq_len)
@@ -277,6 +277,12 @@ def validate(overrides: list[str], printing: bool = False) -> None:
             resumable_state(
                 Path(run_dir).resolve(), spec, base_config(cfg, spec, trainable_target(cfg))
             )
+
+
+def is_users_function(cfg) -> bool:
+    from sweeper.sweep.preflight import trainable_target
+
+    return trainable_target(cfg) is not None
 
 
 def check_run_dir(run_dir: str) -> None:
