@@ -741,6 +741,9 @@ REFUSED = [
     (["sweep.stages.0.serach=tpe"], "did you mean sweep.stages.0.search?"),
     (["sweep.stages.0.points=[base]"], "to add it, write +sweep.stages.0.points=[base]"),
     (["sweep.stages.0.extend_trial=2"], "did you mean sweep.stages.0.extend_trials?"),
+    # where a trial runs is reserved before any trial starts: no stage searches it
+    (["+sweep.stages.0.params.trainer.device.choice=[cpu,cuda]"], "where a trial runs is no"),
+    (["+sweep.stages.0.params.trainer.workers.grid=[1,2]"], "trainer.workers: where a trial"),
     (["sweep.stages.x.name=a"], "sweep.stages.x.name=a: Index 'x'"),
     (["sweep.stages.5.name=a"], "sweep.stages.5.name=a: list index out of range"),
     # found by a new user's mistakes: each used to start Ray, or end in a traceback

@@ -18,6 +18,7 @@ from sweeper.config import BUILTIN_TRAINABLE, RUN_SECTIONS, ConfigError, load_ru
 from sweeper.sweep.spec import (
     SweepSpec,
     flatten,
+    flatten_params,
     load_sweep_spec,
     rung_cooldown_for,
     stage_space,
@@ -60,6 +61,7 @@ def validate_sweep(cfg) -> SweepSpec:
     if target:
         load_user_function(target)
     else:
+        check_no_placement_searched(spec)
         check_stage_values(spec, base_config(cfg, spec, None))
         threads = cfg.trainer.get("threads")
         if threads is not None and threads != spec.trial_threads:  # it would be ignored
@@ -80,6 +82,25 @@ def validate_sweep(cfg) -> SweepSpec:
         workers = 1 if target else int(cfg.trainer.workers)
         check_trial_fits(spec, workers, *local_cluster_size(cfg.ray))
     return spec
+
+
+# where and on how much a trial runs, which the cluster's resources are reserved for before
+# any trial starts: a stage that searched them would ask Ray for what it never reserved
+PLACEMENT_KEYS = {
+    "trainer.device": "trainer.device=... with sweep.gpus_per_trial",
+    "trainer.workers": "trainer.workers=...",
+    "trainer.threads": "sweep.cpus_per_trial",
+}
+
+
+def check_no_placement_searched(spec: SweepSpec) -> None:
+    for index, stage in enumerate(spec.stages):
+        for key in flatten_params(stage.params):
+            if key in PLACEMENT_KEYS:
+                raise ConfigError(
+                    f"sweep.stages.{index}.params.{key}: where a trial runs is no "
+                    f"hyperparameter to search; set it for the whole sweep ({PLACEMENT_KEYS[key]})"
+                )
 
 
 def load_user_function(target: str):
