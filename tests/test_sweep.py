@@ -799,6 +799,22 @@ def test_refused_sweeps_error_in_one_line_before_ray_starts(tmp_path, args, name
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_relative_path_a_stage_searches_is_refused_with_its_absolute_form(tmp_path):
+    """Ray runs each trial in a directory of its own: train.bin would match nothing there."""
+    np.arange(60_000).astype(np.uint16).__mod__(256).astype(np.uint16).tofile(
+        tmp_path / "train.bin"
+    )
+    args = ["+sweep=smoke", "data=shards", f"data.path={tmp_path}/train.bin"]
+    args += ["+sweep.stages.0.params.data.path.choice=[train.bin]"]
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: sweep.stages.0.params.data.path: train.bin is relative, and a trial runs in "
+        f"a directory of its own; write {tmp_path}/train.bin\n"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["train.bin"]
+
+
 def test_a_key_no_stage_takes_gets_the_stage_s_keys_and_no_plus_advice(tmp_path):
     # `+` would be refused as unknown too; every key a stage takes is named, set or not
     proc = run_cli(["+sweep=smoke", "sweep.stages.0.nonsense=1"], cwd=tmp_path, timeout=60)

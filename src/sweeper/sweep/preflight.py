@@ -94,13 +94,24 @@ PLACEMENT_KEYS = {
 
 
 def check_no_placement_searched(spec: SweepSpec) -> None:
+    """No stage searches where its trials run; a path it searches is absolute (Ray runs
+    each trial in a directory of its own, where a relative one finds nothing)."""
     for index, stage in enumerate(spec.stages):
-        for key in flatten_params(stage.params):
+        for key, param in flatten_params(stage.params).items():
+            where = f"sweep.stages.{index}.params.{key}"
             if key in PLACEMENT_KEYS:
                 raise ConfigError(
-                    f"sweep.stages.{index}.params.{key}: where a trial runs is no "
-                    f"hyperparameter to search; set it for the whole sweep ({PLACEMENT_KEYS[key]})"
+                    f"{where}: where a trial runs is no hyperparameter to search; set it "
+                    f"for the whole sweep ({PLACEMENT_KEYS[key]})"
                 )
+            if key in ("data.path", "data.val_path") and isinstance(param, dict):
+                for values in param.values():
+                    for value in values if isinstance(values, list | tuple) else [values]:
+                        if isinstance(value, str) and not os.path.isabs(value):
+                            raise ConfigError(
+                                f"{where}: {value} is relative, and a trial runs in a "
+                                f"directory of its own; write {os.path.abspath(value)}"
+                            )
 
 
 def load_user_function(target: str):
