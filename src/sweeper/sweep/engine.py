@@ -145,14 +145,6 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     return summary["best"]["value"] if summary.get("best") else None
 
 
-def status_counts(records: list[dict]) -> str:
-    """'2 diverged, 1 pruned': how a set of trials ended."""
-    statuses: dict[str, int] = {}
-    for record in records:
-        statuses[record["status"]] = statuses.get(record["status"], 0) + 1
-    return ", ".join(f"{n} {status}" for status, n in sorted(statuses.items()))
-
-
 class NothingToRank(SweepFailed):
     """Every trial of every stage diverged or failed. The sweep's outputs are written (the
     learning curves show where each one went wrong), but it has no best config to give,
@@ -160,7 +152,9 @@ class NothingToRank(SweepFailed):
     no best either, but that is the cap the user chose: no failure.)"""
 
     def __init__(self, state: SweepState, out: Path):
-        counts = status_counts(state.all_records())
+        from sweeper.sweep.outputs import counts_text, status_tally
+
+        counts = counts_text(status_tally(state.all_records()))
         Exception.__init__(
             self,
             f"no trial of the sweep has a value to rank ({counts}), so it has no best "
@@ -291,7 +285,8 @@ def run_stages(
             print(f"[{stage.name}] {outputs.kept_note(spec, incumbent, best, start)}\n")
         elif best is None:
             print(
-                f"[{stage.name}] no trial has a value to rank ({status_counts(records)}): "
+                f"[{stage.name}] no trial has a value to rank "
+                f"({outputs.counts_text(outputs.status_tally(records))}): "
                 "nothing frozen, the next stage starts from the same config\n"
             )
         if state.total_flops() >= (spec.max_flops or math.inf):

@@ -291,7 +291,7 @@ def write_all(
                 "name": stage["name"],
                 "params": sorted({k for r in stage["records"] for k in r["params"]}),
                 "trials": len(stage["records"]),
-                "statuses": _count(stage["records"]),
+                "statuses": status_tally(stage["records"]),
                 "best_value": best["metric"] if best else None,
                 "best_params": best["params"] if best else None,
                 "at_range_edge": range_edges(
@@ -395,7 +395,12 @@ def _overrides(final: dict, base: dict, reproduce, target: str | None = None) ->
     return [f"trainable._target_={target}", *overrides, *added]
 
 
-def _count(records: list[dict]) -> dict[str, int]:
+def counts_text(statuses: dict[str, int]) -> str:
+    """'2 diverged, 1 pruned': how a set of trials ended (`status_tally`'s tally)."""
+    return ", ".join(f"{n} {status}" for status, n in sorted(statuses.items()))
+
+
+def status_tally(records: list[dict]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for r in records:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -555,7 +560,9 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
     for stage in summary["stages"]:
         value = stage["best_value"]
         if value is None:
-            print(f"  stage {stage['name']:<14} no trial to rank ({_counts_text(stage)})")
+            print(
+                f"  stage {stage['name']:<14} no trial to rank ({counts_text(stage['statuses'])})"
+            )
         else:
             print(
                 f"  stage {stage['name']:<14} best {spec.metric} {value:.4f} with "
@@ -599,10 +606,6 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
     fit = summary.get("fit") or {}
     files = ["reports.csv", *summary["plots"], *(["fit.json"] if fit.get("file") else [])]
     print(f"  outputs: {out}/summary.json, {', '.join([*files, *fit.get('plots', [])])}")
-
-
-def _counts_text(stage: dict) -> str:
-    return ", ".join(f"{n} {status}" for status, n in sorted(stage["statuses"].items()))
 
 
 def reproduce_command(overrides: list[str]) -> str:
