@@ -3,6 +3,7 @@
 # the pure-Python config packages as wheels, made where pip works:
 #   pip download --no-deps -d .whl hydra-core==1.3.2 omegaconf==2.3.0
 #   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # an sdist on PyPI
+# .whl/ is git-ignored: name it in the device tool's `carry` so it travels.
 OUT=${OUT:-/tmp/gpu_mfu}
 mkdir -p "$OUT"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"

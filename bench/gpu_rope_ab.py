@@ -1,0 +1,65 @@
+"""d12 in the real loop (`train()`, bf16 + compile) with the compiled RoPE as it is
+(`sweeper.model.rotate_real`: x * cos2 + swap(x) * sin2, the pair swapped by a flip) and
+as it was before the thirty-second session (each (even, odd) pair unbound, the rotated
+halves stacked back: a `cat` kernel among the step's largest elementwise ones),
+alternating, tokens/s and MFU of each. The same maths; only the kernels differ.
+
+    python bench/gpu_rope_ab.py data.path=SHARD [--pairs 2] [--steps 8] [overrides...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from bench_train import sweeper_tokens_per_s
+from omegaconf import OmegaConf
+
+import sweeper.model
+from sweeper.cli import compose
+
+FORMS = {"flip": sweeper.model.rotate_real}
+
+
+def rotate_by_stack(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    x_re, x_im = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = rotary.unbind(-1)
+    return torch.stack([x_re * cos - x_im * sin, x_re * sin + x_im * cos], dim=-1).flatten(-2)
+
+
+FORMS["stack"] = rotate_by_stack
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--deadline-s", type=float, default=300, help="no new pair after this")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    composed = compose(["model=d12", "trainer=gpu", "data=shards", *args.overrides])
+    cfg = OmegaConf.to_container(composed, resolve=True)
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in FORMS}
+    for pair in range(args.pairs):
+        if pair and time.perf_counter() - began > args.deadline_s:
+            print(f"deadline: {pair} pair(s) run")
+            break
+        for name, rotate in FORMS.items():
+            sweeper.model.rotate_real = rotate
+            run_cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
+            tok_s, mfu = sweeper_tokens_per_s(run_cfg, args.steps)
+            results[name].append((tok_s, mfu))
+            print(
+                f"pair {pair + 1} {name:5s} {tok_s:10,.0f} tok/s  MFU {100 * mfu:.1f}%", flush=True
+            )
+    for name, runs in results.items():
+        tok = statistics.median(r[0] for r in runs)
+        mfu = statistics.median(r[1] for r in runs)
+        print(f"median {name:5s} {tok:10,.0f} tok/s  MFU {100 * mfu:.1f}%  ({len(runs)} runs)")
+
+
+if __name__ == "__main__":
+    main()
