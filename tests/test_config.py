@@ -201,6 +201,10 @@ BAD_INPUTS = [
     (["ray.num_gpus=0.5"], "ray.num_gpus must be a whole number"),
     (["data.val_every_n_files=1000000000"], "leaves 0 bytes for validation, fewer than"),
     (["trainer.seed=18446744073709551616"], "trainer.seed must be in [0, 2^64)"),
+    # a model whose weights alone cannot fit was built, then failed with batch-size advice
+    # (or an overflow inside torch, or the system's OOM killer)
+    (["model.depth=1000"], "model.depth=1000 (d_model 64000) has 49,152.0B parameters, whose"),
+    (["model.depth=100000"], "has 4.92e+10B parameters"),
     (["--cfg", "nope"], "--cfg nope: Hydra prints job, hydra or all"),
     (["model=tiny", "--cfg"], "--cfg: Hydra prints job, hydra or all"),
     # Hydra's three readings of a,b come on three more lines: all in the one line

@@ -26,6 +26,10 @@ def test_param_and_flop_accounting_by_hand():
     assert counts["matmul"] == L * per_block + V * d  # hidden matrices + lm_head
     assert counts["total"] == L * per_block + 2 * V * d + 2 * L  # + wte + 2 scalars/layer
     assert counts["non_embedding"] == counts["total"] - V * d
+    # the count from the shape alone, which the memory check uses before building anything
+    assert SHAPE.n_params == counts["total"]
+    wide = GPTShape(depth=3, d_model=64, head_dim=16, seq_len=8, vocab_size=300)
+    assert wide.n_params == GPT(wide).param_counts()["total"]
     assert GPT(SHAPE).flops_per_token() == 6 * (L * per_block + V * d) + 12 * L * d * T
 
 

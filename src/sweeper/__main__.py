@@ -207,6 +207,10 @@ def validate(overrides: list[str], printing: bool = False) -> None:
         from sweeper.budget import check_budget
 
         check_budget(run)
+        if not is_users_function(cfg) and not (joins_a_cluster and run.trainer.workers > 1):
+            from sweeper.runtime import check_model_fits
+
+            check_model_fits(run)  # here, where the run will train
     if run.data.name == "shards":
         from sweeper.data import check_shards
 

@@ -30,6 +30,14 @@ class GPTShape:
     def n_heads(self) -> int:
         return self.d_model // self.head_dim
 
+    @property
+    def n_params(self) -> int:
+        """Total parameters, counted from the shape without building the model (a model
+        too big to build can still be counted): embedding and unembedding, 12 d^2 per block
+        (q, k, v, output; the 4x MLP), two scalars per layer. GPT.param_counts agrees."""
+        d = self.d_model
+        return 2 * self.vocab_size * d + self.depth * (12 * d * d + 2)
+
     @classmethod
     def from_config(cls, model) -> GPTShape:
         """From a validated `ModelConfig` (vocab_size already resolved)."""

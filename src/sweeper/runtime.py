@@ -38,6 +38,50 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+# bytes a training run holds per parameter before any activation: fp32 weights and
+# gradients, and the optimizer's state (AdamW's two moments; Muon keeps one, so for
+# muon_adamw this is an upper bound)
+TRAINING_BYTES_PER_PARAM = 16
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Memory of the device: a GPU's own, or the machine's RAM under any cgroup limit."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:  # a container's limit (cgroup v2): "max" when there is none
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        return min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        return total
+
+
+def check_model_fits(run) -> None:
+    """A model whose weights, gradients and optimizer state alone exceed the device's memory
+    is refused before it is built. Building it would fail in the allocator, with advice
+    about the batch size that cannot help, or in torch itself for very deep models (an
+    overflow), or grow until the system kills it."""
+    from sweeper.model import GPTShape
+
+    shape = GPTShape.from_config(run.model)
+    need = shape.n_params * TRAINING_BYTES_PER_PARAM
+    device = resolve_device(run.trainer.device)
+    have = memory_bytes(device)
+    if need > have:
+        raise ConfigError(
+            f"model.depth={shape.depth} (d_model {shape.d_model}) has "
+            f"{_readable(shape.n_params / 1e9, 'B')} parameters, whose weights, gradients and optimizer "
+            f"state need {_readable(need / 2**30, ' GiB')}; {device.type} has {have / 2**30:,.0f} GiB: "
+            "choose a smaller model"
+        )
+
+
+def _readable(n: float, unit: str) -> str:
+    """12.9B, 192.0 GiB; a count too long to read in thousands, as 4.92e+10B."""
+    return f"{n:,.1f}{unit}" if n < 1e6 else f"{n:.2e}{unit}"
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: there bf16 autocast beats fp32 (2.6x measured on a 3M GPT);
