@@ -201,6 +201,9 @@ BAD_INPUTS = [
     (["ray.num_gpus=0.5"], "ray.num_gpus must be a whole number"),
     (["data.val_every_n_files=1000000000"], "leaves 0 bytes for validation, fewer than"),
     (["trainer.seed=18446744073709551616"], "trainer.seed must be in [0, 2^64)"),
+    (["+sweep=smoke", "ray.dashboard_host=not-a-host"], "ray.dashboard_host=not-a-host: cannot"),
+    (["+sweep=smoke", "ray.dashboard_host=192.0.2.1"], "ray.dashboard_host=192.0.2.1: cannot"),
+    (["+sweep=smoke", "ray.num_cpus=1e9"], "ray.num_cpus=1e+09 for a local cluster on a machine"),
     # a model whose weights alone cannot fit was built, then failed with batch-size advice
     # (or an overflow inside torch, or the system's OOM killer)
     (["model.depth=1000"], "model.depth=1000 (d_model 64000) has 49,152.0B parameters, whose"),

@@ -231,6 +231,10 @@ def validate(overrides: list[str], printing: bool = False) -> None:
                 f"CPU (trainer.threads) need {need} CPUs, but the local Ray cluster has "
                 f"{cpus:g} (ray.num_cpus)"
             )
+    if not joins_a_cluster and ("sweep" in cfg or run.trainer.workers > 1):
+        from sweeper.sweep.ray_cluster import check_local_cluster
+
+        check_local_cluster(cfg.ray)
     if joins_a_cluster and ("sweep" in cfg or run.trainer.workers > 1):
         from sweeper.sweep.ray_cluster import probe
 

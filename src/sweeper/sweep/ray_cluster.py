@@ -100,6 +100,36 @@ def local_cluster_size(ray_cfg) -> tuple[float, float]:
     return float(cpus), float(gpus)
 
 
+# how far ray.num_cpus may overstate this machine's CPUs for a local cluster. Declaring more
+# CPUs than there are runs more trials at once (each slower); past this it is a typo, and
+# at ray.num_cpus=1e9 Ray itself never finished starting.
+MAX_CPU_OVERSUBSCRIPTION = 64
+
+
+def check_local_cluster(ray_cfg) -> None:
+    """What a local cluster is started with, checked before anything is written: a declared
+    CPU count far beyond the machine's, and a dashboard host nothing can listen on (Ray's
+    own error is a traceback from its port probe, after the MLflow run is made)."""
+    cpus = ray_cfg.get("num_cpus")
+    have = len(os.sched_getaffinity(0))
+    if cpus is not None and cpus > MAX_CPU_OVERSUBSCRIPTION * have:
+        raise ConfigError(
+            f"ray.num_cpus={cpus:g} for a local cluster on a machine with {have} CPUs; at "
+            f"most {MAX_CPU_OVERSUBSCRIPTION * have} ({MAX_CPU_OVERSUBSCRIPTION}x), or join a "
+            "bigger cluster with ray.address"
+        )
+    host = ray_cfg.get("dashboard_host") or "127.0.0.1"
+    with socket.socket() as listener:
+        try:
+            listener.bind((host, 0))
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise ConfigError(
+                f"ray.dashboard_host={host}: cannot listen there ({reason}); use 127.0.0.1, "
+                "or 0.0.0.0 for every interface"
+            ) from None
+
+
 def detected_gpus() -> int:
     """The GPUs a local Ray cluster started here will register: Ray's own NVML count,
     capped by CUDA_VISIBLE_DEVICES, as ray.init does. Asking torch would import it into
