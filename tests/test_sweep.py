@@ -763,6 +763,8 @@ REFUSED = [
     (["+sweep.stages.0.points={optimizer.matrix_lr:0.02}"], "sweep.stages.0.points must be a list"),
     (["trainable._target_=math.pi"], "must be a function of (config, report); it is a float"),
     (["trainable._target_=os.getcwd"], "must be a function of (config, report); its signature"),
+    # a class has no signature inspect can always read: it passed, and every trial failed
+    (["trainable._target_=collections.OrderedDict"], "(config, report); it is a class"),
     (["fit.target_flops=-1"], "fit.target_flops must be a positive number"),
     (["ray.address=garbage"], "ray.address=garbage is not an address Ray can join"),
     (["sweep.lr_keys=[optimizer.foo]"], "sweep.lr_keys: unknown config key 'optimizer.foo'"),

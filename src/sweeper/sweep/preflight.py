@@ -143,6 +143,8 @@ def check_trainable_signature(target: str, fn: Any) -> None:
     usage = f"trainable._target_={target} must be a function of (config, report)"
     if not callable(fn):
         raise ConfigError(f"{usage}; it is a {type(fn).__name__}")
+    if inspect.isclass(fn):  # calling it makes an object, which reports nothing
+        raise ConfigError(f"{usage}; it is a class")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have none to read: let the trial say
