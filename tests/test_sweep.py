@@ -906,6 +906,21 @@ def test_a_run_into_the_run_dir_of_a_sweep_is_refused_and_the_sweep_kept(tmp_pat
     assert (run_dir / "sweep_state.json").read_text() == '{"name": "smoke"}'
 
 
+def test_a_resume_into_a_single_runs_dir_is_refused_and_the_run_kept(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "result.json").write_text('{"status": "completed"}')
+    proc = run_cli(
+        ["+sweep=smoke", "sweep.resume=true", f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: sweep.resume=true: hydra.run.dir={run_dir} holds a single run (result.json), "
+        "not a sweep; name the interrupted sweep's dir"
+    ]
+    assert [p.name for p in run_dir.iterdir()] == ["result.json"]
+
+
 def test_a_database_store_without_its_driver_is_one_line_that_hides_the_password(tmp_path):
     uri = "postgresql+pg8000://me:secret@127.0.0.1:5432/mlflow"  # pg8000: not a dependency
     proc = run_cli(["+sweep=smoke", f"mlflow.tracking_uri={uri}"], cwd=tmp_path, timeout=60)

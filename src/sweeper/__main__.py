@@ -282,9 +282,15 @@ def validate(overrides: list[str], printing: bool = False) -> None:
 
             from sweeper.sweep.preflight import base_config, resumable_state
 
-            resumable_state(
+            found = resumable_state(
                 Path(run_dir).resolve(), spec, base_config(cfg, spec, trainable_target(cfg))
             )
+            if found is None and (Path(run_dir) / "result.json").exists():
+                # a single run's dir: a new sweep would start there, over its record
+                raise ConfigError(
+                    f"sweep.resume=true: hydra.run.dir={run_dir} holds a single run "
+                    "(result.json), not a sweep; name the interrupted sweep's dir"
+                )
 
 
 def is_users_function(cfg) -> bool:
