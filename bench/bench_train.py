@@ -13,8 +13,10 @@ override gives sweeper's GPT the plain one's optimizer: the model and loop alone
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -95,6 +97,37 @@ def sweeper_tokens_per_s(cfg_dict: dict, steps: int) -> tuple[float, float | Non
     trainer.update(budget_tokens=None, budget_flops=None, tokens_per_param=None)
     result = train(cfg_dict, verbose=False)
     return result["tokens_per_s"], result["mfu"]
+
+
+def alternate_in_loop(
+    cfg_dict: dict,
+    variants: dict[str, Callable[[], None]],
+    pairs: int,
+    steps: int,
+    deadline: float = math.inf,
+) -> None:
+    """Train the run config once per variant per round, alternating, after each variant's
+    setup call (a monkeypatch of the model's code, say), and print every run's tokens/s and
+    MFU and then the medians. No new round starts once time.perf_counter() > deadline."""
+    results: dict[str, list[tuple[float, float | None]]] = {name: [] for name in variants}
+    width = max(map(len, variants))
+    for round_ in range(pairs):
+        if round_ and time.perf_counter() > deadline:
+            print(f"deadline: {round_} round(s) run")
+            break
+        for name, setup in variants.items():
+            setup()
+            run_cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()}
+            results[name].append(sweeper_tokens_per_s(run_cfg, steps))
+            print(f"round {round_ + 1} {name:{width}s} {_figures(results[name][-1:])}", flush=True)
+    for name, runs in results.items():
+        print(f"median  {name:{width}s} {_figures(runs)}  ({len(runs)} runs)")
+
+
+def _figures(runs: list[tuple[float, float | None]]) -> str:
+    tok_s = statistics.median(r[0] for r in runs)
+    mfus = [r[1] for r in runs if r[1] is not None]
+    return f"{tok_s:10,.0f} tok/s" + (f"  MFU {100 * statistics.median(mfus):.1f}%" if mfus else "")
 
 
 def step_breakdown(cfg, repeats: int) -> dict[str, float]:

@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_train import sweeper_tokens_per_s
+from bench_train import alternate_in_loop
 from omegaconf import OmegaConf
 
 import sweeper.model
@@ -170,23 +170,9 @@ def main() -> None:
         print("main's tail is the fastest exact form: nothing to train")
         return
     print(f"== 2. d12 in the real loop, main vs '{best}' ({args.steps} timed steps per run)")
-    results: dict[str, list[tuple[float, float]]] = {"main": [], best: []}
-    for pair in range(args.pairs):
-        if pair and time.perf_counter() - began > args.deadline_s:
-            print(f"deadline: {pair} pair(s) run")
-            break
-        for name, loss_fn in (("main", MAIN), (best, EXACT[best])):
-            sweeper.model.capped_cross_entropy = loss_fn
-            run_cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-            tok_s, mfu = sweeper_tokens_per_s(run_cfg, args.steps)
-            results[name].append((tok_s, mfu))
-            print(
-                f"pair {pair + 1} {name:30s} {tok_s:10,.0f} tok/s  MFU {100 * mfu:.1f}%", flush=True
-            )
-    for name, runs in results.items():
-        tok = statistics.median(r[0] for r in runs)
-        mfu = statistics.median(r[1] for r in runs)
-        print(f"median {name:30s} {tok:10,.0f} tok/s  MFU {100 * mfu:.1f}%  ({len(runs)} runs)")
+    patch = lambda fn: lambda: setattr(sweeper.model, "capped_cross_entropy", fn)  # noqa: E731
+    variants = {"main": patch(MAIN), best: patch(EXACT[best])}
+    alternate_in_loop(cfg, variants, args.pairs, args.steps, began + args.deadline_s)
 
 
 if __name__ == "__main__":

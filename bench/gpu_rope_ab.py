@@ -10,11 +10,10 @@ alternating, tokens/s and MFU of each. The same maths; only the kernels differ.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
-from bench_train import sweeper_tokens_per_s
+from bench_train import alternate_in_loop
 from omegaconf import OmegaConf
 
 import sweeper.model
@@ -42,23 +41,9 @@ def main() -> None:
     began = time.perf_counter()
     composed = compose(["model=d12", "trainer=gpu", "data=shards", *args.overrides])
     cfg = OmegaConf.to_container(composed, resolve=True)
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in FORMS}
-    for pair in range(args.pairs):
-        if pair and time.perf_counter() - began > args.deadline_s:
-            print(f"deadline: {pair} pair(s) run")
-            break
-        for name, rotate in FORMS.items():
-            sweeper.model.rotate_real = rotate
-            run_cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-            tok_s, mfu = sweeper_tokens_per_s(run_cfg, args.steps)
-            results[name].append((tok_s, mfu))
-            print(
-                f"pair {pair + 1} {name:5s} {tok_s:10,.0f} tok/s  MFU {100 * mfu:.1f}%", flush=True
-            )
-    for name, runs in results.items():
-        tok = statistics.median(r[0] for r in runs)
-        mfu = statistics.median(r[1] for r in runs)
-        print(f"median {name:5s} {tok:10,.0f} tok/s  MFU {100 * mfu:.1f}%  ({len(runs)} runs)")
+    patch = lambda fn: lambda: setattr(sweeper.model, "rotate_real", fn)  # noqa: E731
+    variants = {name: patch(rotate) for name, rotate in FORMS.items()}
+    alternate_in_loop(cfg, variants, args.pairs, args.steps, began + args.deadline_s)
 
 
 if __name__ == "__main__":
