@@ -69,11 +69,11 @@ def check_model_fits(run) -> None:
     device = resolve_device(run.trainer.device)
     have = memory_bytes(device)
     if need > have:
+        params, needed = _readable(shape.n_params / 1e9, "B"), _readable(need / 2**30, " GiB")
         raise ConfigError(
-            f"model.depth={shape.depth} (d_model {shape.d_model}) has "
-            f"{_readable(shape.n_params / 1e9, 'B')} parameters, whose weights, gradients and optimizer "
-            f"state need {_readable(need / 2**30, ' GiB')}; {device.type} has {have / 2**30:,.0f} GiB: "
-            "choose a smaller model"
+            f"model.depth={shape.depth} (d_model {shape.d_model}) has {params} parameters, "
+            f"whose weights, gradients and optimizer state need {needed}; {device.type} has "
+            f"{have / 2**30:,.0f} GiB: choose a smaller model"
         )
 
 
