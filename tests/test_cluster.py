@@ -263,3 +263,56 @@ def test_validating_a_users_function_sweep_leaves_torch_unimported(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "False"
+
+
+def test_the_dashboard_takes_the_token_its_line_names_and_ray_does_not_warn(tmp_path):
+    """Ray turns token auth on for a new local cluster: the dashboard's page asks for the
+    token. The line that gives the dashboard's URL says where it is, and that token signs in
+    (without it the dashboard's API answers 401)."""
+    import urllib.error
+    import urllib.request
+
+    port = free_port()
+    code = (
+        "import sys; from sweeper.sweep.ray_cluster import start_ray; "
+        f"start_ray({{'num_cpus': 1, 'dashboard_port': {port}}}); sys.stdout.flush(); "
+        "sys.stdin.read()"  # the cluster lives until the test closes stdin
+    )
+    # a home of its own: Ray writes a new local cluster's token to ~/.ray/auth_token
+    env = dict(os.environ, HOME=str(tmp_path), PYTHONPATH=str(REPO / "src"))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        env.pop(name, None)
+    stderr = (tmp_path / "stderr.log").open("w+")
+    driver = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+    )
+
+    def status(url: str, token: str | None) -> int:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10):
+                return 200
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    try:
+        line = driver.stdout.readline()
+        assert line.startswith("ray: local cluster with 1 CPUs"), line + stderr.read()
+        url, hint = line.split("dashboard: ")[1].split(" ", 1)
+        assert url == f"http://127.0.0.1:{port}"
+        assert hint.strip() == "(sign in with the token in ~/.ray/auth_token)"
+        token = (tmp_path / ".ray" / "auth_token").read_text().strip()
+        api = f"{url}/api/jobs/"
+        assert status(api, None) == 401
+        assert status(api, "0" * len(token)) in (401, 403)
+        assert status(api, token) == 200
+    finally:
+        driver.stdin.close()
+        driver.wait(60)
+    stderr.seek(0)
+    assert "Token authentication is enabled" not in stderr.read()

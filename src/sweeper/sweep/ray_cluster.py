@@ -21,6 +21,10 @@ os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_
 # results (engine.py adds it back). TensorBoard's logger alone cost ~2 ms of driver CPU a
 # result, and importing tensorboardX (which imports torch) ~6 s of driver start-up.
 os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+# Tune's new output engine prints a box per stage (its searcher's and scheduler's class names,
+# the trial count) even at verbose=0; the engine's own stage line says the same in the
+# sweep's words. The legacy engine honours verbose=0, and Tune still runs the same way.
+os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
 
 # how long a "host:port" address may take to accept a TCP connection before Ray is asked:
 # ray.init retries an unreachable GCS for minutes (without end in Ray 2.60)
@@ -196,6 +200,20 @@ def start_local(ray_cfg, host: str, common: dict):
     raise RuntimeError("unreachable")
 
 
+class DropsTokenAuthNotice(logging.Filter):
+    """Ray turns token auth on for every new local cluster (its dashboard then asks for the
+    token, which the dashboard line says where to find) and warns at each start that it did;
+    this drops that one warning, and Ray's auth stays as it is."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+    DropsTokenAuthNotice()
+)
+
+
 def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
     """Sweeps keep the driver's output to their own progress lines (trial output stays in
     Ray's logs); a single DDP run shows rank 0's progress (log_to_driver=True)."""
@@ -227,5 +245,21 @@ def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
     print(
         f"ray: {'joined ' + address if address else 'local cluster'} with "
         f"{resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs | dashboard: "
-        f"{'http://' + url if url else 'off'}"
+        + (f"http://{url}{dashboard_sign_in()}" if url else "off")
     )
+
+
+def dashboard_sign_in() -> str:
+    """Where the token is that the dashboard's page asks for, when the cluster uses Ray's
+    token auth; Ray's own lookup order: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, then
+    ~/.ray/auth_token (which Ray writes for a new local cluster)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token auth
+        return ""
+    if not is_token_auth_enabled():
+        return ""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return " (sign in with the token in $RAY_AUTH_TOKEN)"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token"
+    return f" (sign in with the token in {path})"
