@@ -439,6 +439,47 @@ def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, mon
     assert len(drawn[2].axes[1].patches) == 0  # the batch size was not extended
 
 
+def test_the_stage_plot_colours_each_trials_learning_curve_by_its_lr(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from sweeper.sweep.plots import plot_stage_lr
+    from sweeper.sweep.spec import SweepSpec
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    trials = [  # trial, status, matrix LR, its reports' (tokens, val_bpb)
+        ("low", "completed", 0.002, [(1000, 4.0), (2000, 3.6)]),
+        ("mid", "completed", 0.02, [(1000, 3.8), (2000, 3.2)]),
+        ("cut", "pruned", 0.01, [(1000, 3.9)]),
+        ("high", "diverged", 0.2, [(1000, 3.7), (2000, 8.0)]),  # 8.0: the penalty
+    ]
+    records = [
+        {"stage": "lr", "trial_id": t, "status": st, "metric": rows[-1][1], "params": {"lr": lr}}
+        for t, st, lr, rows in trials
+    ]
+    reports = [
+        {"trial_id": t, "status": st, "tokens": tokens, "val_bpb": v}
+        for t, st, _, rows in trials
+        for tokens, v in rows
+    ]
+    spec = SweepSpec(lr_keys=["lr"])
+    plot_stage_lr(tmp_path / "s.png", records, spec, records[1], {}, None, reports)
+    (fig,) = drawn
+    lr_ax, curves_ax, bar_ax = fig.axes
+    lines = [line for line in curves_ax.get_lines() if line.get_linestyle() != "None"]
+    # one curve per trial; the diverged one stops before its penalty, the best is thickest
+    assert [list(line.get_ydata()) for line in lines] == [[4.0, 3.6], [3.8, 3.2], [3.9], [3.7]]
+    assert max(lines, key=lambda line: line.get_linewidth()) is lines[1]
+    assert lines[2].get_linestyle() == "--"  # pruned
+    # coloured on a log scale of the LR: the lowest darkest, the highest brightest
+    assert bar_ax.get_ylabel() == "lr" and bar_ax.get_yscale() == "log"
+    brightness = [sum(line.get_color()[:3]) for line in lines]
+    assert brightness[0] < brightness[2] < brightness[1] < brightness[3]
+    # without reports: the parameter panels alone, as before
+    plot_stage_lr(tmp_path / "s.png", records, spec, records[1], {})
+    assert len(drawn[1].axes) == 1
+
+
 def test_the_learning_curves_plot_the_gradient_norm_beside_the_metric(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 

@@ -338,7 +338,13 @@ def write_all(
         path = out / f"stage_{name}.png"
         plots.append(
             plot_stage_lr(
-                path, stage["records"], spec, stage["best"], ranges, stage.get("extended")
+                path,
+                stage["records"],
+                spec,
+                stage["best"],
+                ranges,
+                stage.get("extended"),
+                stage["reports"],
             )
         )
     summary["plots"] = [p.name for p in plots if p]

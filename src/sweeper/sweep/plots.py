@@ -86,10 +86,11 @@ def log_axis_labelled(axis, tried: list[float]) -> None:
     and 5 of each decade."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    if axis.axis_name == "x":
-        axis.axes.set_xscale("log")
-    else:
-        axis.axes.set_yscale("log")
+    if axis.get_scale() != "log":  # a colour bar's axis over a LogNorm is one already
+        if axis.axis_name == "x":
+            axis.axes.set_xscale("log")
+        else:
+            axis.axes.set_yscale("log")
     axis.set_minor_formatter(NullFormatter())  # minor labels overlap
     tried = sorted(set(tried))
     if len(tried) <= 6:
@@ -106,13 +107,16 @@ def plot_stage_lr(
     best: dict | None = None,
     ranges: dict[str, tuple[float, float]] | None = None,
     extended: dict[str, list[float]] | None = None,
+    reports: list[dict] | None = None,
 ) -> Path | None:
     """The metric against each numeric parameter the stage tuned, LRs first (in the order
     of sweep.lr_keys: the matrix LR leads). Pruned trials are hollow: their last report
     came before the full budget, so their values sit higher than they would have ended.
     The best trial is a star, and dashed lines mark each param's search range (`ranges`:
     name -> (low, high)), so a best value at an end of it shows; a shaded band, the part
-    an extend_trials round searched past the end (`extended`: name -> [low, high])."""
+    an extend_trials round searched past the end (`extended`: name -> [low, high]).
+    Given the stage's `reports`, a last panel draws each trial's learning curve coloured by
+    the first of those parameters, so an LR too high or too low shows in how it trained."""
     ranges = ranges or {}
     # trainer.seed as a grid axis repeats the points; it is not a value to plot against
     tuned = sorted({k for r in records for k in r["params"]} - {SEED_KEY})
@@ -124,7 +128,9 @@ def plot_stage_lr(
     if not keys or not points:
         return None
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 4.2), squeeze=False)
+    curves = bool(reports)
+    panels = len(keys) + curves
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for status, color in STATUS_COLORS.items():
             chosen = [r for r in points if r["status"] == status]
@@ -166,8 +172,89 @@ def plot_stage_lr(
         ax.set_ylabel(f"{spec.metric} (last report)")
         ax.grid(alpha=0.3)
     axes[0][0].legend()
+    if curves:
+        curves_coloured_by(axes[0][-1], records, reports, keys[0], spec.metric, best)
     fig.suptitle(f"Stage '{records[0]['stage']}': {spec.metric} against its parameters")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# how a trial ended, as a line style and an end marker in the curves coloured by a parameter
+ENDING_STYLES = {
+    "completed": ("-", "o"),
+    "pruned": ("--", "o"),
+    "diverged": ("-", "x"),
+    "failed": (":", "x"),
+}
+
+
+def curves_coloured_by(ax, records: list[dict], reports: list[dict], key: str, metric, best):
+    """Each trial's metric against tokens on `ax`, its colour the trial's value of `key` (a
+    log scale where the values span more than 3x, as LRs do). A diverged trial's curve stops
+    at its last measured value, marked x: the report after it holds the searcher's penalty,
+    not a measurement. The best trial is drawn thickest."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import LogNorm, Normalize
+    from matplotlib.lines import Line2D
+
+    values = [r["params"][key] for r in records]
+    low, high = min(values), max(values)
+    if low > 0 and high / low > 3:
+        norm = LogNorm(low, high)
+    else:
+        norm = Normalize(low, high if high > low else low + 1)
+    colours = ScalarMappable(norm=norm, cmap="viridis")
+    by_trial: dict[str, list[dict]] = {}
+    for row in reports:
+        by_trial.setdefault(row["trial_id"], []).append(row)
+    best_id = best.get("trial_id") if best else None
+    endings = set()
+    for record in records:
+        rows = by_trial.get(record["trial_id"], [])
+        if record["status"] == "diverged":
+            rows = rows[:-1]
+        rows = [r for r in rows if r.get("tokens") and _finite(r.get(metric))]
+        if not rows:
+            continue
+        style, marker = ENDING_STYLES.get(record["status"], ("-", "o"))
+        endings.add(record["status"])
+        colour = colours.to_rgba(record["params"][key])
+        is_best = record["trial_id"] == best_id
+        tokens, measured = [r["tokens"] for r in rows], [r[metric] for r in rows]
+        ax.plot(
+            tokens,
+            measured,
+            style,
+            color=colour,
+            lw=2.6 if is_best else 1.3,
+            zorder=3 if is_best else 2,
+        )
+        ax.plot(
+            tokens[-1:],
+            measured[-1:],
+            marker,
+            color=colour,
+            ms=7 if is_best else 5,
+            mfc="none" if record["status"] == "pruned" else colour,
+        )
+    handles = [
+        Line2D([], [], ls=ENDING_STYLES[e][0], marker=ENDING_STYLES[e][1], color="0.4", label=e)
+        for e in ENDING_STYLES
+        if e in endings
+    ]
+    if best_id is not None:
+        handles.append(Line2D([], [], color="0.4", lw=2.6, label="best"))
+    ax.legend(handles=handles, fontsize="small")
+    bar = ax.figure.colorbar(colours, ax=ax, label=key)
+    if isinstance(norm, LogNorm):
+        log_axis_labelled(bar.ax.yaxis, values)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel(metric)
+    ax.set_title(f"Learning curves, coloured by {key.rsplit('.', 1)[-1]}")
+    ax.grid(alpha=0.3)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
