@@ -208,6 +208,12 @@ BAD_INPUTS = [
     # (or an overflow inside torch, or the system's OOM killer)
     (["model.depth=1000"], "model.depth=1000 (d_model 64000) has 49,152.0B parameters, whose"),
     (["model.depth=100000"], "has 4.92e+10B parameters"),
+    # the same for a sweep's trials on the local cluster: its base model, or a stage's value
+    (["+sweep=smoke", "model.depth=1000"], "model.depth=1000 (d_model 32000) has"),
+    (
+        ["+sweep=smoke", "+sweep.stages.1.params.model.depth.grid=[2,1000]"],
+        "sweep stage 'batch_size': model.depth=1000 (grid) is not a valid run: model.depth=1000",
+    ),
     (["--cfg", "nope"], "--cfg nope: Hydra prints job, hydra or all"),
     (["model=tiny", "--cfg"], "--cfg: Hydra prints job, hydra or all"),
     # Hydra's three readings of a,b come on three more lines: all in the one line

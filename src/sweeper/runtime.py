@@ -57,16 +57,17 @@ def memory_bytes(device: torch.device) -> int:
         return total
 
 
-def check_model_fits(run) -> None:
-    """A model whose weights, gradients and optimizer state alone exceed the device's memory
-    is refused before it is built. Building it would fail in the allocator, with advice
-    about the batch size that cannot help, or in torch itself for very deep models (an
-    overflow), or grow until the system kills it."""
+def check_model_fits(run, device: torch.device | None = None) -> None:
+    """A model whose weights, gradients and optimizer state alone exceed the memory of the
+    device it trains on (`device`, else the run's own) is refused before it is built.
+    Building it would fail in the allocator, with advice about the batch size that cannot
+    help, or in torch itself for very deep models (an overflow), or grow until the system
+    kills it."""
     from sweeper.model import GPTShape
 
     shape = GPTShape.from_config(run.model)
     need = shape.n_params * TRAINING_BYTES_PER_PARAM
-    device = resolve_device(run.trainer.device)
+    device = device or resolve_device(run.trainer.device)
     have = memory_bytes(device)
     if need > have:
         params, needed = _readable(shape.n_params / 1e9, "B"), _readable(need / 2**30, " GiB")

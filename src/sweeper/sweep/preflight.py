@@ -62,7 +62,8 @@ def validate_sweep(cfg) -> SweepSpec:
         load_user_function(target)
     else:
         check_no_placement_searched(spec)
-        check_stage_values(spec, base_config(cfg, spec, None))
+        local = not cfg.get("ray", {}).get("address")
+        check_stage_values(spec, base_config(cfg, spec, None), local_trial_device(spec, local))
         threads = cfg.trainer.get("threads")
         if threads is not None and threads != spec.trial_threads:  # it would be ignored
             raise ConfigError(
@@ -189,18 +190,35 @@ def check_trial_fits(spec: SweepSpec, workers: int, cpus: float, gpus: float) ->
 COMBINATIONS_CHECKED = 128
 
 
-def check_stage_values(spec: SweepSpec, base: dict) -> None:
+def local_trial_device(spec: SweepSpec, local: bool):
+    """The device a trial of a local cluster trains on: a GPU where it is given one, else
+    the CPU (Ray hides the GPUs from a trial given none). None on a cluster the sweep joins,
+    whose nodes this machine cannot see."""
+    if not local:
+        return None
+    import torch
+
+    on_gpu = spec.gpus_per_trial and torch.cuda.is_available()
+    return torch.device("cuda" if on_gpu else "cpu")
+
+
+def check_stage_values(spec: SweepSpec, base: dict, device=None) -> None:
     """Each value a stage can hand a trial, written alone into the base config, must make a
     valid run. Otherwise a grid batch size that is no multiple of a micro-batch, or a fixed
     LR below zero, fails every trial it reaches after Ray has started and the run dir is
     written. Ranges are checked at both ends, and integer ranges also one step in from the
     low end: a constraint like "a multiple of 4096" fails there, and a grid or choice is
     what such a key needs. Then the values together, where the combinations are few; a
-    stage of grids and choices is then held to its combinations alone.
+    stage of grids and choices is then held to its combinations alone. With the `device`
+    the trials train on (a local cluster's), each model must also fit its memory.
     Later stages start from earlier stages' best, which satisfies the same schema."""
     from sweeper.budget import check_budget
+    from sweeper.runtime import check_model_fits
 
-    check_budget(load_run_config(base))  # the budget written in, before any stage's values
+    run = load_run_config(base)
+    check_budget(run)  # the budget written in, before any stage's values
+    if device is not None:
+        check_model_fits(run, device)
     frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
     frozen = {key: value for key, value in frozen.items() if value is not None}
     for stage in spec.stages:
@@ -225,7 +243,7 @@ def check_stage_values(spec: SweepSpec, base: dict) -> None:
         exact = bool(together) and all(param.values for param in space.params)
         failed_alone = []
         for candidate in alone + together:
-            error = _run_error(base, candidate)
+            error = _run_error(base, candidate, device)
             if error is None:
                 continue
             if exact and len(candidate) == 1:
@@ -245,12 +263,17 @@ def check_stage_values(spec: SweepSpec, base: dict) -> None:
             )
 
 
-def _run_error(base: dict, candidate: dict) -> ConfigError | None:
-    """Why the base config with `candidate`'s values ({key: (value, kind)}) is no valid run."""
+def _run_error(base: dict, candidate: dict, device=None) -> ConfigError | None:
+    """Why the base config with `candidate`'s values ({key: (value, kind)}) is no valid run
+    (on `device`, where given: a model too big for it)."""
     from sweeper.budget import check_budget
+    from sweeper.runtime import check_model_fits
 
     try:
-        check_budget(load_run_config(apply_params(base, {k: v for k, (v, _) in candidate.items()})))
+        run = load_run_config(apply_params(base, {k: v for k, (v, _) in candidate.items()}))
+        check_budget(run)
+        if device is not None:
+            check_model_fits(run, device)
     except ConfigError as error:
         return error
     return None
