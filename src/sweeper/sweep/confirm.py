@@ -9,13 +9,12 @@ improvement stands above that noise. The stats use the fresh seeds only, for tha
 from __future__ import annotations
 
 import copy
-import math
 import statistics
 import time
 
 from sweeper.sweep.outputs import launch_once
 from sweeper.sweep.spec import SweepSpec
-from sweeper.sweep.stages import SEED_KEY
+from sweeper.sweep.stages import SEED_KEY, finite_number
 from sweeper.sweep.state import SweepState, as_json
 
 
@@ -91,16 +90,12 @@ def run_confirmation(spec: SweepSpec, state: SweepState, base: dict, target: str
         state.set_confirmation({"best_config": best, "runs": runs, "elapsed_s": before + elapsed})
         value = result["value"]
         # a user's function may complete without reporting the metric
-        outcome = f"{value:.4f}" if _finite(value) else result["status"]
+        outcome = f"{value:.4f}" if finite_number(value) else result["status"]
         finished = len(todo) - len(pending)
         print(
             f"confirm: {finished}/{len(todo)} runs done ({which}, seed {seed}: {outcome}) "
             f"| {elapsed:.0f}s elapsed"
         )
-
-
-def _finite(value) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def _spread(values: list[float]) -> tuple[float | None, float | None]:
@@ -128,9 +123,11 @@ def confirmation_summary(spec: SweepSpec, state: SweepState, base: dict) -> dict
 
     best, baseline = values("best"), values("baseline")
     sign = 1.0 if spec.mode == "min" else -1.0
-    gains = [sign * (b - a) for a, b in zip(best, baseline) if _finite(a) and _finite(b)]
-    best_mean, best_std = _spread([v for v in best if _finite(v)])
-    base_mean, base_std = _spread([v for v in baseline if _finite(v)])
+    gains = [
+        sign * (b - a) for a, b in zip(best, baseline) if finite_number(a) and finite_number(b)
+    ]
+    best_mean, best_std = _spread([v for v in best if finite_number(v)])
+    base_mean, base_std = _spread([v for v in baseline if finite_number(v)])
     gain_mean, gain_std = _spread(gains)
     return {
         "seeds": [int(s) for s in seeds],
@@ -148,7 +145,7 @@ def confirmation_summary(spec: SweepSpec, state: SweepState, base: dict) -> dict
             f"{which} on seed {seed} ({run['status']})"
             for seed in seeds
             for which, run in runs[seed].items()
-            if run["status"] != "completed" or not _finite(run["value"])
+            if run["status"] != "completed" or not finite_number(run["value"])
         ],
         "paired": len(gains),
         "elapsed_s": state.confirmation.get("elapsed_s"),
@@ -173,7 +170,7 @@ def confirmation_lines(summary: dict, metric: str) -> list[str]:
     lines = [line]
     if summary["no_value"]:
         lines.append(f"note: no value from {', '.join(summary['no_value'])}")
-    finite = [v for v in summary["best"] if _finite(v)]
+    finite = [v for v in summary["best"] if finite_number(v)]
     if len(finite) > 1 and len(set(finite)) == 1:
         lines.append(
             "note: every fresh seed gave the same value: does the training read trainer.seed?"

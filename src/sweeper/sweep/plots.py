@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from sweeper.sweep.stages import SEED_KEY
+from sweeper.sweep.stages import SEED_KEY, finite_number
 
 STATUS_COLORS = {
     "completed": "tab:blue",
@@ -215,7 +215,7 @@ def curves_coloured_by(ax, records: list[dict], reports: list[dict], key: str, m
         rows = by_trial.get(record["trial_id"], [])
         if record["status"] == "diverged":
             rows = rows[:-1]
-        rows = [r for r in rows if r.get("tokens") and _finite(r.get(metric))]
+        rows = [r for r in rows if r.get("tokens") and finite_number(r.get(metric))]
         if not rows:
             continue
         style, marker = ENDING_STYLES.get(record["status"], ("-", "o"))
@@ -254,7 +254,3 @@ def curves_coloured_by(ax, records: list[dict], reports: list[dict], key: str, m
     ax.set_ylabel(metric)
     ax.set_title(f"Learning curves, coloured by {key.rsplit('.', 1)[-1]}")
     ax.grid(alpha=0.3)
-
-
-def _finite(value) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)

@@ -73,7 +73,7 @@ def rankable(trials: list[dict]) -> list[dict]:
     return [
         t
         for t in trials
-        if _finite(t.get("metric")) and t.get("status") not in ("diverged", "failed")
+        if finite_number(t.get("metric")) and t.get("status") not in ("diverged", "failed")
     ]
 
 
@@ -173,7 +173,7 @@ def seed_repeats(trials: list[dict]) -> list[list[dict]] | None:
     return list(groups.values())
 
 
-def _finite(value: Any) -> bool:
+def finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
