@@ -66,8 +66,8 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
         ax.set_ylabel(label)
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        if key != metric:
-            ax.set_yscale("log")
+        if key != metric:  # 0.5, 1, 2 rather than 5x10^-1, 10^0, 2x10^0
+            log_axis_labelled(ax.yaxis, [r[key] for r in reports if _positive(r.get(key))])
     if shown:
         axes[0][0].legend(title="trial ended")
     fig.tight_layout()
