@@ -198,7 +198,7 @@ def curves_coloured_by(ax, records: list[dict], reports: list[dict], key: str, m
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import LogNorm, Normalize
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import EngFormatter
+    from matplotlib.ticker import EngFormatter, MaxNLocator
 
     values = [r["params"][key] for r in records]
     low, high = min(values), max(values)
@@ -251,7 +251,8 @@ def curves_coloured_by(ax, records: list[dict], reports: list[dict], key: str, m
     bar = ax.figure.colorbar(colours, ax=ax, label=key)
     if isinstance(norm, LogNorm):
         log_axis_labelled(bar.ax.yaxis, values)
-    ax.xaxis.set_major_formatter(EngFormatter())  # 40k, 1M: a narrow panel's labels fit
+    ax.xaxis.set_major_formatter(EngFormatter())  # 40 k, 1 M and few of them: a narrow
+    ax.xaxis.set_major_locator(MaxNLocator(6))  # panel's labels must not run together
     ax.set_xlabel("training tokens")
     ax.set_ylabel(metric)
     ax.set_title(f"Learning curves, coloured by {key.rsplit('.', 1)[-1]}")
