@@ -265,10 +265,12 @@ def test_validating_a_users_function_sweep_leaves_torch_unimported(tmp_path):
     assert proc.stdout.strip() == "False"
 
 
-def test_the_dashboard_takes_the_token_its_line_names_and_ray_does_not_warn(tmp_path):
-    """Ray turns token auth on for a new local cluster: the dashboard's page asks for the
-    token. The line that gives the dashboard's URL says where it is, and that token signs in
-    (without it the dashboard's API answers 401)."""
+def test_a_local_cluster_is_its_own_and_its_dashboard_takes_the_token_its_line_names(tmp_path):
+    """ray.address=null starts a cluster of its own, even where `ray start` left the address
+    of one behind (ray.init's default would join that). Ray turns token auth on for a new
+    local cluster: the dashboard's page asks for the token. The line that gives the
+    dashboard's URL says where it is, that token signs in (without it the dashboard's API
+    answers 401), and Ray's warning about it is not shown."""
     import urllib.error
     import urllib.request
 
@@ -278,8 +280,13 @@ def test_the_dashboard_takes_the_token_its_line_names_and_ray_does_not_warn(tmp_
         f"start_ray({{'num_cpus': 1, 'dashboard_port': {port}}}); sys.stdout.flush(); "
         "sys.stdin.read()"  # the cluster lives until the test closes stdin
     )
+    # Ray's sockets live under its temp dir: it must be short (pytest's tmp_path is not)
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    (temp / "ray").mkdir()
+    # what `ray start` leaves for ray.init() to join: here a cluster that is gone
+    (temp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
     # a home of its own: Ray writes a new local cluster's token to ~/.ray/auth_token
-    env = dict(os.environ, HOME=str(tmp_path), PYTHONPATH=str(REPO / "src"))
+    env = dict(os.environ, HOME=str(tmp_path), PYTHONPATH=str(REPO / "src"), RAY_TMPDIR=str(temp))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
         env.pop(name, None)
     stderr = (tmp_path / "stderr.log").open("w+")
@@ -302,7 +309,8 @@ def test_the_dashboard_takes_the_token_its_line_names_and_ray_does_not_warn(tmp_
 
     try:
         line = driver.stdout.readline()
-        assert line.startswith("ray: local cluster with 1 CPUs"), line + stderr.read()
+        stderr.seek(0)  # the driver's writes moved the file's shared offset
+        assert line.startswith("ray: local cluster with 1 CPUs"), line + stderr.read()[-3000:]
         url, hint = line.split("dashboard: ")[1].split(" ", 1)
         assert url == f"http://127.0.0.1:{port}"
         assert hint.strip() == "(sign in with the token in ~/.ray/auth_token)"
@@ -311,8 +319,10 @@ def test_the_dashboard_takes_the_token_its_line_names_and_ray_does_not_warn(tmp_
         assert status(api, None) == 401
         assert status(api, "0" * len(token)) in (401, 403)
         assert status(api, token) == 200
+        assert list(temp.glob("ray/session_2*")), "the cluster was not started in RAY_TMPDIR"
     finally:
         driver.stdin.close()
         driver.wait(60)
+        shutil.rmtree(temp, ignore_errors=True)
     stderr.seek(0)
     assert "Token authentication is enabled" not in stderr.read()

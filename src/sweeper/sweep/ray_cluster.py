@@ -185,6 +185,9 @@ def start_local(ray_cfg, host: str, common: dict):
         port = free_port(host, port)
         try:
             return ray.init(
+                # "local": a cluster of its own. ray.init's default (None) would join one
+                # that `ray start` left running on this machine, or fail on num_cpus there
+                address="local",
                 num_cpus=ray_cfg.get("num_cpus"),
                 num_gpus=ray_cfg.get("num_gpus"),
                 include_dashboard=attempt < 3,
