@@ -231,12 +231,25 @@ def test_a_stage_tries_its_given_points_first(ray_cluster, tmp_path, capsys):
     assert "stage_batch_size.png, fit.json, frontier.png" in out
 
 
-def test_resume_skips_finished_stages(ray_cluster, tmp_path):
+def test_resume_skips_finished_stages(ray_cluster, tmp_path, monkeypatch, capsys):
     first = sweep(tmp_path, "sweep.stages.1.params.trainer.total_batch_size.grid=[512]")
     trial_dirs = sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir())
+    (tmp_path / "summary.json").unlink()
+    capsys.readouterr()
+
+    def no_ray(_):
+        raise AssertionError("a finished sweep started Ray")
+
+    # nothing is left to train, so its outputs are written again without Ray (~20 s saved)
+    monkeypatch.setattr("sweeper.sweep.ray_cluster.start_ray", no_ray)
     again = sweep(
         tmp_path, "sweep.stages.1.params.trainer.total_batch_size.grid=[512]", "sweep.resume=true"
     )
+    assert (
+        "every stage of this sweep finished earlier; writing its outputs" in capsys.readouterr().out
+    )
+    assert (tmp_path / "summary.json").is_file()
+    monkeypatch.undo()
     assert (
         sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir()) == trial_dirs
     )

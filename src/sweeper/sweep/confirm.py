@@ -47,24 +47,32 @@ def kept_runs(state: SweepState) -> dict:
     return kept["runs"]
 
 
+def missing_runs(spec: SweepSpec, state: SweepState, base: dict) -> list[tuple[int, str]]:
+    """(seed, "best"|"baseline") of each confirmation run `sweep.confirm_seeds` asks for
+    that the state does not hold: none before a stage has a best, the baseline's only
+    where the baseline has a value."""
+    if not spec.confirm_seeds or not any(stage["best"] for stage in state.stages):
+        return []
+    which = ["best"] + (["baseline"] if (state.baseline or {}).get("value") is not None else [])
+    runs = kept_runs(state)
+    seeds = fresh_seeds(base, spec.confirm_seeds, state)
+    return [(s, w) for s in seeds for w in which if w not in runs.get(str(s), {})]
+
+
 def run_confirmation(spec: SweepSpec, state: SweepState, base: dict, target: str | None) -> None:
     """Trains what `sweep.confirm_seeds` asks for and the state does not hold yet (a resumed
     sweep, or one that raised `confirm_seeds`, trains only the missing runs), saving the
     state after each run. Runs kept for another best config are dropped."""
-    if not spec.confirm_seeds or not any(stage["best"] for stage in state.stages):
+    todo = missing_runs(spec, state, base)
+    if not todo:
         return
     import ray
 
     best = as_json(state.stages[-1]["base_after"])
     runs = kept_runs(state)
-    configs = {"best": best}
-    if (state.baseline or {}).get("value") is not None:
-        configs["baseline"] = base
+    configs = {"best": best, "baseline": base}
     seeds = fresh_seeds(base, spec.confirm_seeds, state)
-    todo = [(s, which) for s in seeds for which in configs if which not in runs.get(str(s), {})]
-    if not todo:
-        return
-    what = " and the baseline" if "baseline" in configs else ""
+    what = " and the baseline" if any(which == "baseline" for _, which in todo) else ""
     shown = ", ".join(str(s) for s in seeds)
     runs_shown = f"{len(todo)} run{'s' * (len(todo) > 1)}"
     print(f"confirm: training the best config{what} on fresh seeds {shown} ({runs_shown})")

@@ -90,17 +90,22 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     base = base_config(cfg, spec, target)
     if not target:
         load_run_config(base)  # the budget written in must still make a valid run
-    from sweeper.tracking import make_tracker
-
-    tracker = make_tracker(cfg, spec, out)  # before Ray: an unreachable server fails fast
-    start_ray(cfg.ray)
-    import ray
-
-    if hint := idle_gpus_hint(spec, base, target, ray.cluster_resources().get("GPU", 0)):
-        print(hint)
+    # before MLflow and Ray: a state of another sweep is refused with nothing written
     state = resumable_state(out, spec, base) if spec.resume else None
     if spec.resume and state is None:
         print(f"sweep.resume=true but no sweep state in {out}: starting a new sweep")
+    from sweeper.tracking import make_tracker
+
+    tracker = make_tracker(cfg, spec, out)  # before Ray: an unreachable server fails fast
+    if state is not None and finished(spec, state, base):
+        # nothing left to train: the outputs are written again without starting Ray (~20 s)
+        print("sweep.resume=true: every stage of this sweep finished earlier; writing its outputs")
+    else:
+        start_ray(cfg.ray)
+        import ray
+
+        if hint := idle_gpus_hint(spec, base, target, ray.cluster_resources().get("GPU", 0)):
+            print(hint)
     state = state or SweepState.new(out, spec.name, base, sweep_definition(spec))
 
     started = time.time() - state.elapsed
@@ -161,6 +166,19 @@ class NothingToRank(SweepFailed):
             f"config: for diverged trials lower the LR ranges; each trial's reports are in "
             f"{out}/reports.csv",
         )
+
+
+def finished(spec: SweepSpec, state: SweepState, base: dict) -> bool:
+    """Whether a resumed sweep has nothing left to train: every stage, the baseline and the
+    confirmation runs are in its state. (A stage a cap skipped is not: raising the cap and
+    resuming runs it.)"""
+    from sweeper.sweep.confirm import missing_runs
+
+    return (
+        all(state.stage_done(stage.name) for stage in spec.stages)
+        and (state.baseline is not None or not spec.baseline)
+        and not missing_runs(spec, state, base)
+    )
 
 
 def baseline_stage(spec: SweepSpec, base: dict, slots: int) -> int:
