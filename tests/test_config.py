@@ -1,5 +1,6 @@
 """The config tree composes in every combination; bad input is one line, exit 2, no files."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -235,6 +236,40 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, names):
     assert names in lines[0], lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert list(tmp_path.iterdir()) == [], "bad input must write nothing"
+
+
+def test_a_sweep_refuses_a_model_that_fits_once_but_not_as_often_as_trials_run_at_once(
+    tmp_path,
+):
+    from sweeper.model import GPTShape
+    from sweeper.runtime import TRAINING_BYTES_PER_PARAM, memory_bytes
+    from sweeper.sweep.preflight import validate_sweep
+
+    # the shallowest model whose training state fits this machine's memory once, not twice
+    have = memory_bytes(torch.device("cpu"))
+
+    def fits_once_not_twice(preset: list[str]) -> int:
+        model = load_run_config(compose(preset)).model
+        for depth in range(1, 1000):
+            shape = GPTShape.from_config(dataclasses.replace(model, depth=depth))
+            need = shape.n_params * TRAINING_BYTES_PER_PARAM
+            if 2 * need > have:
+                assert need <= have
+                return depth
+        raise AssertionError("no depth up to 1000 needs half this machine's memory")
+
+    depth = fits_once_not_twice(["model=tiny"])
+    args = ["+sweep=smoke", f"model.depth={depth}", "ray.num_cpus=2"]
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    _assert_clean_failure(proc, tmp_path, "2 trials at once need")
+    assert "1 fits (sweep.concurrency=1), or choose a smaller model" in proc.stderr
+    # one trial at a time fits: the sweep passes its checks
+    validate_sweep(compose([*args, "sweep.concurrency=1"]))
+    # a single run's DDP ranks on CPU each hold a copy too
+    depth = fits_once_not_twice([])
+    proc = run_cli([f"model.depth={depth}", "trainer.workers=2"], cwd=tmp_path, timeout=60)
+    _assert_clean_failure(proc, tmp_path, "2 DDP ranks need")
+    assert "1 fits (trainer.workers=1), or choose a smaller model" in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there: cuda is valid")

@@ -208,9 +208,13 @@ def validate(overrides: list[str], printing: bool = False) -> None:
 
         check_budget(run)
         if not is_users_function(cfg) and not (joins_a_cluster and run.trainer.workers > 1):
-            from sweeper.runtime import check_model_fits
+            from sweeper.runtime import check_model_fits, resolve_device
 
-            check_model_fits(run)  # here, where the run will train
+            # here, where the run will train; CPU DDP ranks each hold a copy in its memory
+            ranks = run.trainer.workers if resolve_device(run.trainer.device).type == "cpu" else 1
+            check_model_fits(
+                run, copies=ranks, copies_are="DDP ranks", fewer=lambda n: f"trainer.workers={n}"
+            )
     if run.data.name == "shards":
         from sweeper.data import check_shards
 

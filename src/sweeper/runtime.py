@@ -8,6 +8,7 @@ import ctypes.util
 import functools
 import os
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -57,24 +58,40 @@ def memory_bytes(device: torch.device) -> int:
         return total
 
 
-def check_model_fits(run, device: torch.device | None = None) -> None:
+def check_model_fits(
+    run,
+    device: torch.device | None = None,
+    copies: int = 1,
+    copies_are: str = "copies",
+    fewer: Callable[[int], str] | None = None,
+) -> None:
     """A model whose weights, gradients and optimizer state alone exceed the memory of the
     device it trains on (`device`, else the run's own) is refused before it is built.
     Building it would fail in the allocator, with advice about the batch size that cannot
     help, or in torch itself for very deep models (an overflow), or grow until the system
-    kills it."""
+    kills it. `copies` of it may share the device (a sweep's trials at once, CPU DDP
+    ranks): together they must fit, or one is killed mid-run. `copies_are` says what they
+    are, and `fewer(n)` the setting that makes them n."""
     from sweeper.model import GPTShape
 
     shape = GPTShape.from_config(run.model)
     need = shape.n_params * TRAINING_BYTES_PER_PARAM
     device = device or resolve_device(run.trainer.device)
     have = memory_bytes(device)
+    params, needed = _readable(shape.n_params / 1e9, "B"), _readable(need / 2**30, " GiB")
+    model = f"model.depth={shape.depth} (d_model {shape.d_model}) has {params} parameters"
     if need > have:
-        params, needed = _readable(shape.n_params / 1e9, "B"), _readable(need / 2**30, " GiB")
         raise ConfigError(
-            f"model.depth={shape.depth} (d_model {shape.d_model}) has {params} parameters, "
-            f"whose weights, gradients and optimizer state need {needed}; {device.type} has "
-            f"{have / 2**30:,.0f} GiB: choose a smaller model"
+            f"{model}, whose weights, gradients and optimizer state need {needed}; "
+            f"{device.type} has {have / 2**30:,.0f} GiB: choose a smaller model"
+        )
+    if need * copies > have:
+        fit = int(have // need)
+        raise ConfigError(
+            f"{model}, whose weights, gradients and optimizer state need {needed} a copy; "
+            f"{copies} {copies_are} need {_readable(need * copies / 2**30, ' GiB')}"
+            f", and {device.type} has {have / 2**30:,.0f} GiB: {fit} fit{'s' * (fit == 1)}"
+            f"{f' ({fewer(fit)})' if fewer else ''}, or choose a smaller model"
         )
 
 

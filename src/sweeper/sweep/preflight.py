@@ -8,9 +8,11 @@ plain dict that every trial of the sweep starts from.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +64,7 @@ def validate_sweep(cfg) -> SweepSpec:
         load_user_function(target)
     else:
         check_no_placement_searched(spec)
-        local = not cfg.get("ray", {}).get("address")
-        check_stage_values(spec, base_config(cfg, spec, None), local_trial_device(spec, local))
+        check_stage_values(spec, base_config(cfg, spec, None), local_trial_memory(spec, cfg))
         threads = cfg.trainer.get("threads")
         if threads is not None and threads != spec.trial_threads:  # it would be ignored
             raise ConfigError(
@@ -190,35 +191,83 @@ def check_trial_fits(spec: SweepSpec, workers: int, cpus: float, gpus: float) ->
 COMBINATIONS_CHECKED = 128
 
 
-def local_trial_device(spec: SweepSpec, local: bool):
-    """The device a trial of a local cluster trains on: a GPU where it is given one, else
-    the CPU (Ray hides the GPUs from a trial given none). None on a cluster the sweep joins,
-    whose nodes this machine cannot see."""
-    if not local:
+@dataclasses.dataclass(frozen=True)
+class TrialMemory:
+    """The device a local cluster's trials train on, and how many of them share it at
+    once: the trials the machine's CPUs run together (times their DDP ranks), or those
+    packed onto one GPU by a fractional sweep.gpus_per_trial."""
+
+    device: Any  # torch.device
+    copies: int = 1
+    copies_are: str = "copies"
+    fewer: Callable[[int], str] | None = None
+
+    def check(self, run) -> None:
+        from sweeper.runtime import check_model_fits
+
+        check_model_fits(run, self.device, self.copies, self.copies_are, self.fewer)
+
+
+def local_trial_memory(spec: SweepSpec, cfg) -> TrialMemory | None:
+    """Where a trial of a local cluster trains: a GPU where it is given one, else the CPU
+    (Ray hides the GPUs from a trial given none). None on a cluster the sweep joins, whose
+    nodes this machine cannot see."""
+    if cfg.get("ray", {}).get("address"):
         return None
     import torch
 
-    on_gpu = spec.gpus_per_trial and torch.cuda.is_available()
-    return torch.device("cuda" if on_gpu else "cpu")
+    from sweeper.sweep.ray_cluster import local_cluster_size
+
+    workers = int(cfg.trainer.workers)
+    cpus, gpus = local_cluster_size(cfg.ray)
+    slots = min(
+        spec.concurrency or math.inf,
+        max(1, cpus // (spec.cpus_per_trial * workers)) if spec.cpus_per_trial else math.inf,
+        max(1, gpus // (spec.gpus_per_trial * workers)) if spec.gpus_per_trial else math.inf,
+    )
+    if spec.gpus_per_trial and torch.cuda.is_available():
+        share = spec.gpus_per_trial
+        per_gpu = int(min(slots, 1 // share)) if share < 1 else 1
+        return TrialMemory(
+            torch.device("cuda"),
+            per_gpu,
+            f"trials on one GPU (sweep.gpus_per_trial={share:g})",
+            lambda fit: f"sweep.gpus_per_trial={1 / fit:.3g}",
+        )
+    if slots == math.inf:  # no CPUs asked per trial: Ray does not bound them
+        return TrialMemory(torch.device("cpu"))
+    slots = int(slots)
+    if workers > 1:
+        return TrialMemory(
+            torch.device("cpu"),
+            slots * workers,
+            f"copies at once ({slots} trial{'s' * (slots > 1)} x {workers} DDP ranks)",
+        )
+    return TrialMemory(
+        torch.device("cpu"),
+        slots,
+        "trials at once",
+        lambda fit: f"sweep.concurrency={fit}",
+    )
 
 
-def check_stage_values(spec: SweepSpec, base: dict, device=None) -> None:
+def check_stage_values(spec: SweepSpec, base: dict, memory: TrialMemory | None = None) -> None:
     """Each value a stage can hand a trial, written alone into the base config, must make a
     valid run. Otherwise a grid batch size that is no multiple of a micro-batch, or a fixed
     LR below zero, fails every trial it reaches after Ray has started and the run dir is
     written. Ranges are checked at both ends, and integer ranges also one step in from the
     low end: a constraint like "a multiple of 4096" fails there, and a grid or choice is
     what such a key needs. Then the values together, where the combinations are few; a
-    stage of grids and choices is then held to its combinations alone. With the `device`
-    the trials train on (a local cluster's), each model must also fit its memory.
+    stage of grids and choices is then held to its combinations alone. With the `memory`
+    the trials train in (a local cluster's), each model must also fit it, as many times as
+    trials share it.
     Later stages start from earlier stages' best, which satisfies the same schema."""
     from sweeper.budget import check_budget
-    from sweeper.runtime import check_model_fits
 
     run = load_run_config(base)
     check_budget(run)  # the budget written in, before any stage's values
-    if device is not None:
-        check_model_fits(run, device)
+    if memory is not None:
+        memory.check(run)
     frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
     frozen = {key: value for key, value in frozen.items() if value is not None}
     for stage in spec.stages:
@@ -243,7 +292,7 @@ def check_stage_values(spec: SweepSpec, base: dict, device=None) -> None:
         exact = bool(together) and all(param.values for param in space.params)
         failed_alone = []
         for candidate in alone + together:
-            error = _run_error(base, candidate, device)
+            error = _run_error(base, candidate, memory)
             if error is None:
                 continue
             if exact and len(candidate) == 1:
@@ -263,17 +312,16 @@ def check_stage_values(spec: SweepSpec, base: dict, device=None) -> None:
             )
 
 
-def _run_error(base: dict, candidate: dict, device=None) -> ConfigError | None:
+def _run_error(base: dict, candidate: dict, memory: TrialMemory | None) -> ConfigError | None:
     """Why the base config with `candidate`'s values ({key: (value, kind)}) is no valid run
-    (on `device`, where given: a model too big for it)."""
+    (in `memory`, where given: a model too big for it)."""
     from sweeper.budget import check_budget
-    from sweeper.runtime import check_model_fits
 
     try:
         run = load_run_config(apply_params(base, {k: v for k, (v, _) in candidate.items()}))
         check_budget(run)
-        if device is not None:
-            check_model_fits(run, device)
+        if memory is not None:
+            memory.check(run)
     except ConfigError as error:
         return error
     return None
