@@ -272,6 +272,42 @@ def test_a_sweep_refuses_a_model_that_fits_once_but_not_as_often_as_trials_run_a
     assert "1 fits (trainer.workers=1), or choose a smaller model" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "overrides, device, copies, fewer",
+    [
+        (["ray.num_cpus=8"], "cpu", 8, "sweep.concurrency=3"),
+        (["ray.num_cpus=8", "sweep.concurrency=2"], "cpu", 2, "sweep.concurrency=3"),
+        (["ray.num_cpus=8", "sweep.cpus_per_trial=4"], "cpu", 2, "sweep.concurrency=3"),
+        (["ray.num_cpus=8", "trainer.workers=2"], "cpu", 8, None),
+        # GPU trials: those packed onto one GPU share it, whatever the CPUs allow
+        (["ray.num_cpus=8", "ray.num_gpus=1", "sweep.gpus_per_trial=0.25"], "cuda", 4, "0.333"),
+        (["ray.num_cpus=8", "ray.num_gpus=2", "sweep.gpus_per_trial=1"], "cuda", 1, "0.333"),
+        (["ray.num_cpus=2", "ray.num_gpus=1", "sweep.gpus_per_trial=0.25"], "cuda", 2, "0.333"),
+    ],
+)
+def test_the_trials_sharing_a_device_are_counted_from_the_cluster_and_the_sweep(
+    overrides, device, copies, fewer, monkeypatch
+):
+    from sweeper.sweep.preflight import local_trial_memory
+    from sweeper.sweep.spec import load_sweep_spec
+
+    if device == "cuda":  # where trials go is all that is asked of torch here
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = compose(["+sweep=smoke", *overrides])
+    memory = local_trial_memory(load_sweep_spec(cfg.sweep), cfg)
+    assert (memory.device.type, memory.copies) == (device, copies)
+    if fewer is None:
+        assert memory.fewer is None
+    else:
+        assert fewer in memory.fewer(3)
+    assert (
+        local_trial_memory(
+            load_sweep_spec(cfg.sweep), compose([*overrides, "+sweep=smoke", "ray.address=auto"])
+        )
+        is None
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there: cuda is valid")
 def test_cuda_on_a_machine_without_one_is_one_line(tmp_path):
     proc = run_cli(["trainer.device=cuda"], cwd=tmp_path, timeout=60)
