@@ -222,6 +222,20 @@ def test_several_sweep_dirs_are_fitted_as_one_set_of_runs_on_their_seeds(tmp_pat
     assert res["hparams"]["lr"]["p"] == pytest.approx(-0.3)
     assert "Seeds 0, 1:" in proc.stdout and "Run it at C = 1e+15 FLOPs:" in proc.stdout
     assert not (first / "fit.json").exists() and not (second / "fit.json").exists()
+    assert res["inputs"] == sorted([str(first), str(second)])
+    # the same inputs fit again into ./combined-fit; other inputs do not overwrite it
+    assert run_fit(second, first, "--no-plots", cwd=tmp_path).returncode == 0
+    kept = (tmp_path / "combined-fit" / "fit.json").read_text()
+    third = lr_grid_sweep_dir(tmp_path / "s2", ["+sweep=lr_scaling", "trainer.seed=2"], 2, 0.0)
+    proc = run_fit(first, third, "--no-plots", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        f"error: {tmp_path / 'combined-fit'} holds the fit of other inputs ({first}, {second}): "
+        "name another directory with --out DIR, or remove it\n"
+    )
+    assert (tmp_path / "combined-fit" / "fit.json").read_text() == kept
+    other = run_fit(first, second, "--no-plots", "--out", tmp_path / "other", cwd=tmp_path)
+    assert other.returncode == 0 and (tmp_path / "other" / "fit.json").is_file()
 
 
 def test_a_sweep_dirs_refit_bootstraps_as_the_sweeps_own_fit_did(tmp_path):

@@ -43,8 +43,9 @@ flops_budget; also lr, batch_size, final, seed). With N and C only, D = C/(6N); 
 C = 6ND. Rows that differ only in their seed are fitted as their mean.
 
 Output: fit.json and PNG plots in --out (default: the sweep directory, or ./<csv-name>-fit/
-in the current directory for a CSV, or ./combined-fit/ for several PATHs), and a summary (or
-the JSON, with --json) on stdout."""
+in the current directory for a CSV, or ./combined-fit/ for several PATHs; a default dir
+there that holds the fit of other inputs is kept, not overwritten), and a summary (or the
+JSON, with --json) on stdout."""
 
 
 def _at_least_zero(text: str) -> int:
@@ -251,6 +252,9 @@ def run(args) -> int:
     from sweeper.scaling.summary import format_summary
 
     records, out_dir, conventions, sweep = load_records(args)
+    inputs = sorted(str(Path(p).resolve()) for p in args.paths)
+    if args.out is None and not (len(args.paths) == 1 and Path(args.paths[0]).is_dir()):
+        check_default_out(out_dir, inputs)  # before the fit's work: it would not be written
     target = args.target_flops or (sweep or {}).get("target_flops")
     bootstrap = args.bootstrap
     if bootstrap is None:
@@ -276,6 +280,7 @@ def run(args) -> int:
         from sweeper.sweep.outputs import predicted_run
 
         result["predicted_run"] = predicted_run(result, sweep["base"], records)
+    result["inputs"] = inputs
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -302,6 +307,23 @@ def run(args) -> int:
                 print(f"  {note}")
         print("Wrote " + ", ".join(p.name for p in written) + f" to {out_dir}")
     return 0
+
+
+def check_default_out(out_dir: Path, inputs: list[str]) -> None:
+    """The default output dir in the current directory (./combined-fit, ./<csv-name>-fit)
+    is shared by every fit made from there: one that holds the fit of other inputs is
+    kept, not overwritten. A fit of the same inputs is simply made again."""
+    try:
+        earlier = json.loads((out_dir / "fit.json").read_text()).get("inputs")
+    except (OSError, ValueError, AttributeError):
+        return  # no fit there (or none readable as one): nothing to lose
+    if earlier == inputs:
+        return
+    held = ", ".join(earlier) if isinstance(earlier, list) else "inputs it does not name"
+    raise InputError(
+        f"{out_dir} holds the fit of other inputs ({held}): "
+        "name another directory with --out DIR, or remove it"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
