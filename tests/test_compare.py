@@ -175,9 +175,11 @@ def test_a_smoke_sweep_then_compare_in_the_same_directory(tmp_path):
     ]
     proc = run_cli(["+sweep=smoke", *tiny], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # the sweep's own lines only: neither Tune's box per stage nor Ray's token-auth warning
+    # the sweep's own lines only: neither Tune's box per stage, Ray's token-auth warning,
+    # nor MLflow's INFO lines on creating this new SQLite store
     assert "(sign in with the token in " in proc.stdout
-    for noise in ("Configuration for experiment", "View detailed results", "Token authentication"):
+    noises = ("Configuration for experiment", "View detailed results", "Token authentication")
+    for noise in (*noises, "Creating initial MLflow database tables", "INFO mlflow"):
         assert noise not in proc.stdout + proc.stderr, noise
     assert (tmp_path / "mlflow.db").is_file()
     proc = run_cli([], cwd=tmp_path, timeout=60, module="sweeper.compare")

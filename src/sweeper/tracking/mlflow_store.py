@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from urllib.parse import urlparse
 
@@ -24,6 +25,13 @@ HTTP_DEFAULTS = {
 def quick_http_calls() -> None:
     for name, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(name, value)
+
+
+def quiet_store_creation() -> None:
+    """MLflow logs two INFO lines ("Creating initial MLflow database tables...", "Updating
+    database tables") when it creates a SQLite store: the first sweep's output would start
+    with them. Its warnings and errors still show."""
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
 
 def resolve_tracking_uri(uri: str | None) -> str:

@@ -37,6 +37,7 @@ from sweeper.tracking.mlflow_store import (
     get_or_create_experiment,
     is_http,
     quick_http_calls,
+    quiet_store_creation,
     resolve_tracking_uri,
     shown,
 )
@@ -75,6 +76,7 @@ class MlflowTracker:
         self.uri = resolve_tracking_uri(mlflow_cfg.get("tracking_uri"))
         check_reachable(self.uri)
         quick_http_calls()
+        quiet_store_creation()
         self.spec, self.out = spec, Path(out_dir).resolve()
         self.base = base_config(cfg, spec, trainable_target(cfg))
         self.commit, dirty = git_commit()
