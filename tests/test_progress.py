@@ -103,3 +103,25 @@ def test_a_grid_over_budgets_estimates_the_time_left_by_compute(capsys):
     assert abs(etas[1] - 100 / (3 * plans[0]) * plans[2]) <= 2
     count_eta = 100 / 1 * 2  # 100 s per trial done, two to go
     assert etas[0] > 2.5 * count_eta
+
+
+def test_the_time_left_counts_how_far_the_running_trials_are(capsys):
+    """Trials start two at a time: when the first ends, the second is 90% trained, so 1.9
+    trials took the elapsed 100 s, not 1 (which would say 700 s for the 7 left)."""
+    import re
+    import time
+
+    trials = trials_in(Trial.RUNNING, Trial.RUNNING, Trial.PAUSED)
+    progress = ProgressCallback(
+        "lr", planned=8, metric="val_bpb", mode="min", clock=("tokens", 160_000.0)
+    )
+    progress.started = time.time() - 100.0
+    trials[0].update_last_result({"val_bpb": 3.5, "status": "completed", "tokens": 160_000})
+    trials[1].update_last_result({"val_bpb": 3.6, "status": "running", "tokens": 144_000})
+    trials[2].update_last_result({"val_bpb": 3.9, "status": "running", "tokens": 40_000})
+
+    progress.on_trial_complete(0, trials, trials[0])
+
+    eta = float(re.search(r"~(\d+)s left", capsys.readouterr().out).group(1))
+    trained = 1 + 0.9 + 0.25  # the paused trial's first rung is trained too
+    assert abs(eta - 100 / trained * (8 - trained)) <= 2

@@ -486,7 +486,9 @@ def run_stage(
         fixed, grid = space.fixed, {p.name: list(p.values) for p in space.params}
         with contextlib.suppress(ConfigError):  # a grid point no run takes fails as it starts
             costs = GridCosts(base, fixed, grid) if grid else None
-    progress = ProgressCallback(stage.name, planned, spec.metric, spec.mode, costs)
+    progress = ProgressCallback(
+        stage.name, planned, spec.metric, spec.mode, costs, clock=(time_attr, max_t)
+    )
     run_config = tune.RunConfig(
         name=f"stage{index}_{stage.name}{experiment_suffix}",
         storage_path=str(out / "ray"),
