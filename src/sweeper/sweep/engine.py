@@ -18,7 +18,13 @@ import time
 from pathlib import Path
 
 from sweeper.config import ConfigError, load_run_config
-from sweeper.sweep.preflight import base_config, resumable_state, trainable_target, validate_sweep
+from sweeper.sweep.preflight import (
+    base_config,
+    resumable_state,
+    slots_for,
+    trainable_target,
+    validate_sweep,
+)
 from sweeper.sweep.spec import SweepSpec, flatten, stage_points, stage_space
 from sweeper.sweep.stages import hydra_value, keeps_its_start, pick_best
 from sweeper.sweep.state import SweepState, sweep_definition
@@ -202,18 +208,11 @@ def planned_trials(spec: SweepSpec, stage, base: dict) -> int:
 
 
 def trial_slots(spec: SweepSpec, workers: int) -> int:
-    """Trials the cluster runs at once: its CPUs (and GPUs) over one trial's share, capped
-    by sweep.concurrency."""
+    """Trials the cluster runs at once (`preflight.slots_for` on its resources)."""
     import ray
 
     resources = ray.cluster_resources()
-    slots = [spec.concurrency or math.inf]
-    if spec.cpus_per_trial:
-        slots.append(resources.get("CPU", 0) // (spec.cpus_per_trial * workers))
-    if spec.gpus_per_trial:
-        slots.append(resources.get("GPU", 0) // (spec.gpus_per_trial * workers))
-    fewest = min(slots)
-    return 1 if fewest == math.inf else max(1, int(fewest))
+    return slots_for(spec, workers, resources.get("CPU", 0), resources.get("GPU", 0))
 
 
 def run_stages(

@@ -208,6 +208,18 @@ class TrialMemory:
         check_model_fits(run, self.device, self.copies, self.copies_are, self.fewer)
 
 
+def slots_for(spec: SweepSpec, workers: int, cpus: float, gpus: float) -> int:
+    """Trials a cluster of `cpus` and `gpus` runs at once: each resource over one trial's
+    share (times its DDP ranks), capped by sweep.concurrency; at least 1."""
+    slots = [spec.concurrency or math.inf]
+    if spec.cpus_per_trial:
+        slots.append(cpus // (spec.cpus_per_trial * workers))
+    if spec.gpus_per_trial:
+        slots.append(gpus // (spec.gpus_per_trial * workers))
+    fewest = min(slots)
+    return 1 if fewest == math.inf else max(1, int(fewest))
+
+
 def local_trial_memory(spec: SweepSpec, cfg) -> TrialMemory | None:
     """Where a trial of a local cluster trains: a GPU where it is given one, else the CPU
     (Ray hides the GPUs from a trial given none). None on a cluster the sweep joins, whose
@@ -219,12 +231,7 @@ def local_trial_memory(spec: SweepSpec, cfg) -> TrialMemory | None:
     from sweeper.sweep.ray_cluster import local_cluster_size
 
     workers = int(cfg.trainer.workers)
-    cpus, gpus = local_cluster_size(cfg.ray)
-    slots = min(
-        spec.concurrency or math.inf,
-        max(1, cpus // (spec.cpus_per_trial * workers)) if spec.cpus_per_trial else math.inf,
-        max(1, gpus // (spec.gpus_per_trial * workers)) if spec.gpus_per_trial else math.inf,
-    )
+    slots = slots_for(spec, workers, *local_cluster_size(cfg.ray))
     if spec.gpus_per_trial and torch.cuda.is_available():
         share = spec.gpus_per_trial
         per_gpu = int(min(slots, 1 // share)) if share < 1 else 1
@@ -234,9 +241,6 @@ def local_trial_memory(spec: SweepSpec, cfg) -> TrialMemory | None:
             f"trials on one GPU (sweep.gpus_per_trial={share:g})",
             lambda fit: f"sweep.gpus_per_trial={1 / fit:.3g}",
         )
-    if slots == math.inf:  # no CPUs asked per trial: Ray does not bound them
-        return TrialMemory(torch.device("cpu"))
-    slots = int(slots)
     if workers > 1:
         return TrialMemory(
             torch.device("cpu"),
