@@ -72,7 +72,11 @@ def test_every_allowed_searcher_scheduler_pair_runs_the_real_trainable(
 
 
 def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(ray_cluster, tmp_path):
-    summary = sweep(tmp_path, "sweep.stages.1.params.trainer.total_batch_size.grid=[512,2048]")
+    summary = sweep(
+        tmp_path,
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512,2048]",
+        "+sweep.stages.1.reports_per_trial=2",  # the fifo stage's own count (the sweep's: 4)
+    )
     best_lr = summary["stages"][0]["best_params"]["optimizer.matrix_lr"]
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     frozen = state["stages"][0]["base_after"]["optimizer"]["matrix_lr"]
@@ -83,6 +87,16 @@ def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(ray_clust
     batch = final["trainer"]["total_batch_size"]
     assert final["optimizer"]["matrix_lr"] == pytest.approx(best_lr * (batch / 512) ** 0.5)
     assert f"trainer.total_batch_size={batch}" in summary["best"]["overrides"]
+    # each stage's trials evaluated as often as it says; the frozen config keeps the sweep's
+    with open(tmp_path / "reports.csv") as f:
+        rows = list(csv.DictReader(f))
+    per_trial = {}
+    for row in rows:
+        per_trial.setdefault((row["stage"], row["trial_id"]), []).append(row)
+    lr_counts = [len(v) for (stage, _), v in per_trial.items() if stage == "lr"]
+    bs_counts = [len(v) for (stage, _), v in per_trial.items() if stage == "batch_size"]
+    assert max(lr_counts) == 4 and bs_counts == [2, 2], (lr_counts, bs_counts)
+    assert final["trainer"]["num_evals"] == 4
     for name in ("reports.csv", "learning_curves.png", "stage_lr.png", "summary.json"):
         assert (tmp_path / name).is_file(), name
     # every report names the model's size: N of the scaling fits
@@ -766,6 +780,11 @@ REFUSED = [
     (["sweep.seed=-1"], "sweep.seed must be >= 0"),
     (["sweep.confirm_seeds=-1"], "sweep.confirm_seeds must be >= 0, got -1"),
     (["+sweep.stages.0.extend_trials=-2"], "sweep stage 'lr': extend_trials must be >= 0, got -2"),
+    (["sweep.reports_per_trial=0"], "sweep.reports_per_trial must be >= 1, got 0"),
+    (
+        ["+sweep.stages.1.reports_per_trial=0"],
+        "sweep stage 'batch_size': reports_per_trial must be >= 1 or null, got 0",
+    ),
     (
         ["trainable._target_=tests.user_functions.noisy_bowl", "~trainer", "sweep.confirm_seeds=1"],
         "sweep.confirm_seeds=1 trains again on other values of trainer.seed, which this config",

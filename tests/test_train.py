@@ -322,6 +322,22 @@ def test_resume_from_state_continues_exactly():
     assert resumed["val_bpb"] == full["val_bpb"]
 
 
+def test_how_often_a_run_evaluates_leaves_its_training_exactly_as_it_is():
+    # what lets a fifo stage report fewer times (sweep.stages.N.reports_per_trial): its
+    # ranking reads the last value, which must not depend on the evaluations before it
+    common = {"max_steps": 8, "dtype": "float32", "checkpoint_every_eval": True}
+
+    def keep(metrics, state=None):
+        state()  # a sweep's report takes the training state at every evaluation
+
+    often = train(tiny(trainer={**common, "eval_every": 1}), keep, verbose=False)
+    once = train(tiny(trainer={**common, "eval_every": 8}), keep, verbose=False)
+    assert [r["step"] for r in often["history"]] == list(range(1, 9))
+    assert [r["step"] for r in once["history"]] == [8]
+    assert once["loss_trace"] == often["loss_trace"]  # to the last bit
+    assert once["val_bpb"] == often["val_bpb"]
+
+
 def test_a_cooldown_fork_at_a_rung_scores_the_run_and_leaves_it_exactly_as_it_was():
     common = {"max_steps": 12, "eval_every": 3, "dtype": "float32"}
     plain = train(tiny(trainer=common), verbose=False)

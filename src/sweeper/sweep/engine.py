@@ -24,6 +24,7 @@ from sweeper.sweep.preflight import (
     slots_for,
     trainable_target,
     validate_sweep,
+    with_reports,
 )
 from sweeper.sweep.spec import SweepSpec, flatten, stage_points, stage_space
 from sweeper.sweep.stages import hydra_value, keeps_its_start, pick_best
@@ -75,14 +76,14 @@ def idle_gpus_hint(spec: SweepSpec, base: dict, target: str | None, gpus: float)
     )
 
 
-def time_axis(spec: SweepSpec, target: str | None) -> tuple[str, float]:
-    """ASHA/Hyperband's clock: tokens or FLOPs (compute-denominated, so batch sizes compare
-    fairly), or report count for a user's function without a compute budget."""
+def time_axis(spec: SweepSpec, stage, target: str | None) -> tuple[str, float]:
+    """ASHA/Hyperband's clock in `stage`: tokens or FLOPs (compute-denominated, so batch
+    sizes compare fairly), or report count for a user's function without a compute budget."""
     if spec.budget.tokens_per_trial:
         return "tokens", float(spec.budget.tokens_per_trial)
     if spec.budget.flops_per_trial:
         return "flops", float(spec.budget.flops_per_trial)
-    return "training_iteration", float(spec.reports_per_trial)
+    return "training_iteration", float(spec.stage_reports(stage))
 
 
 def run_sweep(cfg, out_dir: str) -> float | None:
@@ -119,7 +120,9 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     if spec.baseline and state.baseline is None:
         workers = 1 if target else int(base["trainer"]["workers"])
         beside = baseline_stage(spec, base, trial_slots(spec, workers))
-        baseline = outputs.Baseline(base, spec, target, beside)
+        # evaluated as often as the trials it trains beside: only its last value is read
+        reports = spec.stage_reports(spec.stages[beside])
+        baseline = outputs.Baseline(with_reports(base, reports, target), spec, target, beside)
 
     reaper = contextlib.nullcontext()
     if not target and int(base["trainer"]["workers"]) > 1:
@@ -381,16 +384,17 @@ def stage_context(
         gpus=spec.gpus_per_trial,
         sampled=tuple(space.names),
         storage=storage,
-        rungs=rung_fractions(spec, scheduler, target) if spec.rung_cooldown else (),
+        rungs=rung_fractions(spec, stage, target) if spec.rung_cooldown else (),
         rung_cooldown=spec.rung_cooldown,
     )
 
 
-def rung_fractions(spec: SweepSpec, scheduler: str, target: str | None) -> tuple[float, ...]:
+def rung_fractions(spec: SweepSpec, stage, target: str | None) -> tuple[float, ...]:
     """Where the stage's scheduler ranks trials, as fractions of a trial's budget."""
     from sweeper.sweep.algorithms import rungs
 
-    _, max_t = time_axis(spec, target)
+    _, max_t = time_axis(spec, stage, target)
+    scheduler = spec.stage_scheduler(stage)
     stops = rungs(scheduler, max_t, max_t * spec.grace_fraction, spec.reduction_factor)
     return tuple(stop / max_t for stop in stops)
 
@@ -424,6 +428,7 @@ def run_stage(
     from sweeper.sweep.trainable import run_trial
 
     stage = stage or spec.stages[index]
+    base = with_reports(base, spec.stage_reports(stage), target)
     space = stage_space(spec, stage, flatten(base))
     search, scheduler_name = spec.stage_search(stage), spec.stage_scheduler(stage)
     grid = search == "grid" or is_pure_grid(space)
@@ -438,7 +443,7 @@ def run_stage(
         planned = remaining_trials
     ctx = stage_context(spec, stage, base, target, storage=str(out / "ray"))
     points = stage_points(spec, stage, flatten(base))[:planned]
-    time_attr, max_t = time_axis(spec, target)
+    time_attr, max_t = time_axis(spec, stage, target)
     searcher, param_space = build_searcher(
         search,
         space,
@@ -502,7 +507,7 @@ def run_stage(
         checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
     )
     experiment = out / "ray" / run_config.name
-    stops = rung_fractions(spec, scheduler_name, target)
+    stops = rung_fractions(spec, stage, target)
     levels = len(stops) + 1  # HyperBand's brackets: one per budget level
     notes = [
         f"{len(points)} given point{'s' * (len(points) > 1)} first" if points else None,

@@ -347,3 +347,11 @@ def base_config(cfg, spec: SweepSpec, target: str | None) -> dict:
         if tree["data"].get(key):
             tree["data"][key] = os.path.abspath(tree["data"][key])
     return {k: tree[k] for k in RUN_SECTIONS}
+
+
+def with_reports(base: dict, reports: int, target: str | None) -> dict:
+    """`base` with its runs evaluating (and reporting) `reports` times: a stage's own
+    reports_per_trial. A user's function reports when it likes: its config is kept."""
+    if target or base["trainer"].get("num_evals") == reports:
+        return base
+    return {**base, "trainer": {**base["trainer"], "num_evals": reports}}

@@ -46,6 +46,9 @@ class StageSpec:
     points: list[Any] = field(default_factory=list)  # configurations to try first
     # trials past the end of a range where the stage's best sat (0: none; sweep/extend.py)
     extend_trials: int = 0
+    # evaluations per trial in this stage (null: sweep.reports_per_trial); a fifo stage
+    # ranks only the last one, so fewer spare the time of the others
+    reports_per_trial: int | None = None
 
 
 @dataclass
@@ -104,6 +107,9 @@ class SweepSpec:
 
     def stage_scheduler(self, stage: StageSpec) -> str:
         return stage.scheduler or self.scheduler
+
+    def stage_reports(self, stage: StageSpec) -> int:
+        return stage.reports_per_trial or self.reports_per_trial
 
 
 # sweep.rung_cooldown when it is null, for sweeper's own training ranked on val_bpb: the
@@ -279,7 +285,10 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
     _check(
         spec.gpus_per_trial >= 0, f"sweep.gpus_per_trial must be >= 0, got {spec.gpus_per_trial}"
     )
-    _check(spec.reports_per_trial >= 1, "sweep.reports_per_trial must be >= 1")
+    _check(
+        spec.reports_per_trial >= 1,
+        f"sweep.reports_per_trial must be >= 1, got {spec.reports_per_trial}",
+    )
     _check(
         0 < spec.grace_fraction <= 1,
         f"sweep.grace_fraction must be in (0, 1], got {spec.grace_fraction}",
@@ -332,6 +341,10 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
         _check(
             stage.extend_trials >= 0,
             f"{where}: extend_trials must be >= 0, got {stage.extend_trials}",
+        )
+        _check(
+            stage.reports_per_trial is None or stage.reports_per_trial >= 1,
+            f"{where}: reports_per_trial must be >= 1 or null, got {stage.reports_per_trial}",
         )
         if not custom_trainable:
             for key in flatten_params(stage.params):
