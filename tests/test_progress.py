@@ -125,3 +125,41 @@ def test_the_time_left_counts_how_far_the_running_trials_are(capsys):
     eta = float(re.search(r"~(\d+)s left", capsys.readouterr().out).group(1))
     trained = 1 + 0.9 + 0.25  # the paused trial's first rung is trained too
     assert abs(eta - 100 / trained * (8 - trained)) <= 2
+
+
+def test_a_line_comes_while_trials_run_though_none_has_ended(capsys):
+    """A stage's first trial can take minutes on a slow CPU: after `heartbeat` seconds
+    without a line, one comes anyway, with the time left from how far the trials are."""
+    import re
+    import time
+
+    trials = trials_in(Trial.RUNNING, Trial.RUNNING, Trial.PENDING)
+    progress = ProgressCallback(
+        "lr", planned=8, metric="val_bpb", mode="min", clock=("tokens", 160_000.0), heartbeat=60
+    )
+    progress.on_step_end(1, trials)
+    assert capsys.readouterr().out == ""  # just started
+
+    progress.started = progress.last_line = time.time() - 61.0
+    progress.on_step_end(2, trials)
+    progress.on_step_end(3, trials)  # a line was printed just now: quiet again
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "[lr] 0/8 trials done, 2 running | best val_bpb - | 61s elapsed, "
+        "time left once a trial reports"
+    ]
+
+    for trial, value in zip(trials, (4.2, 4.3)):
+        trial.update_last_result({"val_bpb": value, "status": "running", "tokens": 24_000})
+        progress.on_trial_result(3, trials, trial, trial.last_result)
+    progress.started, progress.last_line = time.time() - 100.0, time.time() - 60.0
+    progress.on_step_end(4, trials)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[lr] 0/8 trials done, 2 running | best val_bpb 4.2000 | 100s elapsed")
+    trained = 2 * 24_000 / 160_000
+    assert abs(float(re.search(r"~(\d+)s left", line).group(1)) - 100 / trained * 7.7) <= 2
+
+    paused = trials_in(Trial.PAUSED, Trial.PENDING)  # HyperBand between rungs: nothing runs
+    progress.last_line = time.time() - 600.0
+    progress.on_step_end(5, paused)
+    assert capsys.readouterr().out == ""

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -217,6 +218,24 @@ def test_with_rung_cooldown_the_rung_ranks_cooled_forks_not_the_runs_as_they_are
     forks = sum(r["fork_flops"] or 0.0 for r in records)
     assert forks > 0 and all(r["fork_flops"] is None for r in batch_stage["records"])
     assert summary["total_flops"] == pytest.approx(sum(r["flops"] for r in records) + forks)
+
+
+def test_a_progress_line_comes_while_trials_run_before_any_ends(
+    ray_cluster, tmp_path, capsys, monkeypatch
+):
+    from sweeper.sweep import callbacks
+
+    monkeypatch.setattr(callbacks, "HEARTBEAT_S", 1.0)  # a tiny trial takes seconds
+    sweep(
+        tmp_path,
+        "sweep.stages.0.num_samples=2",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    lines = capsys.readouterr().out.splitlines()
+    # Tune calls the callback on its loop's steps: lines come before the first trial ends
+    # (the second trial's actor may still be starting at the first line)
+    assert any(re.match(r"\[lr\] 0/2 trials done, [12] running \| ", line) for line in lines)
+    assert any(line.startswith("[batch_size] 0/1 trials done, 1 running | ") for line in lines)
 
 
 def test_a_stage_tries_its_given_points_first(ray_cluster, tmp_path, capsys):

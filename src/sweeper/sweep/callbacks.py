@@ -9,14 +9,19 @@ from pathlib import Path
 
 from ray import tune
 
+# seconds without a progress line, while trials run, after which one is printed anyway: a
+# stage's first trial can take minutes on a slow CPU, and silence reads as a hang
+HEARTBEAT_S = 60.0
+
 
 class ProgressCallback(tune.Callback):
-    """One line per finished trial: done (pruned, diverged, failed), running, paused, best
-    so far, ETA. The ETA counts trials, or, given `costs` (`GridCosts`), compute: a grid
-    over budgets or model sizes has trials 10x apart in cost. Counting trials, the ones
-    still running count by how far along their budget they are (`clock`: the time axis
-    and one trial's budget on it): the first line of a stage that starts trials two at a
-    time would otherwise take 1 trial in its elapsed time where nearly 2 were trained."""
+    """One line per finished trial, and one after `heartbeat` seconds without a line while
+    trials run: done (pruned, diverged, failed), running, paused, best so far, ETA. The ETA
+    counts trials, or, given `costs` (`GridCosts`), compute: a grid over budgets or model
+    sizes has trials 10x apart in cost. Counting trials, the ones still running count by
+    how far along their budget they are (`clock`: the time axis and one trial's budget on
+    it): the first line of a stage that starts trials two at a time would otherwise take 1
+    trial in its elapsed time where nearly 2 were trained."""
 
     def __init__(
         self,
@@ -26,10 +31,12 @@ class ProgressCallback(tune.Callback):
         mode: str,
         costs: GridCosts | None = None,
         clock: tuple[str, float] | None = None,
+        heartbeat: float | None = None,  # null: HEARTBEAT_S
     ):
         self.stage, self.planned, self.metric, self.mode = stage, planned, metric, mode
         self.costs, self.clock = costs, clock
-        self.started = time.time()
+        self.heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
+        self.started = self.last_line = time.time()
         self.counts = {"completed": 0, "pruned": 0, "diverged": 0, "failed": 0}
         # each trial's best value so far: a trial that diverges takes its earlier values
         # with it, as the stage's table ranks it nowhere
@@ -71,32 +78,47 @@ class ProgressCallback(tune.Callback):
             flush=True,
         )
 
+    def on_step_end(self, iteration, trials, **info):
+        # Tune calls this after each step of its loop (many a second): a clock check only
+        if time.time() - self.last_line >= self.heartbeat and any(
+            t.status == t.RUNNING for t in trials
+        ):
+            self._line(trials, finished=None)
+
     def _finish(self, trial, trials, status: str) -> None:
+        self.counts[status] += 1
+        self._line(trials, finished=trial)
+
+    def _line(self, trials, finished) -> None:
+        """The progress line; `finished`: the trial whose end it reports (Tune may not
+        have marked it ended yet), or None for a heartbeat."""
         # read from Tune's own trial states: HyperBand and BOHB pause trials between rungs,
         # and a paused trial holds no CPU, so it is not "running"
-        rest = [t for t in trials if t is not trial]
+        rest = [t for t in trials if t is not finished]
         running = sum(t.status == t.RUNNING for t in rest)
         paused = sum(t.status == t.PAUSED for t in rest)
-        self.counts[status] += 1
         done = sum(self.counts.values())
         elapsed = time.time() - self.started
         trained = done + sum(self._along(t) for t in rest if t.status in (t.RUNNING, t.PAUSED))
         left = max(self.planned - trained, 0)
-        eta = elapsed / trained * left if trained else float("nan")
+        eta = elapsed / trained * left if trained else None
         if self.costs is not None:
             try:
-                eta = self.costs.eta(trials, trial, elapsed) or eta
+                eta = self.costs.eta(trials, finished, elapsed) or eta
             except Exception:  # an exception in a Tune callback ends the sweep: not for an ETA
                 self.costs = None
         endings = ", ".join(f"{n} {k}" for k, n in self.counts.items() if n and k != "completed")
         best = f"{self.best:.4f}" if self.best is not None else "-"
+        # before any trial has reported, nothing says how long one takes
+        left_text = f"~{eta:.0f}s left" if eta is not None else "time left once a trial reports"
         print(
             f"[{self.stage}] {done}/{self.planned} trials done"
             f"{f' ({endings})' if endings else ''}, {running} running"
             f"{f', {paused} paused' if paused else ''} | "
-            f"best {self.metric} {best} | {elapsed:.0f}s elapsed, ~{eta:.0f}s left",
+            f"best {self.metric} {best} | {elapsed:.0f}s elapsed, {left_text}",
             flush=True,
         )
+        self.last_line = time.time()
 
     def _along(self, trial) -> float:
         """How far along its budget an unfinished trial is, 0 to 1 (0 without a clock)."""
