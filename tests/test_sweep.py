@@ -875,7 +875,7 @@ def test_a_key_no_stage_takes_gets_the_stage_s_keys_and_no_plus_advice(tmp_path)
     assert proc.stderr == (
         "error: unknown config key: sweep.stages.0.nonsense (sweep.stages.0 has name, "
         "lr_rule, search, scheduler, num_samples, params, retune_factor, points, "
-        "extend_trials)\n"
+        "extend_trials, reports_per_trial)\n"
     )
 
 
