@@ -1,8 +1,10 @@
-"""The progress line a sweep prints as each trial ends, fed real Ray Tune trial objects."""
+"""The driver's Tune callbacks fed real Ray Tune trial objects: the progress line a sweep
+prints as trials end, and the start of the baseline in the first idle slot."""
 
+import pytest
 from ray.tune.experiment import Trial
 
-from sweeper.sweep.callbacks import ProgressCallback
+from sweeper.sweep.callbacks import IDLE_WORK, IdleSlot, ProgressCallback
 
 
 def trials_in(*statuses: str) -> list[Trial]:
@@ -163,3 +165,44 @@ def test_a_line_comes_while_trials_run_though_none_has_ended(capsys):
     progress.last_line = time.time() - 600.0
     progress.on_step_end(5, paused)
     assert capsys.readouterr().out == ""
+
+
+@pytest.fixture
+def baseline_waiting():
+    started = []
+    IDLE_WORK["run"] = started.append
+    yield started
+    IDLE_WORK.pop("run", None)
+
+
+@pytest.mark.parametrize(
+    "statuses, planned, concurrency, idle",
+    [
+        # lr_bs's LR stage: 8 trials on 2 slots; not while trials wait for a slot
+        ([Trial.RUNNING, Trial.RUNNING, Trial.TERMINATED], 8, None, False),
+        ([Trial.RUNNING, Trial.TERMINATED, Trial.PENDING], 8, None, False),
+        # every trial started and one slot free: the last trial trains alone
+        ([Trial.TERMINATED] * 7 + [Trial.RUNNING], 8, None, True),
+        ([Trial.TERMINATED] * 6 + [Trial.RUNNING] * 2, 8, None, False),
+        # HyperBand: a trial paused between rungs will want the slot back
+        ([Trial.TERMINATED] * 6 + [Trial.RUNNING, Trial.PAUSED], 8, None, False),
+        # a stage of one trial never fills two slots
+        ([Trial.RUNNING], 1, None, True),
+        # sweep.concurrency=1 keeps the stage from using the second slot at all
+        ([Trial.RUNNING, Trial.PENDING], 8, 1, True),
+    ],
+)
+def test_the_baseline_starts_in_the_first_slot_a_stage_leaves_idle(
+    baseline_waiting, statuses, planned, concurrency, idle
+):
+    idle_slot = IdleSlot("run", "lr", planned=planned, slots=2, concurrency=concurrency)
+    idle_slot.on_step_end(0, trials_in(*statuses))
+    assert baseline_waiting == (["in the slot stage 'lr' leaves idle"] if idle else [])
+
+
+def test_the_baseline_starts_once(baseline_waiting):
+    idle_slot = IdleSlot("run", "lr", planned=1, slots=2)
+    idle_slot.on_step_end(0, trials_in(Trial.RUNNING))
+    idle_slot.on_step_end(1, trials_in(Trial.RUNNING))
+    IdleSlot("run", "batch_size", planned=1, slots=2).on_step_end(0, trials_in(Trial.RUNNING))
+    assert len(baseline_waiting) == 1

@@ -10,7 +10,6 @@ from sweeper.cli import compose
 from sweeper.config import ConfigError
 from sweeper.sweep.engine import (
     SweepFailed,
-    baseline_stage,
     hydra_value,
     idle_gpus_hint,
     reproduce_overrides,
@@ -565,27 +564,6 @@ def test_nested_and_dotted_params_mean_the_same():
     nested = {"optimizer": {"matrix_lr": {"log_uniform": [0.01, 0.1]}, "empty": {}}}
     dotted = {"optimizer.matrix_lr": {"log_uniform": [0.01, 0.1]}}
     assert flatten_params(nested) == flatten_params(dotted) == dotted
-
-
-@pytest.mark.parametrize(
-    "name, slots, expected",
-    [
-        ("lr_bs", 2, 1),  # 3 batch sizes on 2 slots leave one idle: the baseline takes it
-        ("lr_bs", 3, 0),  # they fill 3 slots: beside the first stage
-        ("lr_bs", 1, 0),  # one slot is never idle
-        ("full", 2, 1),  # the first fifo stage with a spare slot (batch size, not warmup)
-        ("full", 3, 0),
-        ("smoke", 2, 0),  # 2 batch sizes fill 2 slots
-        ("smoke", 3, 1),
-        ("lr", 2, 0),  # one early-stopping stage
-    ],
-)
-def test_the_baseline_trains_beside_the_first_fifo_stage_that_leaves_a_slot_idle(
-    name, slots, expected
-):
-    cfg = compose([f"+sweep={name}"])
-    spec = validate_sweep(cfg)
-    assert baseline_stage(spec, base_config(cfg, spec, None), slots) == expected
 
 
 @pytest.mark.parametrize(

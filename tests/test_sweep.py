@@ -72,11 +72,14 @@ def test_every_allowed_searcher_scheduler_pair_runs_the_real_trainable(
     assert ("1 of its 2 brackets" in header) == one_bracket, header
 
 
-def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(ray_cluster, tmp_path):
+def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(
+    ray_cluster, tmp_path, capsys
+):
     summary = sweep(
         tmp_path,
         "sweep.stages.1.params.trainer.total_batch_size.grid=[512,2048]",
         "+sweep.stages.1.reports_per_trial=2",  # the fifo stage's own count (the sweep's: 4)
+        "sweep.baseline=true",
     )
     best_lr = summary["stages"][0]["best_params"]["optimizer.matrix_lr"]
     state = json.loads((tmp_path / "sweep_state.json").read_text())
@@ -95,9 +98,35 @@ def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(ray_clust
     for row in rows:
         per_trial.setdefault((row["stage"], row["trial_id"]), []).append(row)
     lr_counts = [len(v) for (stage, _), v in per_trial.items() if stage == "lr"]
-    bs_counts = [len(v) for (stage, _), v in per_trial.items() if stage == "batch_size"]
-    assert max(lr_counts) == 4 and bs_counts == [2, 2], (lr_counts, bs_counts)
+    bs_trained = [
+        len(v)
+        for (stage, _), v in per_trial.items()
+        if stage == "batch_size" and not v[0]["reused_from"]
+    ]
+    assert max(lr_counts) == 4 and bs_trained == [2], (lr_counts, bs_trained)
     assert final["trainer"]["num_evals"] == 4
+    # batch 512 is the LR stage's own batch: its grid point would train the LR stage's best
+    # run again, to the same bits. It replays that run instead, and its compute counts once
+    incumbent = state["stages"][0]["best"]
+    source = f"lr/{incumbent['trial_id']}"
+    by_batch = {r["batch_size"]: r for r in bs_records}
+    assert by_batch[512]["reused_from"] == source and "reused_from" not in by_batch[2048]
+    assert by_batch[512]["metric"] == incumbent["metric"]
+    replayed = per_trial[("batch_size", by_batch[512]["trial_id"])]
+    assert [r["val_bpb"] for r in replayed] == [
+        r["val_bpb"] for r in per_trial[("lr", incumbent["trial_id"])]
+    ]
+    records = [r for s in state["stages"] for r in s["records"]]
+    spent = sum(r["flops"] + (r["fork_flops"] or 0) for r in records if not r.get("reused_from"))
+    assert summary["total_flops"] == spent < spent + by_batch[512]["flops"]
+    out = capsys.readouterr().out
+    assert f"repeats the run {source} trained" in out
+    # the baseline trained in the slot the LR stage left idle (2 trials on 2 slots: one
+    # ends first), before the batch stage began
+    started = out.index("baseline: training the unmodified config")
+    assert "in the slot stage 'lr' leaves idle" in out[started:].splitlines()[0]
+    assert started < out.index("[batch_size] grid search")
+    assert summary["baseline"]["value"] is not None
     for name in ("reports.csv", "learning_curves.png", "stage_lr.png", "summary.json"):
         assert (tmp_path / name).is_file(), name
     # every report names the model's size: N of the scaling fits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ray import tune
@@ -38,6 +39,7 @@ class ProgressCallback(tune.Callback):
         self.heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
         self.started = self.last_line = time.time()
         self.counts = {"completed": 0, "pruned": 0, "diverged": 0, "failed": 0}
+        self.replayed = 0  # done, but in no time: left out of the rate the ETA uses
         # each trial's best value so far: a trial that diverges takes its earlier values
         # with it, as the stage's table ranks it nowhere
         self.values: dict[str, float] = {}
@@ -61,6 +63,14 @@ class ProgressCallback(tune.Callback):
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         result = trial.last_result or {}
+        if source := result.get("reused_from"):
+            self.replayed += 1
+            print(
+                f"[{self.stage}] trial {trial.trial_id} repeats the run {source} trained "
+                "(the config this stage starts from): its reports are replayed, not trained "
+                "again",
+                flush=True,
+            )
         status = result.get("status")
         if status == "diverged":
             self.values.pop(trial.trial_id, None)
@@ -101,7 +111,8 @@ class ProgressCallback(tune.Callback):
         elapsed = time.time() - self.started
         trained = done + sum(self._along(t) for t in rest if t.status in (t.RUNNING, t.PAUSED))
         left = max(self.planned - trained, 0)
-        eta = elapsed / trained * left if trained else None
+        took_time = trained - self.replayed
+        eta = elapsed / took_time * left if took_time > 0 else None
         if self.costs is not None:
             try:
                 eta = self.costs.eta(trials, finished, elapsed) or eta
@@ -129,6 +140,36 @@ class ProgressCallback(tune.Callback):
         if not isinstance(value, int | float) or not budget > 0:
             return 0.0
         return min(max(float(value) / budget, 0.0), 1.0)
+
+
+# run dir -> what to start in the first trial slot a stage leaves idle (the baseline run's
+# launch), looked up rather than held: Tune pickles its callbacks into tuner.pkl, and a
+# resumed stage gets copies that must start the live driver's baseline, once
+IDLE_WORK: dict[str, Callable[[str], None]] = {}
+
+
+class IdleSlot(tune.Callback):
+    """Starts the sweep's work outside Tune (`IDLE_WORK`: the baseline) the first time the
+    stage leaves a slot idle that it will not fill: fewer trials run than the cluster has
+    slots for, and every trial the stage plans has started with none waiting (pending, or
+    paused between rungs) or sweep.concurrency keeps it from starting more. lr_bs: the LR
+    stage's last trial trains alone for ~100 s on 2 cores, and the baseline fits there.
+    Started any earlier, it would hold a slot the stage's trials could use; started later,
+    a slot is idle and the baseline takes one from the next stage."""
+
+    def __init__(self, run_dir: str, stage: str, planned: int, slots: int, concurrency=None):
+        self.run_dir, self.stage, self.planned, self.slots = run_dir, stage, planned, slots
+        self.concurrency = concurrency or math.inf
+
+    def on_step_end(self, iteration, trials, **info):
+        if self.run_dir not in IDLE_WORK:
+            return
+        running = sum(t.status == t.RUNNING for t in trials)
+        waiting = len(trials) < self.planned or any(
+            t.status in (t.PENDING, t.PAUSED) for t in trials
+        )
+        if running < self.slots and not (waiting and running < self.concurrency):
+            IDLE_WORK.pop(self.run_dir)(f"in the slot stage '{self.stage}' leaves idle")
 
 
 class GridCosts:
@@ -161,7 +202,11 @@ class GridCosts:
             if trial.trial_id not in self.plans:
                 self.plans[trial.trial_id] = self.of(trial.config)
             plan = self.plans[trial.trial_id]
-            flops = float((trial.last_result or {}).get("flops") or 0.0)
+            result = trial.last_result or {}
+            if result.get("reused_from"):  # a replay: its plan is done, in no time
+                left -= plan
+                continue
+            flops = float(result.get("flops") or 0.0)
             trained += flops
             ended = trial is finished or trial.status in (trial.TERMINATED, trial.ERROR)
             left -= plan if ended else min(flops, plan)
@@ -177,6 +222,8 @@ class FlopCap(tune.Stopper):
         self.latest: dict[str, float] = {}
 
     def __call__(self, trial_id, result) -> bool:
+        if result.get("reused_from"):  # a replayed run spends nothing (state.spent_flops)
+            return False
         self.latest[trial_id] = float(result.get("flops") or 0.0) + float(
             result.get("fork_flops") or 0.0
         )

@@ -2,8 +2,8 @@
 
 for each stage: space -> searcher + scheduler -> Tuner.fit() on Ray -> best trial ->
 freeze its values into the base config of the next stage. A baseline run of the
-unmodified config trains under the same budget beside the stage that leaves it a slot
-(baseline_stage). At the end:
+unmodified config trains under the same budget in the first slot a stage leaves idle
+(callbacks.IdleSlot). At the end:
 summary, reports.csv, plots and the loss-vs-compute fit in the run dir.
 """
 
@@ -29,7 +29,13 @@ from sweeper.sweep.preflight import (
 from sweeper.sweep.spec import SweepSpec, flatten, stage_points, stage_space
 from sweeper.sweep.stages import hydra_value, keeps_its_start, pick_best
 from sweeper.sweep.state import SweepState, sweep_definition
-from sweeper.sweep.trainable import RUNG_METRIC, TrialContext, batch_of, trial_config
+from sweeper.sweep.trainable import (
+    RUNG_METRIC,
+    EarlierRun,
+    TrialContext,
+    batch_of,
+    trial_config,
+)
 
 # Ray's OOM kill of a worker, the CPU allocator's refusal, torch's CUDA OutOfMemoryError
 OUT_OF_MEMORY_SIGNS = ("low on memory", "can't allocate memory", "OutOfMemoryError")
@@ -118,20 +124,22 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     started = time.time() - state.elapsed
     baseline = None
     if spec.baseline and state.baseline is None:
-        workers = 1 if target else int(base["trainer"]["workers"])
-        beside = baseline_stage(spec, base, trial_slots(spec, workers))
-        # evaluated as often as the trials it trains beside: only its last value is read
-        reports = spec.stage_reports(spec.stages[beside])
-        baseline = outputs.Baseline(with_reports(base, reports, target), spec, target, beside)
+        # evaluated once, at the end: only its last value is read, and a run's training does
+        # not depend on how often it evaluates (trainable.same_training)
+        baseline = outputs.Baseline(with_reports(base, 1, target), spec, target)
 
     reaper = contextlib.nullcontext()
     if not target and int(base["trainer"]["workers"]) > 1:
         from sweeper.distributed import placement_group_reaper
 
         reaper = placement_group_reaper()
+    if baseline is not None:  # started in the first slot a stage leaves idle (IdleSlot)
+        from sweeper.sweep.callbacks import IDLE_WORK
+
+        IDLE_WORK[str(out)] = baseline.launch
     try:
         with reaper:
-            run_stages(spec, base, target, out, state, started, tracker, baseline)
+            run_stages(spec, base, target, out, state, started, tracker)
         if baseline is not None:
             state.set_baseline(baseline.collect())
             tracker.log_baseline(state.baseline)
@@ -148,6 +156,9 @@ def run_sweep(cfg, out_dir: str) -> float | None:
             {}, out, status="KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
         )
         raise
+    finally:
+        if baseline is not None:
+            IDLE_WORK.pop(str(out), None)
     from omegaconf import OmegaConf
 
     fit_cfg = OmegaConf.to_container(cfg.fit, resolve=True) if "fit" in cfg else {}
@@ -190,17 +201,6 @@ def finished(spec: SweepSpec, state: SweepState, base: dict) -> bool:
     )
 
 
-def baseline_stage(spec: SweepSpec, base: dict, slots: int) -> int:
-    """Index of the stage the baseline trains beside: the first whose trials all run to the
-    end (fifo) in a number that leaves a slot idle in the last round, where the baseline
-    costs no wall time (lr_bs: 3 batch sizes on 2 slots); otherwise the first stage.
-    Beside an early-stopping stage it would hold a slot the stage's trials could use."""
-    for index, stage in enumerate(spec.stages):
-        if spec.stage_scheduler(stage) == "fifo" and planned_trials(spec, stage, base) % slots:
-            return index
-    return 0
-
-
 def planned_trials(spec: SweepSpec, stage, base: dict) -> int:
     """Trials a stage launches: every point of a grid, else its num_samples."""
     from sweeper.sweep.space import grid_size, is_pure_grid
@@ -210,12 +210,14 @@ def planned_trials(spec: SweepSpec, stage, base: dict) -> int:
     return grid_size(space) if grid else stage.num_samples
 
 
-def trial_slots(spec: SweepSpec, workers: int) -> int:
-    """Trials the cluster runs at once (`preflight.slots_for` on its resources)."""
+def cluster_slots(spec: SweepSpec, workers: int) -> int:
+    """Trials the cluster has resources for at once (`preflight.slots_for` on its
+    resources, whatever sweep.concurrency lets a stage start)."""
     import ray
 
     resources = ray.cluster_resources()
-    return slots_for(spec, workers, resources.get("CPU", 0), resources.get("GPU", 0))
+    uncapped = dataclasses.replace(spec, concurrency=None)
+    return slots_for(uncapped, workers, resources.get("CPU", 0), resources.get("GPU", 0))
 
 
 def run_stages(
@@ -226,7 +228,6 @@ def run_stages(
     state,
     started: float,
     tracker,
-    baseline=None,
 ):
     """The stages in order, each starting from the best config of the ones before."""
     from sweeper.sweep import outputs
@@ -253,8 +254,6 @@ def run_stages(
                 f"on, raise it and add sweep.resume=true hydra.run.dir={out}"
             )
             break
-        if baseline is not None and index >= baseline.beside:
-            baseline.launch(f"beside stage '{stage.name}'")
         records, reports = run_stage(
             spec,
             index,
@@ -265,6 +264,7 @@ def run_stages(
             remaining_trials,
             remaining_seconds,
             tracker,
+            reusable=reusable_run(spec, stage, state, current, target),
         )
         if not records:
             break
@@ -365,6 +365,31 @@ def extend(
     )
 
 
+def reusable_run(spec: SweepSpec, stage, state: SweepState, start: dict, target):
+    """The finished run a trial of `stage` may replay instead of training it again: the
+    incumbent, the earlier stage's best that `start` (the config the stage starts from) was
+    frozen from. A grid holding the frozen value (lr_bs: batch 8192 after an LR stage at
+    8192) would train that run again, to the same bits (trainable.same_training): a slot
+    for a whole trial. Only in a fifo stage (no rungs to rank it at), only for sweeper's
+    own training (a user's function need not be deterministic), and only for a run that
+    trained its whole budget on one seed."""
+    incumbent = state.carried()
+    if (
+        target
+        or spec.stage_scheduler(stage) != "fifo"
+        or incumbent is None
+        or incumbent.get("status") != "completed"
+        or "seeds" in incumbent  # a mean over seeds, not one run
+    ):
+        return None
+    own = next(s for s in state.stages if s["name"] == incumbent["stage"])
+    reports = [r for r in own["reports"] if r["trial_id"] == incumbent["trial_id"]]
+    if not reports or not reports[-1].get("final") or reports[-1]["status"] != "completed":
+        return None
+    source = incumbent.get("reused_from") or f"{incumbent['stage']}/{incumbent['trial_id']}"
+    return EarlierRun(config=start, source=source, reports=tuple(reports))
+
+
 def stage_context(
     spec: SweepSpec, stage, base: dict, target: str | None, storage: str | None = None
 ) -> TrialContext:
@@ -413,16 +438,24 @@ def run_stage(
     experiment_suffix: str = "",
     spent_flops: float = 0.0,
     earlier_reports: list[dict] | None = None,
+    reusable: EarlierRun | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Stage `index` on Ray Tune from `base`: its trial records and reports. `stage` stands
     in for spec.stages[index] in an extension round (sweep/extend.py), which also names its
     own Tune experiment, counts the first round's `spent_flops` against sweep.max_flops, and
-    has ASHA rank its trials against the first round's `earlier_reports` too."""
+    has ASHA rank its trials against the first round's `earlier_reports` too. A trial
+    that would train `reusable` again replays its reports (reusable_run)."""
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
     from sweeper.sweep.algorithms import build_scheduler, build_searcher, random_start
-    from sweeper.sweep.callbacks import FlopCap, GridCosts, ProgressCallback
+    from sweeper.sweep.callbacks import (
+        IDLE_WORK,
+        FlopCap,
+        GridCosts,
+        IdleSlot,
+        ProgressCallback,
+    )
     from sweeper.sweep.results import collect_results
     from sweeper.sweep.space import is_pure_grid
     from sweeper.sweep.trainable import run_trial
@@ -484,7 +517,9 @@ def run_stage(
         if workers == 1
         else {"cpu": 0, "memory": 1}
     )
-    trainable = tune.with_resources(tune.with_parameters(run_trial, base=base, ctx=ctx), resources)
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, base=base, ctx=ctx, earlier=reusable), resources
+    )
     costs = None
     if not target and is_pure_grid(space) and planned <= MAX_COSTED_GRID:
         fixed, grid = space.fixed, {p.name: list(p.values) for p in space.params}
@@ -501,6 +536,19 @@ def run_stage(
             progress,
             JsonLoggerCallback(),  # result.json: Tune's results read each trial's reports from it
             *tracker.stage_callbacks(stage.name, base, ctx, search, scheduler_name),
+            *(
+                [
+                    IdleSlot(
+                        str(out),
+                        stage.name,
+                        planned,
+                        cluster_slots(spec, workers),
+                        spec.concurrency,
+                    )
+                ]
+                if str(out) in IDLE_WORK
+                else []
+            ),
         ],
         stop=FlopCap(spec.max_flops, state.total_flops() + spent_flops) if spec.max_flops else None,
         failure_config=tune.FailureConfig(max_failures=spec.max_failures),

@@ -22,7 +22,7 @@ from sweeper.config import ConfigError, load_run_config
 from sweeper.sweep.space import ParamSpec, extended_range, parse_space
 from sweeper.sweep.spec import StageSpec, SweepSpec, flatten_params
 from sweeper.sweep.stages import apply_params
-from sweeper.sweep.state import SweepState
+from sweeper.sweep.state import SweepState, spent_flops
 
 EXPERIMENT_SUFFIX = "_extended"  # the round's Ray Tune experiment: stage{i}_{name}_extended
 
@@ -49,7 +49,7 @@ def plan_round(
     trials = stage.extend_trials
     if spec.max_trials is not None:
         trials = min(trials, spec.max_trials - state.trial_count() - len(records))
-    spent = sum((r.get("flops") or 0.0) + (r.get("fork_flops") or 0.0) for r in records)
+    spent = spent_flops(records)
     over_time = spec.max_seconds is not None and time.time() - started >= spec.max_seconds
     over_flops = state.total_flops() + spent >= (spec.max_flops or math.inf)
     if not ranges:

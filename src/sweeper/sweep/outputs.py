@@ -89,11 +89,11 @@ def launch_once(config: dict, spec: SweepSpec, target: str | None):
 
 
 class Baseline:
-    """The baseline run on Ray, holding one trial's resources. It starts beside stage
-    `beside` (see engine.baseline_stage), or after the stages if the sweep ends first."""
+    """The baseline run on Ray, holding one trial's resources. It starts in the first slot
+    a stage leaves idle (callbacks.IdleSlot), or after the stages if none did."""
 
-    def __init__(self, base: dict, spec: SweepSpec, target: str | None, beside: int):
-        self.base, self.spec, self.target, self.beside = base, spec, target, beside
+    def __init__(self, base: dict, spec: SweepSpec, target: str | None):
+        self.base, self.spec, self.target = base, spec, target
         self.job = None
 
     def launch(self, where: str) -> None:
@@ -216,6 +216,8 @@ def print_stage_table(
         mark = ""
         if best is not None and r["trial_id"] in best.get("trial_ids", [best["trial_id"]]):
             mark = "  <- best" if "seeds" not in best else "  <- best (mean over seeds)"
+        if r.get("reused_from"):
+            mark += f"  (= {r['reused_from']}'s run, replayed: not trained again)"
         print("  " + " | ".join(cells) + mark)
     if best is not None and "seeds" in best:
         seeds = ", ".join(map(str, best["seeds"]))
@@ -263,6 +265,8 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
     if any(RUNG_METRIC in r for r in reports):  # a stage forked trials at its rungs
         columns.insert(columns.index("val_bpb") + 1, RUNG_METRIC)
         columns.insert(columns.index("flops") + 1, "fork_flops")
+    if any(r.get("reused_from") for r in reports):  # a trial replayed an earlier run
+        columns.append("reused_from")
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()
@@ -432,7 +436,10 @@ def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict, base: d
             "seed": r.get("seed"),
         }
         for r in reports
-        if r.get("status") != "diverged" and r.get(spec.metric) is not None
+        # a replayed run's reports are its earlier run's, which the fits already have
+        if r.get("status") != "diverged"
+        and r.get(spec.metric) is not None
+        and not r.get("reused_from")
     ]
     conventions = {"params": "total", "flops": "per_token_with_attention", "loss_unit": spec.metric}
     fits, not_fitted = applicable_fits(points)

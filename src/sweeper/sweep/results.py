@@ -82,6 +82,9 @@ def collect_results(
                 "error": error_summary(str(result.error)) if result.error else None,
                 "reason": metrics.get("reason") if status == "diverged" else None,
                 "path": str(result.path),
+                # "stage/trial_id" of the run it repeats, replayed rather than trained
+                # (engine.reusable_run): its FLOPs were spent once, there
+                **({"reused_from": metrics["reused_from"]} if "reused_from" in metrics else {}),
             }
         )
         trainer_cfg = effective.get("trainer", {})
@@ -110,6 +113,7 @@ def collect_results(
                         "final": i == len(rows) - 1,
                         # runs that differ only in it are averaged by the fits
                         "seed": trainer_cfg.get("seed"),
+                        **({"reused_from": row["reused_from"]} if row.get("reused_from") else {}),
                     }
                 )
             )

@@ -118,10 +118,18 @@ class SweepState:
         return len(self.all_records())
 
     def total_flops(self) -> float:
-        """Training FLOPs the sweep spent: its trials' runs and their rung cooldown forks."""
-        return sum(
-            (r.get("flops") or 0.0) + (r.get("fork_flops") or 0.0) for r in self.all_records()
-        )
+        """Training FLOPs the sweep spent (`spent_flops` of all its trials)."""
+        return spent_flops(self.all_records())
+
+
+def spent_flops(records: list[dict]) -> float:
+    """Training FLOPs trials spent: their runs and their rung cooldown forks; none for a
+    trial that replayed an earlier run (its record names it `reused_from`)."""
+    return sum(
+        (r.get("flops") or 0.0) + (r.get("fork_flops") or 0.0)
+        for r in records
+        if not r.get("reused_from")
+    )
 
 
 # sweep keys a resumed sweep may change: they decide how many trials run, where and how

@@ -48,6 +48,65 @@ class TrialContext:
 RUNG_METRIC = "rung_val_bpb"
 
 
+@dataclass(frozen=True)
+class EarlierRun:
+    """A run the sweep finished in an earlier stage, whose config a trial of this stage may
+    repeat: the config the stage starts from is its incumbent's (engine.reusable_run)."""
+
+    config: dict  # the run config it trained (its evaluation count aside)
+    source: str  # "stage/trial_id", as records and MLflow name it
+    reports: tuple[dict, ...]  # its rows of reports.csv, in order
+
+
+# keys of a run config that change when and how often a run evaluates, not what it trains
+# (test_train: a run evaluated at every step ends bit for bit as one evaluated once)
+EVALUATION_KEYS = frozenset({"num_evals", "eval_every"})
+
+
+def same_training(config: dict, other: dict) -> bool:
+    """Whether two run configs of sweeper's training train the same run, bit for bit: the
+    same values everywhere but in how often they evaluate."""
+
+    def training(run: dict) -> dict:
+        trainer = {k: v for k, v in run["trainer"].items() if k not in EVALUATION_KEYS}
+        return {**run, "trainer": trainer}
+
+    return to_builtin(training(config)) == to_builtin(training(other))
+
+
+def replay(earlier: EarlierRun, metric: str, report) -> None:
+    """Reports `earlier`'s evaluations again, as its own run would: the values it reported,
+    each marked `reused_from`, and no compute spent (see results.spent_flops)."""
+    rows = earlier.reports
+    for i, row in enumerate(rows):
+        metrics = {c: row[c] for c in REPLAYED_COLUMNS if row.get(c) is not None}
+        metrics.update(
+            {
+                metric: row.get(metric),
+                "status": row["status"] if i == len(rows) - 1 else "running",
+                "reused_from": earlier.source,
+            }
+        )
+        report(metrics)
+
+
+# what a replayed report carries: the run's own reports, without the wall clock (a replay
+# happens now) and without an earlier stage's rung forks (this stage has no rungs)
+REPLAYED_COLUMNS = (
+    "step",
+    "tokens",
+    "flops",
+    "params",
+    "val_bpb",
+    "train_loss",
+    "lr",
+    "grad_norm",
+    "grad_norm_max",
+    "tokens_per_s",
+    "mfu",
+)
+
+
 class Diverged(Exception):
     """A user's function reported a non-finite metric: the trial ends as diverged."""
 
@@ -180,10 +239,13 @@ def stop_thread(thread: threading.Thread) -> None:
         )
 
 
-def run_trial(config: dict, base: dict, ctx: TrialContext) -> None:
+def run_trial(
+    config: dict, base: dict, ctx: TrialContext, earlier: EarlierRun | None = None
+) -> None:
     params = to_builtin(dict(config))
     run_cfg = trial_config(params, base, ctx)
-    if not ctx.target and run_cfg["trainer"]["workers"] > 1:
+    reused = earlier is not None and same_training(run_cfg, earlier.config)
+    if not reused and not ctx.target and run_cfg["trainer"]["workers"] > 1:
         _run_ddp_trial(run_cfg, ctx)  # Ray Train hands rank 0's results to Tune itself
         return
 
@@ -201,7 +263,10 @@ def run_trial(config: dict, base: dict, ctx: TrialContext) -> None:
             raise Diverged
 
     try:
-        _run_one_process_trial(run_cfg, ctx, report)
+        if reused:  # training it again would give the same bits (engine.reusable_run)
+            replay(earlier, ctx.metric, report)
+        else:
+            _run_one_process_trial(run_cfg, ctx, report)
     finally:
         reporter.close()
 

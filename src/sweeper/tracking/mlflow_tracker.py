@@ -238,6 +238,8 @@ class MlflowTracker:
         if key not in self.open:
             self.trial_started(cb, trial)
         tags = {"error": error[:500]} if error else {}
+        if reused := (trial.last_result or {}).get("reused_from"):
+            tags["reused_from"] = str(reused)  # replayed, not trained (engine.reusable_run)
         if status == "diverged":  # the why of a diverged trial, on its run
             tags["reason"] = str((trial.last_result or {}).get("reason") or "non-finite metric")
         self._end(key, status, tags)
