@@ -7,23 +7,7 @@ import re
 from typing import Any
 
 from sweeper.sweep.space import to_builtin
-from sweeper.sweep.trainable import RUNG_METRIC, TrialContext, trial_config
-
-REPORT_COLUMNS = (
-    "step",
-    "tokens",
-    "flops",
-    "params",
-    "val_bpb",
-    "train_loss",
-    "lr",
-    "grad_norm",
-    "grad_norm_max",
-    "tokens_per_s",
-    "mfu",
-    "wall_time",
-)
-
+from sweeper.sweep.trainable import REPORT_COLUMNS, RUNG_METRIC, TrialContext, trial_config
 
 # a Python exception line ("ValueError: ...", "ray.exceptions.RayTaskError(...): ...")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b\S*:")

@@ -90,9 +90,8 @@ def replay(earlier: EarlierRun, metric: str, report) -> None:
         report(metrics)
 
 
-# what a replayed report carries: the run's own reports, without the wall clock (a replay
-# happens now) and without an earlier stage's rung forks (this stage has no rungs)
-REPLAYED_COLUMNS = (
+# what a trial's report holds, as reports.csv keeps it (results.collect_results)
+REPORT_COLUMNS = (
     "step",
     "tokens",
     "flops",
@@ -104,7 +103,11 @@ REPLAYED_COLUMNS = (
     "grad_norm_max",
     "tokens_per_s",
     "mfu",
+    "wall_time",
 )
+# what a replayed report carries: the run's own, without the wall clock (a replay happens
+# now) and without an earlier stage's rung forks (this stage has no rungs)
+REPLAYED_COLUMNS = tuple(c for c in REPORT_COLUMNS if c != "wall_time")
 
 
 class Diverged(Exception):
