@@ -108,7 +108,8 @@ def test_trials_run_on_several_nodes_and_write_to_one_run_dir(three_nodes, tmp_p
             "sweep.stages.0.num_samples=4",
             "sweep.stages.0.scheduler=fifo",  # every trial runs its whole budget
             "sweep.concurrency=3",
-            "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+            # not the LR stage's batch (512), whose point would replay that run, untrained
+            "sweep.stages.1.params.trainer.total_batch_size.grid=[2048]",
             f"ray.address={three_nodes.address}",
             "mlflow.enabled=false",
         ]
