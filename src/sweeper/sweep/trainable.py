@@ -76,7 +76,7 @@ def same_training(config: dict, other: dict) -> bool:
 
 def replay(earlier: EarlierRun, metric: str, report) -> None:
     """Reports `earlier`'s evaluations again, as its own run would: the values it reported,
-    each marked `reused_from`, and no compute spent (see results.spent_flops)."""
+    each marked `reused_from`, and no compute spent (see state.spent_flops)."""
     rows = earlier.reports
     for i, row in enumerate(rows):
         metrics = {c: row[c] for c in REPLAYED_COLUMNS if row.get(c) is not None}
