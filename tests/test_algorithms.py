@@ -459,6 +459,7 @@ def _fit(
 ):
     """A real Tune run of quadratic_trainable: (searcher, Tune's results)."""
     from ray import tune
+    from ray.tune.logger import JsonLoggerCallback
 
     alg, param_space = build_searcher(
         search,
@@ -490,7 +491,14 @@ def _fit(
             max_concurrent_trials=max_concurrent,  # as the engine passes it
             **tune_config,
         ),
-        run_config=tune.RunConfig(storage_path=str(tmp_path), name=scheduler, verbose=0),
+        run_config=tune.RunConfig(
+            storage_path=str(tmp_path),
+            name=scheduler,
+            verbose=0,
+            # as the engine does: importing sweeper's Ray module turns Tune's default loggers
+            # off, and metrics_dataframe reads each trial's result.json
+            callbacks=[JsonLoggerCallback()],
+        ),
     )
     return alg, tuner.fit()
 
