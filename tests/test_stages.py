@@ -495,7 +495,9 @@ def test_the_learning_curves_plot_the_gradient_norm_beside_the_metric(tmp_path, 
         ]
         for tokens, v, g in rows
     ]
-    plot_learning_curves(tmp_path / "c.png", reports, "val_bpb")
+    # a later stage's trial that replayed a's run: the same curve, drawn once
+    replay = [{**r, "trial_id": "c", "reused_from": "lr/a"} for r in reports[:2]]
+    plot_learning_curves(tmp_path / "c.png", reports + replay, "val_bpb")
     curves, norms = drawn[0].axes
     assert [list(line.get_ydata()) for line in curves.get_lines()] == [[3.9, 3.5], [4.1, 8.0]]
     # a NaN norm (the diverged step) has no place on a log axis; the spike before it does

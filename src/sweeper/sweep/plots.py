@@ -27,7 +27,9 @@ def _pyplot():
 def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path | None:
     """metric vs tokens for every trial, coloured by how the trial ended; beside it, where
     the trials report it (sweeper's own training does), the largest gradient norm between
-    reports: a trial heading for a loss spike often shows it there first."""
+    reports: a trial heading for a loss spike often shows it there first. A trial that
+    replayed an earlier run (`reused_from`) is left out: its curve is that run's, drawn already."""
+    reports = [r for r in reports if not r.get("reused_from")]
     if not reports:
         return None
     plt = _pyplot()
