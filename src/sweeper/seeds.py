@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,10 @@ def paired_lead(best: dict, rival: dict, sign: float = 1.0) -> Lead | None:
     n, wins = len(shared), int((margins > 0).sum())
     if n == 2:
         return Lead(n, wins, float(margins.mean()), None)
+    # imported here, not above: every trial process imports this module (through the
+    # stages' helpers), and scipy.stats alone took 1.1 s of its start-up
+    from scipy import stats
+
     sem = margins.std(ddof=1) / math.sqrt(n)
     lower = margins.mean() - stats.t.ppf(0.95, n - 1) * sem
     return Lead(n, wins, float(margins.mean()), float(lower))
