@@ -488,7 +488,6 @@ def _fit(
             search_alg=alg,
             scheduler=sched,
             num_samples=num_samples,
-            max_concurrent_trials=max_concurrent,  # as the engine passes it
             **tune_config,
         ),
         run_config=tune.RunConfig(

@@ -73,6 +73,7 @@ def _resume_and_check(tmp_path: Path, finished_before: set[str]) -> None:
     proc = _start(tmp_path, "sweep.resume=true")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
+    assert "max_concurrent_trials" not in out  # tpe's limiter holds sweep.concurrency alone
     counts = _executions(tmp_path)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
@@ -254,6 +255,8 @@ def test_load_100_one_second_trials_complete_with_no_lost_result(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the searcher holds sweep.concurrency; Tune, given it too, warned that it ignored it
+    assert "max_concurrent_trials" not in proc.stdout + proc.stderr
     state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
     records = state["stages"][0]["records"]
     assert len(records) == 100 and all(r["status"] == "completed" for r in records)

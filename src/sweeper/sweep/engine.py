@@ -594,7 +594,8 @@ def run_stage(
                 search_alg=searcher,
                 scheduler=scheduler,
                 num_samples=1 if grid else planned,
-                max_concurrent_trials=spec.concurrency,
+                # no max_concurrent_trials: the searcher built above enforces
+                # sweep.concurrency itself, and Tune, given both, only warns that it ignores it
                 time_budget_s=remaining_seconds,
                 reuse_actors=True,
             ),
