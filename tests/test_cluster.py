@@ -266,6 +266,18 @@ def test_validating_a_users_function_sweep_leaves_torch_unimported(tmp_path):
     assert proc.stdout.strip() == "False"
 
 
+def test_a_trial_process_imports_no_scipy(tmp_path):
+    """A trial's module and its helpers leave scipy out (scipy.stats: 1.1 s of every trial
+    process's start-up); the stage tables' seed statistics import it where they need it."""
+    code = "import sys, sweeper.sweep.trainable; print(any(m.startswith('scipy') for m in sys.modules))"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
+
+
 def test_a_local_cluster_is_its_own_and_its_dashboard_takes_the_token_its_line_names(tmp_path):
     """ray.address=null starts a cluster of its own, even where `ray start` left the address
     of one behind (ray.init's default would join that). Ray turns token auth on for a new
