@@ -13,10 +13,11 @@ from sweeper.sweep.engine import (
     hydra_value,
     idle_gpus_hint,
     reproduce_overrides,
+    stage_context,
 )
 from sweeper.sweep.preflight import base_config, validate_sweep
 from sweeper.sweep.results import error_summary
-from sweeper.sweep.spec import load_sweep_spec
+from sweeper.sweep.spec import flatten, load_sweep_spec, stage_space
 from sweeper.sweep.stages import apply_params, follow_batch_size, lr_scale, pick_best
 from sweeper.sweep.trainable import TrialContext, placed, trial_config
 
@@ -49,6 +50,47 @@ def test_trial_config_applies_params_then_the_rule():
     )
     config = trial_config({"trainer.total_batch_size": 4096}, BASE, ctx)
     assert config["optimizer"] == {"matrix_lr": 0.01, "embedding_lr": 0.1}
+
+
+@pytest.mark.parametrize(
+    "overrides, rescaled, left",
+    [
+        ([], "matrix_lr", "lr"),  # muon_adamw does not read optimizer.lr
+        (["optimizer=adamw"], "lr", "matrix_lr"),  # adamw reads nothing else
+    ],
+)
+def test_only_the_lrs_the_optimizer_reads_follow_the_batch_size(overrides, rescaled, left):
+    cfg = compose(["+sweep=lr_bs", *overrides])
+    spec = validate_sweep(cfg)
+    base = base_config(cfg, spec, None)
+    batch_stage = spec.stages[1]
+    ctx = stage_context(spec, batch_stage, base, None)
+    config = trial_config({"trainer.total_batch_size": 32768}, base, ctx)
+    factor = (32768 / base["trainer"]["total_batch_size"]) ** 0.5  # lr_bs: lr_rule=sqrt
+    assert config["optimizer"][rescaled] == pytest.approx(base["optimizer"][rescaled] * factor)
+    assert config["optimizer"][left] == base["optimizer"][left]
+    # so the reproduce line names the batch and the LRs that moved, nothing that does nothing
+    overrides_out = reproduce_overrides(config)
+    assert f"optimizer.{rescaled}=" in " ".join(overrides_out)
+    assert not [o for o in overrides_out if o.startswith(f"optimizer.{left}=")]
+
+
+def test_an_lr_the_optimizer_does_not_read_gets_no_retune_band():
+    retune = ["sweep.stages.1.lr_rule=retune", "sweep.stages.1.search=random"]
+    cfg = compose(["+sweep=lr_bs", *retune])
+    spec = validate_sweep(cfg)
+    base = base_config(cfg, spec, None)
+    space = stage_space(spec, spec.stages[1], flatten(base))
+    assert set(space.names) == {
+        "trainer.total_batch_size",
+        "optimizer.matrix_lr",
+        "optimizer.embedding_lr",
+        "optimizer.unembedding_lr",
+        "optimizer.scalar_lr",
+    }
+    # a stage that chooses the optimizer keeps every LR: which one is read depends on the trial
+    choose = "+sweep.stages.1.params.optimizer.name={grid:[adamw,muon_adamw]}"
+    assert "optimizer.lr" in validate_sweep(compose(["+sweep=lr_bs", choose])).lr_keys
 
 
 @pytest.mark.parametrize(

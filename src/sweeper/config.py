@@ -17,6 +17,12 @@ from typing import Any
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float32")
 OPTIMIZERS = ("muon_adamw", "adamw")
+# the optimizer.* learning rates each optimizer reads (optim.build_optimizer). Both optimizer
+# files carry all of them, so that `optimizer=adamw` switches with nothing else to edit.
+OPTIMIZER_LRS = {
+    "muon_adamw": ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr"),
+    "adamw": ("lr",),
+}
 SCHEDULES = ("wsd", "cosine", "constant")
 DATASETS = ("stdlib", "shards")
 BUDGET_KEYS = ("max_steps", "budget_tokens", "budget_flops", "tokens_per_param")

@@ -22,6 +22,7 @@ from sweeper.sweep.spec import (
     flatten,
     flatten_params,
     load_sweep_spec,
+    lr_keys_read,
     rung_cooldown_for,
     stage_space,
     validate_spec,
@@ -63,6 +64,7 @@ def validate_sweep(cfg) -> SweepSpec:
     if target:
         load_user_function(target)
     else:
+        spec.lr_keys = lr_keys_read(spec, run_values.get("optimizer.name"))
         check_no_placement_searched(spec)
         check_stage_values(spec, base_config(cfg, spec, None), local_trial_memory(spec, cfg))
         threads = cfg.trainer.get("threads")

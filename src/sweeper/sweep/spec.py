@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sweeper.config import ConfigError, typed
+from sweeper.config import OPTIMIZER_LRS, ConfigError, typed
 from sweeper.sweep.algorithms import (
     SCHEDULERS,
     SEARCHES,
@@ -169,6 +169,20 @@ def flatten_params(params: dict, prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def lr_keys_read(spec: SweepSpec, optimizer: str) -> list[str]:
+    """sweep.lr_keys less the optimizer LRs that sweeper's `optimizer` does not read. Such an
+    LR would otherwise follow the batch size (and show in the reproduce line as a change
+    that does nothing) or get an lr_rule=retune band (a searched dimension that does
+    nothing). A sweep with a stage that sets optimizer.name keeps them all."""
+    if any("optimizer.name" in flatten_params(stage.params) for stage in spec.stages):
+        return list(spec.lr_keys)
+    read = set(OPTIMIZER_LRS.get(optimizer, ()))
+    unread = {f"optimizer.{key}" for keys in OPTIMIZER_LRS.values() for key in keys} - {
+        f"optimizer.{key}" for key in read
+    }
+    return [key for key in spec.lr_keys if key not in unread]
 
 
 def stage_space(spec: SweepSpec, stage: StageSpec, frozen: dict[str, Any] | None = None) -> Space:
