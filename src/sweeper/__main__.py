@@ -16,6 +16,7 @@ from sweeper.cli import (
     end_quietly_when_output_closes,
     fail,
     other_budgets_cleared,
+    skip_the_collection_at_exit,
     stop_on_sigterm_as_on_ctrl_c,
 )
 from sweeper.config import ConfigError, check_platform_sections, load_run_config
@@ -374,6 +375,7 @@ def multirun_jobs(overrides: list[str]) -> list[list[str]]:
 
 
 def main() -> None:
+    skip_the_collection_at_exit()
     stop_on_sigterm_as_on_ctrl_c()
     args = sys.argv[1:]
     if source := next((a for a in args if a.split("=")[0] in CONFIG_SOURCE_FLAGS), None):

@@ -107,6 +107,19 @@ def check_syntax(overrides: Sequence[str]) -> None:
             ) from None
 
 
+def skip_the_collection_at_exit() -> None:
+    """Python's exit ends with a garbage collection over every object still alive. After a
+    sweep, whose driver holds Hydra, MLflow, Ray and torch, that took 4 s in which the
+    command had printed its last line but not returned (2 s after one training run).
+    Objects frozen at exit are left out of it, and the OS frees their memory. The atexit
+    handlers (Ray's shutdown, the MLflow queue's flush) still run, and every file sweeper
+    writes is closed where it is written, so nothing is lost by skipping it."""
+    import atexit
+    import gc
+
+    atexit.register(gc.freeze)  # before the run registers its own: it runs after them
+
+
 def stop_on_sigterm_as_on_ctrl_c() -> None:
     """SIGTERM to the driver (`kill`, `docker stop`) ends a run or a sweep the way Ctrl+C
     does: a single run writes its failed result.json, a sweep saves its state and prints

@@ -107,14 +107,20 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     state = resumable_state(out, spec, base) if spec.resume else None
     if spec.resume and state is None:
         print(f"sweep.resume=true but no sweep state in {out}: starting a new sweep")
-    from sweeper.tracking import make_tracker
+    from sweeper.tracking import make_tracker, start_tracker
 
-    tracker = make_tracker(cfg, spec, out)  # before Ray: an unreachable server fails fast
     if state is not None and finished(spec, state, base):
+        tracker = make_tracker(cfg, spec, out)
         # nothing left to train: the outputs are written again without starting Ray (~20 s)
         print("sweep.resume=true: every stage of this sweep finished earlier; writing its outputs")
     else:
-        start_ray(cfg.ray)
+        tracker_ready = start_tracker(cfg, spec, out)  # MLflow's start beside Ray's
+        try:
+            start_ray(cfg.ray)
+        finally:
+            # a tracker's error is the one to report, as when it was made before Ray; it
+            # is also never left half made when Ray fails to start
+            tracker = tracker_ready()
         import ray
 
         if hint := idle_gpus_hint(spec, base, target, ray.cluster_resources().get("GPU", 0)):

@@ -67,7 +67,7 @@ PARENT_FILES = ("summary.json", "reports.csv", "fit.json")
 
 
 class MlflowTracker:
-    def __init__(self, cfg, spec, out_dir):
+    def __init__(self, cfg, spec, out_dir, announce: bool = True):
         from mlflow import MlflowClient
 
         from sweeper.sweep.preflight import base_config, trainable_target
@@ -110,11 +110,16 @@ class MlflowTracker:
         self.queue.start()
         LIVE[str(self.out)] = self
         atexit.register(self._at_exit)
-        print(
+        self.announcement = (
             f"[mlflow] sweep run {self.parent_id} in {shown(self.uri)} (experiment '{self.experiment}')"
-            + (f"; {kept} calls kept from an earlier run are sent first" if kept else ""),
-            flush=True,
+            + (f"; {kept} calls kept from an earlier run are sent first" if kept else "")
         )
+        if announce:
+            self.announce()
+
+    def announce(self) -> None:
+        """The line that says where this sweep's runs go."""
+        print(self.announcement, flush=True)
 
     # --- the engine's interface --------------------------------------------------------
     def stage_callbacks(self, stage: str, base: dict, ctx: Any, search: str, scheduler: str):
