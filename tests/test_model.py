@@ -31,6 +31,11 @@ def test_param_and_flop_accounting_by_hand():
     wide = GPTShape(depth=3, d_model=64, head_dim=16, seq_len=8, vocab_size=300)
     assert wide.n_params == GPT(wide).param_counts()["total"]
     assert GPT(SHAPE).flops_per_token() == 6 * (L * per_block + V * d) + 12 * L * d * T
+    # and from the shape alone, which budgets and a sweep's progress weigh runs by
+    for shape in (SHAPE, wide):
+        model = GPT(shape)
+        assert shape.n_matmul_params == model.param_counts()["matmul"]
+        assert shape.flops_per_token == model.flops_per_token()
 
 
 def test_output_projections_start_at_zero_so_blocks_are_identity():

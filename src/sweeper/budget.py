@@ -6,7 +6,6 @@ where importing torch is only worth it for budgets that need the model's size.
 
 from __future__ import annotations
 
-import functools
 import math
 
 from sweeper.config import ConfigError, RunConfig
@@ -59,18 +58,8 @@ def planned_flops(cfg: RunConfig) -> float:
 
 
 def model_counts(cfg: RunConfig) -> tuple[int, int]:
-    """(total parameters, FLOPs per token) of the run's model, counted on the meta device."""
+    """(total parameters, FLOPs per token) of the run's model, from its shape."""
     from sweeper.model import GPTShape
 
-    return _counted(GPTShape.from_config(cfg.model))
-
-
-@functools.lru_cache(maxsize=64)  # a sweep's preflight asks again for every value it checks
-def _counted(shape) -> tuple[int, int]:
-    import torch
-
-    from sweeper.model import GPT
-
-    with torch.device("meta"):  # first use ~2 s: torch loads its meta kernels
-        model = GPT(shape)
-    return model.param_counts()["total"], model.flops_per_token()
+    shape = GPTShape.from_config(cfg.model)
+    return shape.n_params, shape.flops_per_token

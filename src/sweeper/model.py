@@ -38,6 +38,19 @@ class GPTShape:
         d = self.d_model
         return 2 * self.vocab_size * d + self.depth * (12 * d * d + 2)
 
+    @property
+    def n_matmul_params(self) -> int:
+        """The N of 6N, from the shape: the hidden matrices and the output head."""
+        d = self.d_model
+        return self.depth * 12 * d * d + self.vocab_size * d
+
+    @property
+    def flops_per_token(self) -> int:
+        """GPT.flops_per_token from the shape alone. A sweep's driver weighs every trial by
+        its planned FLOPs, and a model built on the meta device to count them took it 2-4 s
+        (torch loading its meta kernels) at each stage's start."""
+        return 6 * self.n_matmul_params + 12 * self.depth * self.d_model * self.seq_len
+
     @classmethod
     def from_config(cls, model) -> GPTShape:
         """From a validated `ModelConfig` (vocab_size already resolved)."""
