@@ -176,13 +176,12 @@ def lr_keys_read(spec: SweepSpec, optimizer: str) -> list[str]:
     LR would otherwise follow the batch size (and show in the reproduce line as a change
     that does nothing) or get an lr_rule=retune band (a searched dimension that does
     nothing). A sweep with a stage that sets optimizer.name keeps them all."""
-    if any("optimizer.name" in flatten_params(stage.params) for stage in spec.stages):
+    chosen = any("optimizer.name" in flatten_params(stage.params) for stage in spec.stages)
+    if chosen or optimizer not in OPTIMIZER_LRS:
         return list(spec.lr_keys)
-    read = set(OPTIMIZER_LRS.get(optimizer, ()))
-    unread = {f"optimizer.{key}" for keys in OPTIMIZER_LRS.values() for key in keys} - {
-        f"optimizer.{key}" for key in read
-    }
-    return [key for key in spec.lr_keys if key not in unread]
+    read = {f"optimizer.{key}" for key in OPTIMIZER_LRS[optimizer]}
+    known = {f"optimizer.{key}" for keys in OPTIMIZER_LRS.values() for key in keys}
+    return [key for key in spec.lr_keys if key in read or key not in known]
 
 
 def stage_space(spec: SweepSpec, stage: StageSpec, frozen: dict[str, Any] | None = None) -> Space:
