@@ -12,6 +12,7 @@ from sweeper.sweep.space import (
     Space,
     SpaceError,
     extended_range,
+    extended_values,
     grid_size,
     is_pure_grid,
     narrow_log_band,
@@ -322,6 +323,45 @@ def test_extended_range_lies_just_past_the_end(spec, side, expected):
         # the new range is one the DSL accepts, and shares only the end with the old one
         assert parse_space({LR: {wider.kind: [wider.low, wider.high]}}).params == (wider,)
         assert (wider.low >= param.high) if side == "high" else (wider.high <= param.low)
+
+
+@pytest.mark.parametrize(
+    ("spec", "side", "count", "expected"),
+    [
+        # batch sizes double: the next values halve or double on, nearest first
+        ({"grid": [4096, 8192, 16384]}, "low", 2, [2048, 1024]),
+        ({"grid": [16384, 4096, 8192]}, "high", 1, [32768]),  # the order written is no matter
+        ({"choice": [0.01, 0.02, 0.04]}, "high", 2, [0.08, 0.16]),
+        # equal steps go on by that step; values that were all >= 0 stay >= 0
+        ({"grid": [1, 2, 3]}, "high", 2, [4, 5]),
+        ({"grid": [1, 2, 3]}, "low", 3, [0]),
+        ({"grid": [0.0, 0.1, 0.2]}, "high", 2, [0.3, 0.4]),  # not 0.30000000000000004
+        ({"grid": [0.0, 0.1, 0.2]}, "low", 1, None),
+        ({"grid": [-1, 0, 1]}, "low", 2, [-2, -3]),
+        # uneven positive values: the ratio of the two nearest the end
+        ({"grid": [0.001, 0.01, 0.03]}, "low", 2, [0.0001, 0.00001]),
+        ({"grid": [0.001, 0.01, 0.03]}, "high", 1, [0.09]),
+        # integers stay integers, >= 1 by a ratio, and never repeat
+        ({"grid": [2, 4, 8]}, "low", 3, [1]),
+        ({"grid": [1, 2, 4]}, "low", 2, None),
+        ({"grid": [100, 300, 900]}, "low", 2, [33, 11]),
+        # nothing numeric to continue
+        ({"choice": ["a", "b", "c"]}, "high", 2, None),
+        ({"grid": [1, 2, 3]}, "high", 0, None),
+    ],
+)
+def test_extended_values_continue_a_lists_spacing_past_its_end(spec, side, count, expected):
+    (param,) = parse_space({LR: spec}).params
+    more = extended_values(param, side, count)
+    if expected is None:
+        assert more is None
+        return
+    assert list(more.values) == pytest.approx(expected, rel=1e-12)
+    assert [type(v) for v in more.values] == [type(v) for v in expected]
+    assert (more.name, more.kind) == (param.name, param.kind)
+    assert not set(more.values) & set(param.values)
+    # a list the DSL accepts
+    assert parse_space({LR: {more.kind: list(more.values)}}).params == (more,)
 
 
 def test_narrow_log_band_round_trips_through_parse():

@@ -403,6 +403,53 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
 
 
 @pytest.mark.parametrize(
+    ("device_batch", "values", "skipped"),
+    [
+        # lr_bs's micro-batch is 16 x 256 = 4096 tokens: no smaller batch is a run
+        (16, None, "cannot search past the low end of trainer.total_batch_size: 4096, got 2048"),
+        (8, [2048], "past the low end of trainer.total_batch_size, only [2048]: 2048, got 1024"),
+        (4, [2048, 1024], None),
+    ],
+)
+def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
+    device_batch, values, skipped
+):
+    from sweeper.sweep.extend import extended_ranges, extension_ranges, extension_stage
+    from sweeper.sweep.outputs import range_edges, searched_params
+    from sweeper.sweep.spec import StageSpec, SweepSpec
+
+    cfg = compose(["+sweep=lr_bs", f"trainer.device_batch_size={device_batch}"])
+    base = base_config(cfg, validate_sweep(cfg), None)
+    params = {"trainer": {"total_batch_size": {"grid": [4096, 8192, 16384]}}}
+    stage = StageSpec(name="bs", search="grid", params=params, lr_rule="sqrt", extend_trials=2)
+    spec = SweepSpec(stages=[stage], lr_keys=["optimizer.matrix_lr"])
+    best = {"params": {"trainer.total_batch_size": 4096}}
+    edges = range_edges(spec, "bs", base, best)
+    searched = searched_params(spec, "bs", base)
+    ranges, lines = extension_ranges(stage, searched, edges, base, own_trainable=True, count=2)
+    if skipped is None:
+        assert lines == []
+    else:
+        # the message of the value that is no run: "...must be a multiple of ... = 4096, got 2048"
+        error = "trainer.total_batch_size must be a multiple of trainer.device_batch_size * "
+        error += "model.seq_len * trainer.workers = "
+        head, tail = skipped.split(": ")
+        assert lines == [f"{head}: {error}{tail}"]
+    if values is None:
+        assert ranges == {}
+        return
+    assert list(ranges["trainer.total_batch_size"].values) == values
+    round_two = extension_stage(stage, ranges, 2)
+    assert round_two.params == {"trainer.total_batch_size": {"grid": values}}
+    extended = extended_ranges(round_two)
+    assert extended == {"trainer.total_batch_size": values}
+    # after the round, the note speaks of both rounds' values
+    best["params"]["trainer.total_batch_size"] = min(values)
+    (edge,) = range_edges(spec, "bs", base, best, extended)
+    assert f"of its values {sorted(values) + [4096, 8192, 16384]}" in edge["note"]
+
+
+@pytest.mark.parametrize(
     ("baseline", "best", "line"),
     [
         (3.54, 3.29, "baseline val_bpb 3.5400 -> best 3.2900 (+0.2500 better)"),
@@ -473,11 +520,19 @@ def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, mon
     assert not [c for c in drawn[1].axes[0].collections if c.get_label() == "best"]
     # an extend_trials round: the part of the range it searched past the end is shaded
     extended = {"optimizer.matrix_lr": [0.1, 0.5]}
-    plot_stage_lr(tmp_path / "s.png", records, spec, records[0], {}, extended)
+    plot_stage_lr(tmp_path / "s.png", records, spec, records[0], ranges, extended)
     (band,) = drawn[2].axes[0].patches
     assert band.get_label() == "searched past its end"
     assert [band.get_x(), band.get_x() + band.get_width()] == pytest.approx([0.1, 0.5])
     assert len(drawn[2].axes[1].patches) == 0  # the batch size was not extended
+    # a grid's round past its end: its new values, shaded from the end they continue
+    records.append({**records[0], "trial_id": "3", "params": {**records[0]["params"]}})
+    records[-1]["params"]["trainer.total_batch_size"] = 256
+    extended = {"trainer.total_batch_size": [256]}
+    plot_stage_lr(tmp_path / "s.png", records, spec, records[0], ranges, extended)
+    assert len(drawn[3].axes[0].patches) == 0
+    (band,) = drawn[3].axes[1].patches
+    assert [band.get_x(), band.get_x() + band.get_width()] == pytest.approx([256, 512])
 
 
 def test_the_stage_plot_colours_each_trials_learning_curve_by_its_lr(tmp_path, monkeypatch):

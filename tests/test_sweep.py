@@ -395,6 +395,52 @@ def test_a_best_at_the_end_of_its_range_is_searched_past_and_resumes(ray_cluster
     assert again["best"] == summary["best"] and again["stages"] == summary["stages"]
 
 
+GRID_EXTENDED = [
+    "sweep.stages.0.scheduler=fifo",
+    "sweep.stages.0.num_samples=1",
+    "sweep.stages.1.params.trainer.total_batch_size.grid=[1024,2048,4096]",
+    "+sweep.stages.1.extend_trials=2",
+]
+
+
+def test_a_batch_grid_whose_best_is_its_smallest_tries_the_next_smaller_batch(
+    ray_cluster, tmp_path, capsys
+):
+    summary = sweep(tmp_path, *GRID_EXTENDED)
+    out = capsys.readouterr().out
+    # the grid's ratio goes on below 1024: 512, then 256, which no micro-batch of
+    # 8 x 64 tokens makes; the round trains the one that runs
+    assert (
+        "[batch_size] past the low end of trainer.total_batch_size, only [512]: "
+        "trainer.total_batch_size must be a multiple of trainer.device_batch_size * "
+        "model.seq_len * trainer.workers = 512, got 256"
+    ) in out
+    assert (
+        "[batch_size] its best sits at an end of its range: 1 more trial past it, "
+        "trainer.total_batch_size at [512], the other params at the best"
+    ) in out
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    stage = state["stages"][1]
+    assert stage["extended"] == {"trainer.total_batch_size": [512]}
+    batches = [r["params"]["trainer.total_batch_size"] for r in stage["records"]]
+    assert sorted(batches) == [512, 1024, 2048, 4096]
+    # the best of both rounds: at 8,192 tokens a smaller batch takes more steps and wins
+    assert stage["best"]["metric"] == min(r["metric"] for r in stage["records"])
+    assert stage["best"]["params"]["trainer.total_batch_size"] == 512
+    assert "trainer.total_batch_size=512" in summary["best"]["overrides"]
+    (edge,) = summary["stages"][1]["at_range_edge"]
+    assert "of its values [512, 1024, 2048, 4096]" in edge["note"]
+    # resumed before the stages were written down: both rounds are read back, not trained
+    trial_dirs = sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir())
+    state["stages"] = []
+    (tmp_path / "sweep_state.json").write_text(json.dumps(state))
+    again = sweep(tmp_path, *GRID_EXTENDED, "sweep.resume=true")
+    assert sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir()) == (
+        trial_dirs
+    )
+    assert again["best"] == summary["best"] and again["stages"] == summary["stages"]
+
+
 def tiny_lr_scaling(lrs: list[float], *overrides: str):
     """`+sweep=lr_scaling` on the tiny model: budgets of 4e9 and 1.2e10 FLOPs x `lrs`."""
     return compose(

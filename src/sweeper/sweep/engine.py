@@ -335,8 +335,8 @@ def extend(
     tracker,
 ) -> tuple[list[dict], list[dict], dict[str, list[float]]]:
     """The stage's round past the ends where its best sat (sweep/extend.py): both rounds'
-    records and reports, and the extended ranges ({param: [low, high]}, empty when no
-    round ran)."""
+    records and reports, and what it searched ({param: [low, high]} of a range, the new
+    values of a list; empty when no round ran)."""
     from sweeper.sweep import extend as extension
 
     stage = spec.stages[index]
@@ -356,7 +356,7 @@ def extend(
         target,
         out,
         state,
-        round_two.num_samples,
+        planned_trials(spec, round_two, after),
         remaining_seconds,
         tracker,
         stage=round_two,

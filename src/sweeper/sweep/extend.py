@@ -8,6 +8,9 @@ range just past it (`extended_range`: half the range's width further), with the 
 other params held at its best (an lr_rule=retune stage also searches its LR bands again,
 around the best's LRs, as its first round did around the frozen ones). The stage's best
 is then the best of both rounds, so a round that finds nothing better changes nothing.
+A numeric grid or choice has no range to widen: its round tries the next values past the
+end, continuing its spacing (`extended_values`: batch sizes 4096, 8192, 16384 -> 2048,
+1024), a grid each once, as many as N trials hold.
 One round: if the best sits at the new end, the stage's note says so, over the range
 both rounds covered.
 """
@@ -19,7 +22,7 @@ import math
 import time
 
 from sweeper.config import ConfigError, load_run_config
-from sweeper.sweep.space import ParamSpec, extended_range, parse_space
+from sweeper.sweep.space import LIST_KINDS, ParamSpec, extended_range, extended_values, parse_space
 from sweeper.sweep.spec import StageSpec, SweepSpec, flatten_params
 from sweeper.sweep.stages import apply_params
 from sweeper.sweep.state import SweepState, spent_flops
@@ -40,15 +43,16 @@ def plan_round(
 ) -> tuple[StageSpec | None, float]:
     """The round to run (None: none) and the FLOPs the stage's first round spent. Says
     why an end is not searched past, and when the sweep's caps leave no room for it."""
+    from sweeper.sweep.engine import planned_trials
     from sweeper.sweep.outputs import searched_params
 
     searched = searched_params(spec, stage.name, start)
-    ranges, skipped = extension_ranges(stage, searched, edges, after, own_trainable)
-    for line in skipped:
-        print(f"[{stage.name}] {line}")
     trials = stage.extend_trials
     if spec.max_trials is not None:
         trials = min(trials, spec.max_trials - state.trial_count() - len(records))
+    ranges, skipped = extension_ranges(stage, searched, edges, after, own_trainable, max(trials, 1))
+    for line in skipped:
+        print(f"[{stage.name}] {line}")
     spent = spent_flops(records)
     over_time = spec.max_seconds is not None and time.time() - started >= spec.max_seconds
     over_flops = state.total_flops() + spent >= (spec.max_flops or math.inf)
@@ -57,21 +61,38 @@ def plan_round(
     if trials <= 0 or over_time or over_flops:
         print(f"[{stage.name}] no round past the end of its range: the sweep's cap is reached")
         return None, spent
-    shown = ", ".join(f"{n} in [{p.low:.4g}, {p.high:.4g}]" for n, p in ranges.items())
-    print(
-        f"[{stage.name}] its best sits at an end of its range: {trials} more trials past it, "
-        f"{shown}, the other params at the best"
+    if spec.stage_search(stage) == "grid" or all(p.kind == "grid" for p in ranges.values()):
+        # a grid trains every point: as many new values per param as fit in `trials`
+        per_param = max(math.floor(trials ** (1 / len(ranges)) + 1e-9), 1)
+        ranges = {n: dataclasses.replace(p, values=p.values[:per_param]) for n, p in ranges.items()}
+    round_two = extension_stage(stage, ranges, trials)
+    shown = ", ".join(
+        f"{n} at {list(p.values)}"
+        if p.kind in LIST_KINDS
+        else f"{n} in [{p.low:.4g}, {p.high:.4g}]"
+        for n, p in ranges.items()
     )
-    return extension_stage(stage, ranges, trials), spent
+    planned = planned_trials(spec, round_two, after)
+    print(
+        f"[{stage.name}] its best sits at an end of its range: {planned} more "
+        f"trial{'s' if planned != 1 else ''} past it, {shown}, the other params at the best"
+    )
+    return round_two, spent
 
 
 def extension_ranges(
-    stage: StageSpec, searched: list[ParamSpec], edges: list[dict], after: dict, own_trainable: bool
+    stage: StageSpec,
+    searched: list[ParamSpec],
+    edges: list[dict],
+    after: dict,
+    own_trainable: bool,
+    count: int = 1,
 ) -> tuple[dict[str, ParamSpec], list[str]]:
-    """The ranges to search past each end in `edges` (range_edges of the stage), and a line
-    for each end that cannot be searched past. `after` is the config with the stage's best
-    frozen in: the next round's base. Only the stage's own declared params extend; an
-    lr_rule=retune band's note already says to widen it with retune_factor."""
+    """The ranges to search past each end in `edges` (range_edges of the stage), `count`
+    new values for a grid or choice, and a line for each end that cannot be searched past.
+    `after` is the config with the stage's best frozen in: the next round's base. Only the
+    stage's own declared params extend; an lr_rule=retune band's note already says to widen
+    it with retune_factor."""
     declared = set(flatten_params(stage.params))
     by_name = {p.name: p for p in searched}
     ranges, skipped = {}, []
@@ -80,36 +101,58 @@ def extension_ranges(
         param = by_name.get(name)
         if name not in declared or param is None:
             continue
-        wider = extended_range(param, side)
+        if param.kind in LIST_KINDS:
+            wider = extended_values(param, side, count)
+        else:
+            wider = extended_range(param, side)
         problem = "nothing lies past it" if wider is None else None
         if wider is not None and own_trainable:
-            problem = invalid_run(after, wider)
-        if problem:
+            wider, problem = valid_part(after, wider)
+        if wider is None:
             skipped.append(f"cannot search past the {side} end of {name}: {problem}")
-        else:
-            ranges[name] = wider
+            continue
+        if problem:  # a list's first values make valid runs, the next one does not
+            skipped.append(f"past the {side} end of {name}, only {list(wider.values)}: {problem}")
+        ranges[name] = wider
     return ranges, skipped
 
 
-def invalid_run(base: dict, param: ParamSpec) -> str | None:
-    """Why a value at either end of `param`'s range would not make a valid run (an LR at
-    0, a batch size that is no multiple of a micro-batch), as preflight checks a stage's
-    declared ranges before Ray starts; None when both ends are valid."""
+def valid_part(base: dict, param: ParamSpec) -> tuple[ParamSpec | None, str | None]:
+    """`param` where its values make valid runs from `base` (an LR at 0, a batch size that
+    is no multiple of a micro-batch do not), as preflight checks a stage's declared ranges
+    before Ray starts: a range whose ends both do, or a list's values up to the first that
+    does not (they go away from the end, nearest first), with why the rest do not; None
+    and why when none does."""
+    listed = param.kind in LIST_KINDS
+    for i, value in enumerate(param.values if listed else (param.low, param.high)):
+        problem = invalid_run(base, param.name, value)
+        if problem is not None:
+            kept = dataclasses.replace(param, values=param.values[:i]) if listed and i else None
+            return kept, problem
+    return param, None
+
+
+def invalid_run(base: dict, name: str, value) -> str | None:
+    """Why `name`=`value` would not make a valid run from `base`; None when it would."""
     from sweeper.budget import check_budget
 
-    for value in (param.low, param.high):
-        try:
-            check_budget(load_run_config(apply_params(base, {param.name: value})))
-        except ConfigError as error:
-            return str(error)
+    try:
+        check_budget(load_run_config(apply_params(base, {name: value})))
+    except ConfigError as error:
+        return str(error)
     return None
 
 
-def extension_stage(stage: StageSpec, ranges: dict[str, ParamSpec], trials: int) -> StageSpec:
+def extension_stage(stage: StageSpec, ranges: dict[str, ParamSpec], num_samples: int) -> StageSpec:
     """The round as a stage of its own: the same search, scheduler and LR rule, only the
-    extended params, no given points, and no further round."""
-    params = {name: {p.kind: [p.low, p.high]} for name, p in ranges.items()}
-    return dataclasses.replace(stage, params=params, num_samples=trials, points=[], extend_trials=0)
+    extended params (a list its new values), no given points, and no further round."""
+    params = {
+        name: {p.kind: list(p.values) if p.kind in LIST_KINDS else [p.low, p.high]}
+        for name, p in ranges.items()
+    }
+    return dataclasses.replace(
+        stage, params=params, num_samples=num_samples, points=[], extend_trials=0
+    )
 
 
 def merge_round(records: list[dict], best: dict, extra: list[dict]) -> list[dict]:
@@ -121,5 +164,9 @@ def merge_round(records: list[dict], best: dict, extra: list[dict]) -> list[dict
 
 
 def extended_ranges(round_two: StageSpec) -> dict[str, list]:
-    """{param: [low, high]} of the ranges a round searched (kept in sweep_state.json)."""
-    return {p.name: [p.low, p.high] for p in parse_space(round_two.params).params}
+    """{param: [low, high]} of the ranges a round searched, {param: [values]} of its lists
+    (kept in sweep_state.json)."""
+    return {
+        p.name: list(p.values) if p.kind in LIST_KINDS else [p.low, p.high]
+        for p in parse_space(round_two.params).params
+    }

@@ -12,7 +12,7 @@ from typing import Any
 
 from sweeper.config import BUDGET_KEYS
 from sweeper.sweep.results import REPORT_COLUMNS
-from sweeper.sweep.space import ParamSpec, range_edge
+from sweeper.sweep.space import LIST_KINDS, ParamSpec, range_edge
 from sweeper.sweep.spec import SweepSpec, flatten, flatten_params, stage_space
 from sweeper.sweep.stages import float_text, unresolved_rivals
 from sweeper.sweep.state import SweepState, write_json_atomic
@@ -171,7 +171,9 @@ def searched_params(
     _, stage = _stage_spec(spec, stage_name)
     params = list(stage_space(spec, stage, flatten(start)).params)
     for i, p in enumerate(params):
-        if extended and p.name in extended:
+        if extended and p.name in extended and p.kind in LIST_KINDS:
+            params[i] = dataclasses.replace(p, values=tuple(sorted({*p.values, *extended[p.name]})))
+        elif extended and p.name in extended:
             low, high = extended[p.name]
             params[i] = dataclasses.replace(p, low=min(p.low, low), high=max(p.high, high))
     return params

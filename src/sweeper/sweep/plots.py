@@ -116,7 +116,8 @@ def plot_stage_lr(
     came before the full budget, so their values sit higher than they would have ended.
     The best trial is a star, and dashed lines mark each param's search range (`ranges`:
     name -> (low, high)), so a best value at an end of it shows; a shaded band, the part
-    an extend_trials round searched past the end (`extended`: name -> [low, high]).
+    an extend_trials round searched past the end (`extended`: name -> [low, high], or a
+    list's new values, shaded from the old end).
     Given the stage's `reports`, a last panel draws each trial's learning curve coloured by
     the first of those parameters, so an LR too high or too low shows in how it trained."""
     ranges = ranges or {}
@@ -166,7 +167,11 @@ def plot_stage_lr(
             values.append(bound)
         if extended and key in extended:
             ax.axvspan(
-                *extended[key], color="tab:orange", alpha=0.12, lw=0, label="searched past its end"
+                *_band_past_the_end(key, extended[key], ranges, records),
+                color="tab:orange",
+                alpha=0.12,
+                lw=0,
+                label="searched past its end",
             )
         if min(values) > 0 and max(values) / min(values) > 3:
             log_axis_labelled(ax.xaxis, [r["params"][key] for r in points])
@@ -181,6 +186,16 @@ def plot_stage_lr(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _band_past_the_end(key: str, extended: list, ranges: dict, records: list[dict]) -> tuple:
+    """Where an extend_trials round searched: a range's [old end, new end] as it is stored;
+    for a list, its new values, from the old end they continue."""
+    if key in ranges:
+        return tuple(extended)
+    old = [r["params"][key] for r in records if r["params"][key] not in extended]
+    end = (min(old) if min(extended) < min(old) else max(old)) if old else extended[0]
+    return min(*extended, end), max(*extended, end)
 
 
 # how a trial ended, as a line style and an end marker in the curves coloured by a parameter

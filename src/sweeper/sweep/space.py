@@ -293,6 +293,35 @@ def extended_range(
     return replace(param, low=low, high=high)
 
 
+def extended_values(param: ParamSpec, side: str, count: int) -> ParamSpec | None:
+    """The next `count` values past the `side` end ('low' or 'high') of a numeric grid or
+    choice, nearest first, continuing its spacing: equal steps go on by that step (1, 2, 3
+    -> 4, 5); positive values otherwise by the ratio of the two values nearest that end
+    (batch sizes 4096, 8192, 16384 -> 2048, 1024 below). An integer list stays integer,
+    without repeats; values that were all >= 0 stay >= 0, and a ratio's stay > 0 (>= 1 for
+    integers). None where nothing lies past that end."""
+    values = sorted(param.values) if all(_is_number(v) for v in param.values) else []
+    if count < 1 or len(values) < 2:
+        return None
+    integer = all(isinstance(v, numbers.Integral) for v in values)
+    end, near = (values[0], values[1]) if side == "low" else (values[-1], values[-2])
+    steps = [b - a for a, b in zip(values, values[1:], strict=False)]
+    equal_steps = all(math.isclose(d, steps[0], rel_tol=1e-9) for d in steps)
+    by_ratio = values[0] > 0 and not equal_steps
+    floor = (1 if integer else 0) if by_ratio else 0
+    new: list = []
+    for k in range(1, count + 1):
+        value = end * (end / near) ** k if by_ratio else end + k * (end - near)
+        # integers stay integers; floats lose the last bits' noise (0.1 + 0.2 is 0.3 here)
+        value = round(value) if integer else float(f"{value:.12g}")
+        if (values[0] >= 0 or by_ratio) and (value < floor or (by_ratio and value <= 0)):
+            break
+        if value in values or value in new:
+            break
+        new.append(value)
+    return replace(param, values=tuple(new)) if new else None
+
+
 def _refuse_grid(param: ParamSpec, backend: str) -> None:
     if param.kind == "grid":
         raise _fail(param.name, f"grid values cannot be sampled by {backend}; use choice")
