@@ -1,5 +1,6 @@
 """Pure helpers of the staged sweep: freezing, the LR rule, picking the best trial."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -91,6 +92,20 @@ def test_an_lr_the_optimizer_does_not_read_gets_no_retune_band():
     # a stage that chooses the optimizer keeps every LR: which one is read depends on the trial
     choose = "+sweep.stages.1.params.optimizer.name={grid:[adamw,muon_adamw]}"
     assert "optimizer.lr" in validate_sweep(compose(["+sweep=lr_bs", choose])).lr_keys
+
+
+def test_a_random_search_over_a_grid_and_sampled_params_counts_each_draw_at_every_grid_point():
+    from sweeper.sweep.engine import planned_trials
+
+    # Tune runs the grid once per sample: 3 draws of the LR bands x 3 batch sizes
+    retune = ["sweep.stages.1.lr_rule=retune", "sweep.stages.1.search=random"]
+    cfg = compose(["+sweep=lr_bs", *retune, "sweep.stages.1.num_samples=3"])
+    spec = validate_sweep(cfg)
+    base = base_config(cfg, spec, None)
+    assert planned_trials(spec, spec.stages[1], base) == 9
+    # the grid alone: every point once, whatever num_samples says; sampled alone: the draws
+    assert planned_trials(spec, dataclasses.replace(spec.stages[1], lr_rule="sqrt"), base) == 3
+    assert planned_trials(spec, spec.stages[0], base) == spec.stages[0].num_samples
 
 
 @pytest.mark.parametrize(

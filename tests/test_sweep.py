@@ -395,6 +395,29 @@ def test_a_best_at_the_end_of_its_range_is_searched_past_and_resumes(ray_cluster
     assert again["best"] == summary["best"] and again["stages"] == summary["stages"]
 
 
+def test_a_random_search_over_a_grid_runs_whole_draws_under_the_trial_cap(
+    ray_cluster, tmp_path, capsys
+):
+    # 2 draws of the LR bands x 2 batch sizes is 4 trials; sweep.max_trials leaves 3 after
+    # the LR stage's 2: one whole draw, at both batch sizes
+    summary = sweep(
+        tmp_path,
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.1.lr_rule=retune",
+        "sweep.stages.1.search=random",
+        "sweep.stages.1.num_samples=2",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512,1024]",
+        "sweep.max_trials=5",
+    )
+    out = capsys.readouterr().out
+    assert "[batch_size] random search, fifo scheduler, 2 trials of" in out
+    assert "[batch_size] 2/2 trials done, 0 running" in out
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    records = state["stages"][1]["records"]
+    assert sorted(r["params"]["trainer.total_batch_size"] for r in records) == [512, 1024]
+    assert summary["trials"] == 4
+
+
 GRID_EXTENDED = [
     "sweep.stages.0.scheduler=fifo",
     "sweep.stages.0.num_samples=1",

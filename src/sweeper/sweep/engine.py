@@ -208,12 +208,14 @@ def finished(spec: SweepSpec, state: SweepState, base: dict) -> bool:
 
 
 def planned_trials(spec: SweepSpec, stage, base: dict) -> int:
-    """Trials a stage launches: every point of a grid, else its num_samples."""
+    """Trials a stage launches: every point of a grid, else its num_samples draws, each of
+    them at every point of the grid params a random search holds beside sampled ones (Tune
+    runs the grid once per sample; an lr_rule=retune stage over a grid of batch sizes)."""
     from sweeper.sweep.space import grid_size, is_pure_grid
 
     space = stage_space(spec, stage, flatten(base))
     grid = spec.stage_search(stage) == "grid" or is_pure_grid(space)
-    return grid_size(space) if grid else stage.num_samples
+    return grid_size(space) if grid else stage.num_samples * grid_size(space)
 
 
 def cluster_slots(spec: SweepSpec, workers: int) -> int:
@@ -463,7 +465,7 @@ def run_stage(
         ProgressCallback,
     )
     from sweeper.sweep.results import collect_results
-    from sweeper.sweep.space import is_pure_grid
+    from sweeper.sweep.space import grid_size, is_pure_grid
     from sweeper.sweep.trainable import run_trial
 
     stage = stage or spec.stages[index]
@@ -472,14 +474,15 @@ def run_stage(
     search, scheduler_name = spec.stage_search(stage), spec.stage_scheduler(stage)
     grid = search == "grid" or is_pure_grid(space)
     planned = planned_trials(spec, stage, base)
+    per_sample = 1 if grid else grid_size(space)  # a random search's grid points per draw
     if remaining_trials is not None and planned > remaining_trials:
-        if grid:  # a grid cannot be cut short fairly: the stage does not start
+        if grid or remaining_trials < per_sample:  # a grid cannot be cut short fairly
             print(
                 f"[{stage.name}] skipped: its grid of {planned} trials exceeds the "
                 f"{remaining_trials} left under sweep.max_trials"
             )
             return [], []
-        planned = remaining_trials
+        planned = remaining_trials // per_sample * per_sample
     ctx = stage_context(spec, stage, base, target, storage=str(out / "ray"))
     points = stage_points(spec, stage, flatten(base))[:planned]
     time_attr, max_t = time_axis(spec, stage, target)
@@ -599,7 +602,7 @@ def run_stage(
             tune_config=tune.TuneConfig(
                 search_alg=searcher,
                 scheduler=scheduler,
-                num_samples=1 if grid else planned,
+                num_samples=1 if grid else planned // per_sample,
                 # no max_concurrent_trials: the searcher built above enforces
                 # sweep.concurrency itself, and Tune, given both, only warns that it ignores it
                 time_budget_s=remaining_seconds,

@@ -61,11 +61,14 @@ def plan_round(
     if trials <= 0 or over_time or over_flops:
         print(f"[{stage.name}] no round past the end of its range: the sweep's cap is reached")
         return None, spent
-    if spec.stage_search(stage) == "grid" or all(p.kind == "grid" for p in ranges.values()):
-        # a grid trains every point: as many new values per param as fit in `trials`
-        per_param = max(math.floor(trials ** (1 / len(ranges)) + 1e-9), 1)
-        ranges = {n: dataclasses.replace(p, values=p.values[:per_param]) for n, p in ranges.items()}
-    round_two = extension_stage(stage, ranges, trials)
+    # a grid trains every point of it (a random search, at each draw): as many new values
+    # per grid param as `trials` holds
+    grids = [n for n, p in ranges.items() if p.kind == "grid"]
+    per_param = max(math.floor(trials ** (1 / max(len(grids), 1)) + 1e-9), 1)
+    for n in grids:
+        ranges[n] = dataclasses.replace(ranges[n], values=ranges[n].values[:per_param])
+    points = math.prod(len(ranges[n].values) for n in grids)
+    round_two = extension_stage(stage, ranges, max(trials // points, 1))
     shown = ", ".join(
         f"{n} at {list(p.values)}"
         if p.kind in LIST_KINDS
