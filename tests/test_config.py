@@ -140,7 +140,9 @@ BAD_INPUTS = [
     (["optimizer.matrix_lr=0"], "optimizer.matrix_lr"),
     (["optimizer.embedding_lr=-1"], "optimizer.embedding_lr"),
     (["optimizer=adamw", "optimizer.lr=0"], "optimizer.lr"),
-    (["trainer.total_batch_size=1000"], "trainer.total_batch_size"),
+    (["trainer.total_batch_size=1000"], "= 4096, got 1000"),  # no micro-batch makes 1000
+    # 20 sequences of 256: 10 is the largest micro-batch up to 16 that divides them
+    (["trainer.total_batch_size=5120"], "got 5120; trainer.device_batch_size=10 makes it one"),
     (["trainer.device_batch_size=0"], "trainer.device_batch_size"),
     (["data.name=wikipedia"], "data.name"),
     (["data=wikipedia"], "data"),

@@ -391,7 +391,7 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
         "cannot search past the low end of optimizer.weight_decay: nothing lies past it",
         "cannot search past the low end of trainer.total_batch_size: trainer.total_batch_size "
         "must be a multiple of trainer.device_batch_size * model.seq_len * trainer.workers = "
-        "4096, got 2048",
+        "4096, got 2048; trainer.device_batch_size=8 makes it one",
     ]
     # a user's function has no run config to check: the batch range is searched past
     ranges, _ = extension_ranges(stage, searched, edges, base, own_trainable=False)
@@ -421,8 +421,18 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
     ("device_batch", "values", "skipped"),
     [
         # lr_bs's micro-batch is 16 x 256 = 4096 tokens: no smaller batch is a run
-        (16, None, "cannot search past the low end of trainer.total_batch_size: 4096, got 2048"),
-        (8, [2048], "past the low end of trainer.total_batch_size, only [2048]: 2048, got 1024"),
+        (
+            16,
+            None,
+            "cannot search past the low end of trainer.total_batch_size: 4096, got 2048; "
+            "trainer.device_batch_size=8 makes it one",
+        ),
+        (
+            8,
+            [2048],
+            "past the low end of trainer.total_batch_size, only [2048]: 2048, got 1024; "
+            "trainer.device_batch_size=4 makes it one",
+        ),
         (4, [2048, 1024], None),
     ],
 )

@@ -436,7 +436,7 @@ def test_a_batch_grid_whose_best_is_its_smallest_tries_the_next_smaller_batch(
     assert (
         "[batch_size] past the low end of trainer.total_batch_size, only [512]: "
         "trainer.total_batch_size must be a multiple of trainer.device_batch_size * "
-        "model.seq_len * trainer.workers = 512, got 256"
+        "model.seq_len * trainer.workers = 512, got 256; trainer.device_batch_size=4 makes it one\n"
     ) in out
     assert (
         "[batch_size] its best sits at an end of its range: 1 more trial past it, "

@@ -32,6 +32,16 @@ class ConfigError(ValueError):
     """A user's config mistake: reported as one line, exit code 2, nothing written."""
 
 
+def _smaller_micro_batch(total: int, sequence_tokens: int, device_batch: int) -> str:
+    """'; trainer.device_batch_size=N makes it one' where a smaller micro-batch divides the
+    batch (a batch below lr_bs's 16 x 256 tokens), else nothing."""
+    if total <= 0 or total % sequence_tokens:
+        return ""
+    sequences = total // sequence_tokens
+    fits = [d for d in range(min(device_batch, sequences), 0, -1) if sequences % d == 0]
+    return f"; trainer.device_batch_size={fits[0]} makes it one" if fits else ""
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -279,7 +289,8 @@ class RunConfig:
         _require(
             t.total_batch_size % micro == 0,
             "trainer.total_batch_size must be a multiple of trainer.device_batch_size * "
-            f"model.seq_len * trainer.workers = {micro}, got {t.total_batch_size}",
+            f"model.seq_len * trainer.workers = {micro}, got {t.total_batch_size}"
+            + _smaller_micro_batch(t.total_batch_size, m.seq_len * t.workers, t.device_batch_size),
         )
         if m.vocab_size is None:
             m.vocab_size = self.data.vocab_size
