@@ -300,7 +300,7 @@ def test_a_stage_tries_its_given_points_first(ray_cluster, tmp_path, capsys):
 
 def test_resume_skips_finished_stages(ray_cluster, tmp_path, monkeypatch, capsys):
     first = sweep(tmp_path, "sweep.stages.1.params.trainer.total_batch_size.grid=[512]")
-    trial_dirs = sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir())
+    trained = trial_dirs(tmp_path)
     (tmp_path / "summary.json").unlink()
     capsys.readouterr()
 
@@ -317,9 +317,7 @@ def test_resume_skips_finished_stages(ray_cluster, tmp_path, monkeypatch, capsys
     )
     assert (tmp_path / "summary.json").is_file()
     monkeypatch.undo()
-    assert (
-        sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir()) == trial_dirs
-    )
+    assert trial_dirs(tmp_path) == trained
     assert again["best"] == first["best"] and again["trials"] == first["trials"]
     # the same run dir with another budget: its finished stages are not this sweep's
     with pytest.raises(ConfigError, match="sweep.budget.tokens_per_trial .* -> 30000.0"):
@@ -382,16 +380,22 @@ def test_a_best_at_the_end_of_its_range_is_searched_past_and_resumes(ray_cluster
     for edge in summary["stages"][0]["at_range_edge"]:
         assert "range [0.001, 0.005196]" in edge["note"], edge
 
-    # stopped after both rounds' Tune runs ended, before the stages were written down:
-    # resuming reads both rounds back from Ray's experiments and trains nothing again
-    trial_dirs = sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir())
-    assert len(trial_dirs) == 4  # 1 + 2 in stage lr, 1 in stage batch_size
+    assert len(trial_dirs(tmp_path)) == 4  # 1 + 2 in stage lr, 1 in stage batch_size
+    assert_a_resume_reads_every_round_back(tmp_path, state, summary, *EXTENDED)
+
+
+def trial_dirs(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "ray").rglob("run_trial_*") if p.is_dir())
+
+
+def assert_a_resume_reads_every_round_back(run_dir: Path, state: dict, summary: dict, *args):
+    """A sweep stopped after its Tune runs ended, before its stages were written down:
+    resuming reads every round back from Ray's experiments and trains nothing again."""
+    before = trial_dirs(run_dir)
     state["stages"] = []
-    (tmp_path / "sweep_state.json").write_text(json.dumps(state))
-    again = sweep(tmp_path, *EXTENDED, "sweep.resume=true")
-    assert sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir()) == (
-        trial_dirs
-    )
+    (run_dir / "sweep_state.json").write_text(json.dumps(state))
+    again = sweep(run_dir, *args, "sweep.resume=true")
+    assert trial_dirs(run_dir) == before
     assert again["best"] == summary["best"] and again["stages"] == summary["stages"]
 
 
@@ -453,15 +457,7 @@ def test_a_batch_grid_whose_best_is_its_smallest_tries_the_next_smaller_batch(
     assert "trainer.total_batch_size=512" in summary["best"]["overrides"]
     (edge,) = summary["stages"][1]["at_range_edge"]
     assert "of its values [512, 1024, 2048, 4096]" in edge["note"]
-    # resumed before the stages were written down: both rounds are read back, not trained
-    trial_dirs = sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir())
-    state["stages"] = []
-    (tmp_path / "sweep_state.json").write_text(json.dumps(state))
-    again = sweep(tmp_path, *GRID_EXTENDED, "sweep.resume=true")
-    assert sorted(p.name for p in (tmp_path / "ray").rglob("run_trial_*") if p.is_dir()) == (
-        trial_dirs
-    )
-    assert again["best"] == summary["best"] and again["stages"] == summary["stages"]
+    assert_a_resume_reads_every_round_back(tmp_path, state, summary, *GRID_EXTENDED)
 
 
 def tiny_lr_scaling(lrs: list[float], *overrides: str):
