@@ -308,15 +308,16 @@ def extended_values(param: ParamSpec, side: str, count: int) -> ParamSpec | None
     steps = [b - a for a, b in zip(values, values[1:], strict=False)]
     equal_steps = all(math.isclose(d, steps[0], rel_tol=1e-9) for d in steps)
     by_ratio = values[0] > 0 and not equal_steps
-    floor = (1 if integer else 0) if by_ratio else 0
     new: list = []
     for k in range(1, count + 1):
         value = end * (end / near) ** k if by_ratio else end + k * (end - near)
         # integers stay integers; floats lose the last bits' noise (0.1 + 0.2 is 0.3 here)
         value = round(value) if integer else float(f"{value:.12g}")
-        if (values[0] >= 0 or by_ratio) and (value < floor or (by_ratio and value <= 0)):
-            break
-        if value in values or value in new:
+        if by_ratio:  # a ratio keeps values > 0, but an integer can round down to 0
+            allowed = value >= 1 if integer else value > 0
+        else:  # a list of values >= 0 (a weight decay, a warm-up) stays >= 0
+            allowed = value >= 0 or values[0] < 0
+        if not allowed or value in values or value in new:
             break
         new.append(value)
     return replace(param, values=tuple(new)) if new else None
