@@ -217,6 +217,22 @@ logging.getLogger("ray._private.authentication.authentication_token_setup").addF
 )
 
 
+class DropsSupersededStateUpload(logging.Filter):
+    """Tune's forced save of a stage's experiment state (on Ctrl+C, at a stage's end) writes
+    the searcher's state as a temp file renamed into place, while its previous background
+    upload of that folder may still be copying it. That upload then fails on the vanished
+    temp file and Tune logs a traceback, although the save goes on to upload the whole
+    state again, which Tune's next line reports ("the most recent state was saved"). Seen
+    as a rare traceback on Ctrl+C; this drops only an upload that failed on a temp file."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, FileNotFoundError) and "-tmp-" in str(error))
+
+
+logging.getLogger("ray.tune.execution.experiment_state").addFilter(DropsSupersededStateUpload())
+
+
 def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
     """Sweeps keep the driver's output to their own progress lines (trial output stays in
     Ray's logs); a single DDP run shows rank 0's progress (log_to_driver=True)."""
