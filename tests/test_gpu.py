@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sweeper.data import BatchSampler
-from sweeper.model import GPT, GPTShape
+from sweeper.model import GPT, GPTShape, residual_dtype_for
 from sweeper.runtime import peak_flops
 from sweeper.train import train
 
@@ -38,8 +38,10 @@ def test_compiled_bf16_training_on_cuda_learns_and_reports_mfu():
 
 
 def test_compiled_model_matches_eager_on_cuda():
+    """The model as the loop trains it on a GPU: residual stream in bf16."""
     torch.manual_seed(0)
-    model = GPT(GPTShape(2, 128, 64, 64, 256)).cuda()
+    residual = residual_dtype_for(torch.device("cuda"), torch.bfloat16)
+    model = GPT(GPTShape(2, 128, 64, 64, 256), residual).cuda()
     with torch.no_grad():  # non-trivial output projections and scalars
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))

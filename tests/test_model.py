@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sweeper.model import GPT, GPTShape
+from sweeper.model import GPT, GPTShape, residual_dtype_for
 
 SHAPE = GPTShape(depth=2, d_model=64, head_dim=32, seq_len=32, vocab_size=256)
 
@@ -177,16 +177,63 @@ def test_model_gives_the_same_loss_and_gradients_eagerly_and_with_the_compile_fo
     torch.testing.assert_close(eager_grads, plain_grads)
 
 
-def test_the_whole_model_compiles_as_one_graph():
+@pytest.mark.parametrize("residual_dtype", [None, torch.bfloat16])
+def test_the_whole_model_compiles_as_one_graph(residual_dtype):
     """torch.compile must see the forward and the loss in one graph: each graph break is a
     fusion boundary and an eager fallback (a class attribute read inside the RMSNorm path
     once broke the graph at every norm, halving the d12 MFU on an H100)."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    model = GPT(SHAPE)
+    model = GPT(SHAPE, residual_dtype)
     idx = torch.randint(0, 256, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         explained = torch._dynamo.explain(model)(idx, idx)
     reasons = [b.reason.splitlines()[0] for b in explained.break_reasons]
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
+
+
+@pytest.mark.parametrize(
+    "device, dtype, expected",
+    [
+        ("cuda", torch.bfloat16, torch.bfloat16),
+        ("cuda", torch.float16, torch.float16),
+        ("cuda", torch.float32, None),
+        ("cpu", torch.bfloat16, None),
+        ("cpu", torch.float32, None),
+    ],
+)
+def test_the_residual_stream_is_carried_in_the_autocast_dtype_on_gpus_only(device, dtype, expected):
+    assert residual_dtype_for(torch.device(device), dtype) == expected
+
+
+@pytest.mark.parametrize("compile_forms", [False, True])
+def test_a_bf16_residual_stream_reaches_every_block_in_bf16_and_keeps_the_loss(
+    compile_forms, monkeypatch
+):
+    """GPT(shape, bf16) under autocast: each block reads and writes bf16 (the point: half
+    the bytes between the matmuls), the loss is still fp32 and equals the fp32 stream's
+    within bf16 rounding, and every parameter gets a gradient of its own dtype."""
+    if compile_forms:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.manual_seed(0)
+    fp32_stream = GPT(SHAPE)
+    with torch.no_grad():  # non-trivial output projections and scalars
+        for p in fp32_stream.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    bf16_stream = GPT(SHAPE, torch.bfloat16)
+    bf16_stream.load_state_dict(fp32_stream.state_dict())
+    seen = []
+    for block in bf16_stream.blocks:
+        block.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    idx = torch.randint(0, 256, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = bf16_stream(idx, idx)
+        reference = fp32_stream(idx, idx)
+    loss.backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * SHAPE.depth
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, reference, rtol=0, atol=2e-2)
+    for name, p in bf16_stream.named_parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype, name
+        assert torch.isfinite(p.grad).all(), name

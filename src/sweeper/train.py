@@ -22,7 +22,7 @@ import torch
 from sweeper.budget import resolve_total_steps
 from sweeper.config import RunConfig, load_run_config
 from sweeper.data import BatchSampler, load_data, unigram_bpb, val_windows
-from sweeper.model import GPT, GPTShape
+from sweeper.model import GPT, GPTShape, residual_dtype_for
 from sweeper.optim import build_optimizer
 from sweeper.runtime import (
     autocast_context,
@@ -129,7 +129,7 @@ def train(
 
     torch.manual_seed(t.seed)
     data = load_data(cfg.data, cfg.model.seq_len)
-    model = GPT(GPTShape.from_config(cfg.model)).to(device)
+    model = GPT(GPTShape.from_config(cfg.model), residual_dtype_for(device, dtype)).to(device)
     counts, flops_per_token = model.param_counts(), model.flops_per_token()
     total_steps = resolve_total_steps(cfg, counts["total"], flops_per_token)
     optimizer = build_optimizer(model, cfg.optimizer)
