@@ -216,10 +216,8 @@ def residual_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype 
     of a d12 step and bound by memory traffic, the stream is carried in bf16 instead, as
     nanochat does (its embedding table is cast to bf16 on CUDA). Norms still compute in
     fp32 and the loss stays fp32. CPUs keep fp32: there the measured figures, tests and
-    sweeps of this project were made with it."""
-    if device.type == "cuda" and dtype != torch.float32:
-        return dtype
-    return None
+    sweeps of this project were made with it. Only bf16: an fp16 stream could overflow."""
+    return torch.bfloat16 if device.type == "cuda" and dtype == torch.bfloat16 else None
 
 
 class CausalSelfAttention(nn.Module):
