@@ -496,3 +496,27 @@ def test_numpy_s_memory_error_counts_as_out_of_memory():
         np.empty((4, 2**45), dtype=np.int64)  # 1 PiB: refused before any page is touched
     assert out_of_memory(caught.value) == "1.00 PiB"
     assert out_of_memory(ValueError("Unable to allocate 1 TiB")) is None
+
+
+def test_the_loop_trains_the_model_with_the_residual_stream_its_device_calls_for(monkeypatch):
+    """train() builds the GPT with residual_dtype_for(device, dtype): a GPU's bf16 stream.
+    Here the rule is made to pick bf16 on this CPU, and the run must still learn."""
+    import sweeper.train
+
+    asked, built = [], []
+
+    def rule(device, dtype):
+        asked.append((device.type, dtype))
+        return torch.bfloat16
+
+    class Recorded(GPT):
+        def __init__(self, shape, residual_dtype=None):
+            super().__init__(shape, residual_dtype)
+            built.append(residual_dtype)
+
+    monkeypatch.setattr(sweeper.train, "residual_dtype_for", rule)
+    monkeypatch.setattr(sweeper.train, "GPT", Recorded)
+    result = train(tiny(trainer={"max_steps": 12, "dtype": "bfloat16"}), verbose=False)
+    assert (asked, built) == ([("cpu", torch.bfloat16)], [torch.bfloat16])
+    assert result["status"] == "completed"
+    assert result["loss_trace"][-1] < result["loss_trace"][0] - 0.5, result["loss_trace"]
