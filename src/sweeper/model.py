@@ -3,8 +3,9 @@
 RoPE positions, parameter-free RMSNorm (also on queries and keys), ReLU^2 MLP, untied
 embedding and unembedding, a tanh soft-cap on the logits, zero-initialised output
 projections (every block starts as the identity), per-layer residual scalars, and a width
-that follows the depth. The parameter and FLOP accounting used by MFU and the scaling fits
-lives here too, next to the shapes it counts.
+that follows the depth; on a GPU the residual stream travels in bf16 (`residual_dtype_for`).
+The parameter and FLOP accounting used by MFU and the scaling fits lives here too, next to
+the shapes it counts.
 """
 
 from __future__ import annotations
