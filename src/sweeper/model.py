@@ -269,7 +269,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, shape: GPTShape, residual_dtype: torch.dtype | None = None):
         """residual_dtype: the dtype the residual stream travels in between the blocks; None
-        keeps the embedding's fp32 (see `residual_dtype_for`)."""
+        keeps the embedding's fp32 (see `residual_dtype_for`). A model given one runs under
+        autocast of that dtype (as train() and evaluate() run it): outside autocast its fp32
+        weights would meet bf16 activations."""
         super().__init__()
         self.shape = shape
         self.residual_dtype = residual_dtype
