@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from sweeper.cli import compose
 from sweeper.config import load_run_config
@@ -122,6 +123,27 @@ def alternate_in_loop(
             print(f"round {round_ + 1} {name:{width}s} {_figures(results[name][-1:])}", flush=True)
     for name, runs in results.items():
         print(f"median  {name:{width}s} {_figures(runs)}  ({len(runs)} runs)")
+
+
+def in_loop_ab_arguments(
+    description: str, pairs: int, deadline_s: float
+) -> argparse.ArgumentParser:
+    """The arguments every GPU A/B script over alternate_in_loop takes (add more, then
+    parse): --pairs, --steps, --deadline-s, and Hydra overrides of the d12 GPU run."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--pairs", type=int, default=pairs)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument(
+        "--deadline-s", type=float, default=deadline_s, help="no new pair after this"
+    )
+    parser.add_argument("overrides", nargs="*")
+    return parser
+
+
+def d12_gpu_run(overrides: list[str]):
+    """The d12 preset on a GPU over token shards, with the overrides: (composed, plain dict)."""
+    composed = compose(["model=d12", "trainer=gpu", "data=shards", *overrides])
+    return composed, OmegaConf.to_container(composed, resolve=True)
 
 
 def _figures(runs: list[tuple[float, float | None]]) -> str:

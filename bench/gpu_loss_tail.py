@@ -15,17 +15,14 @@ cap * tanh(l / cap) = 2 cap * sigmoid(2 l / cap) - cap.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from bench_train import alternate_in_loop
-from omegaconf import OmegaConf
+from bench_train import alternate_in_loop, d12_gpu_run, in_loop_ab_arguments
 
 import sweeper.model
-from sweeper.cli import compose
 
 MAIN = sweeper.model.capped_cross_entropy
 
@@ -145,18 +142,13 @@ def tail_times(rows: int, d_model: int, vocab: int, cap: float, device: str) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--deadline-s", type=float, default=420, help="no new pair after this")
+    parser = in_loop_ab_arguments(__doc__.splitlines()[0], pairs=2, deadline_s=420)
     parser.add_argument("--rows", type=int, help="tail rows (default: one micro-batch)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of part 1 only")
     parser.add_argument("--tail-only", action="store_true", help="part 1 only")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     began = time.perf_counter()
-    composed = compose(["model=d12", "trainer=gpu", "data=shards", *args.overrides])
-    cfg = OmegaConf.to_container(composed, resolve=True)
+    composed, cfg = d12_gpu_run(args.overrides)
     m, t = composed.model, composed.trainer
     width = m.depth * m.aspect_ratio if m.d_model is None else m.d_model
     vocab = composed.data.vocab_size

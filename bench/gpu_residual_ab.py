@@ -11,29 +11,21 @@ the final val_bpb and train loss of each are printed: the numerics' cost, if any
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from bench_train import alternate_in_loop
-from omegaconf import OmegaConf
+from bench_train import alternate_in_loop, d12_gpu_run, in_loop_ab_arguments
 
 import sweeper.train
-from sweeper.cli import compose
 from sweeper.model import residual_dtype_for
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--deadline-s", type=float, default=300, help="no new pair after this")
+    parser = in_loop_ab_arguments(__doc__.splitlines()[0], pairs=3, deadline_s=300)
     parser.add_argument("--quality", action="store_true", help="train to the end, compare losses")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     began = time.perf_counter()
-    composed = compose(["model=d12", "trainer=gpu", "data=shards", *args.overrides])
-    cfg = OmegaConf.to_container(composed, resolve=True)
+    _, cfg = d12_gpu_run(args.overrides)
     rules = {"fp32 residual": lambda device, dtype: None, "bf16 residual": residual_dtype_for}
     variants = {
         name: (lambda rule=rule: setattr(sweeper.train, "residual_dtype_for", rule))

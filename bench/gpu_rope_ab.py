@@ -9,15 +9,12 @@ alternating, tokens/s and MFU of each. The same maths; only the kernels differ.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
-from bench_train import alternate_in_loop
-from omegaconf import OmegaConf
+from bench_train import alternate_in_loop, d12_gpu_run, in_loop_ab_arguments
 
 import sweeper.model
-from sweeper.cli import compose
 
 FORMS = {"flip": sweeper.model.rotate_real}
 
@@ -32,15 +29,9 @@ FORMS["stack"] = rotate_by_stack
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--deadline-s", type=float, default=300, help="no new pair after this")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = in_loop_ab_arguments(__doc__.splitlines()[0], pairs=2, deadline_s=300).parse_args()
     began = time.perf_counter()
-    composed = compose(["model=d12", "trainer=gpu", "data=shards", *args.overrides])
-    cfg = OmegaConf.to_container(composed, resolve=True)
+    _, cfg = d12_gpu_run(args.overrides)
     patch = lambda fn: lambda: setattr(sweeper.model, "rotate_real", fn)  # noqa: E731
     variants = {name: patch(rotate) for name, rotate in FORMS.items()}
     alternate_in_loop(cfg, variants, args.pairs, args.steps, began + args.deadline_s)
