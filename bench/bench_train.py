@@ -118,11 +118,15 @@ def alternate_in_loop(
             break
         for name, setup in variants.items():
             setup()
-            run_cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()}
-            results[name].append(sweeper_tokens_per_s(run_cfg, steps))
+            results[name].append(sweeper_tokens_per_s(run_copy(cfg_dict), steps))
             print(f"round {round_ + 1} {name:{width}s} {_figures(results[name][-1:])}", flush=True)
     for name, runs in results.items():
         print(f"median  {name:{width}s} {_figures(runs)}  ({len(runs)} runs)")
+
+
+def run_copy(cfg_dict: dict) -> dict:
+    """A run config whose sections a run may update without touching the original."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()}
 
 
 def in_loop_ab_arguments(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench_train import alternate_in_loop, d12_gpu_run, in_loop_ab_arguments
+from bench_train import alternate_in_loop, d12_gpu_run, in_loop_ab_arguments, run_copy
 
 import sweeper.train
 from sweeper.model import residual_dtype_for
@@ -34,8 +34,7 @@ def main() -> None:
     if args.quality:
         for name, setup in variants.items():
             setup()
-            run_cfg = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-            result = sweeper.train.train(run_cfg, verbose=False)
+            result = sweeper.train.train(run_copy(cfg), verbose=False)
             tail = statistics.mean(result["loss_trace"][-20:])
             print(
                 f"{name}: val_bpb {result['val_bpb']:.4f} | train loss (last 20 steps) "
