@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -331,8 +332,11 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
     assert (top["param"], top["value"], top["side"]) == ("optimizer.matrix_lr", 0.09, "high")
     assert top["note"] == (
         "best optimizer.matrix_lr=0.09 is at the high end of its range [0.004, 0.1]: "
-        "the optimum may lie above it; widen the range"
+        "the optimum may lie above it; widen the range: "
+        "'sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.004,0.5]' "
+        "(or ++sweep.stages.0.extend_trials=4: the sweep looks there itself)"
     )
+    assert top["widen"] == ["sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.004,0.5]"]
     assert range_edges(spec, "lr", start, best(optimizer__matrix_lr=0.02)) == []
     assert range_edges(spec, "lr", start, None) == []  # every trial diverged or failed
     # the retune stage: its LR band [0.01, 0.04] is centred on the frozen 0.02, not the user's
@@ -340,8 +344,11 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
         spec, "bs", start, best(optimizer__matrix_lr=0.0105, trainer__total_batch_size=4096)
     )
     notes = {edge["param"]: edge["note"] for edge in edges}
+    # 2048 is no multiple of the default 16 x 256-token micro-batch: the note says which is
     assert notes["trainer.total_batch_size"].endswith(
-        "of its values [4096, 8192, 16384]: the optimum may lie below it; add values beyond it"
+        "of its values [4096, 8192, 16384]: the optimum may lie below it; add values beyond "
+        "it: 'sweep.stages.1.params.trainer.total_batch_size.grid=[2048,4096,8192,16384]' "
+        "trainer.device_batch_size=8"
     )
     assert notes["optimizer.matrix_lr"].endswith(
         "range [0.01, 0.04]: the optimum may lie below it; raise sweep.stages.1.retune_factor (2)"
@@ -353,6 +360,80 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
     spec = SweepSpec(stages=[StageSpec(name="g", params=grid)], lr_keys=["optimizer.matrix_lr"])
     at_ends = best(trainer__budget_flops=1e13, optimizer__matrix_lr=0.04)
     assert [e["param"] for e in range_edges(spec, "g", start, at_ends)] == ["optimizer.matrix_lr"]
+
+
+BATCH, MATRIX_LR, EMBEDDING_LR = (
+    "trainer.total_batch_size",
+    "optimizer.matrix_lr",
+    "optimizer.embedding_lr",
+)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "stage", "best", "edge_of", "past", "micro_batch"),
+    [
+        # lr_bs's batch grid at its low end: 2048 needs a micro-batch of 8 sequences, not 16
+        ([], "batch_size", {BATCH: 4096}, BATCH, 2048, "trainer.device_batch_size=8"),
+        (["trainer.device_batch_size=4"], "batch_size", {BATCH: 4096}, BATCH, 2048, None),
+        ([], "batch_size", {BATCH: 16384}, BATCH, 32768, None),
+        ([], "lr", {MATRIX_LR: 0.099, EMBEDDING_LR: 0.3}, MATRIX_LR, 0.1, None),
+        ([], "lr", {MATRIX_LR: 0.02, EMBEDDING_LR: 0.031}, EMBEDDING_LR, 0.03, None),
+        # a weight decay range from 0 has nothing below it: the note names no override
+        (
+            ["+sweep.stages.0.params.optimizer.weight_decay.uniform=[0.0,0.2]"],
+            "lr",
+            {MATRIX_LR: 0.02, EMBEDDING_LR: 0.3, "optimizer.weight_decay": 0.0},
+            "optimizer.weight_decay",
+            None,
+            None,
+        ),
+    ],
+)
+def test_the_overrides_a_range_edge_names_make_a_sweep_that_searches_past_it(
+    overrides, stage, best, edge_of, past, micro_batch
+):
+    from sweeper.sweep.outputs import range_edges, searched_params
+
+    cfg = compose(["+sweep=lr_bs", *overrides])
+    spec = validate_sweep(cfg)
+    (edge,) = range_edges(spec, stage, base_config(cfg, spec, None), {"params": best})
+    assert edge["param"] == edge_of
+    if past is None:
+        assert edge["widen"] == []
+        assert edge["note"].endswith("; widen the range")
+        return
+    assert shlex.join(edge["widen"]) in edge["note"]
+    assert (micro_batch in edge["widen"]) if micro_batch else len(edge["widen"]) == 1
+    # the sweep those overrides make passes the checks made before Ray starts (a value that
+    # is no valid run is refused there), and its stage searches past the old end
+    again = compose(["+sweep=lr_bs", *overrides, *edge["widen"]])
+    spec_again = validate_sweep(again)
+    searched = searched_params(spec_again, stage, base_config(again, spec_again, None))
+    (param,) = [p for p in searched if p.name == edge_of]
+    if param.values:
+        assert past in param.values
+    elif edge["side"] == "low":
+        assert param.low < past
+    else:
+        assert param.high > past
+    # or the sweep searches past it itself, where the note offers that
+    if "extend_trials" in edge["note"]:
+        extend = edge["note"].split("(or ")[1].split(":")[0]
+        extended = validate_sweep(compose(["+sweep=lr_bs", *overrides, extend]))
+        assert {s.name: s.extend_trials for s in extended.stages}[stage] == 4
+
+
+def test_a_user_functions_range_edge_names_no_micro_batch():
+    from sweeper.sweep.outputs import range_edges
+
+    cfg = compose(["+sweep=lr_bs"])
+    spec = validate_sweep(cfg)
+    base = base_config(cfg, spec, None)
+    best = {"params": {BATCH: 4096}}
+    (edge,) = range_edges(spec, "batch_size", base, best, own_trainable=False)
+    # sweeper cannot see what the function accepts: the next value, as it is
+    grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[2048,4096,8192,16384]"
+    assert edge["widen"] == [grid]
 
 
 def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs():

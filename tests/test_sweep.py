@@ -202,6 +202,9 @@ def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, 
     assert (edge["param"], edge["value"], edge["side"]) == ("optimizer.matrix_lr", 0.03, "high")
     assert summary["stages"][1]["at_range_edge"] == []
     assert capsys.readouterr().out.count(f"note: {edge['note']}") == 2
+    # and names the next value past it, by the grid's spacing (0.002 -> 0.03: x15)
+    grid = "sweep.stages.0.params.optimizer.matrix_lr.grid=[0.001,0.002,0.03,0.45]"
+    assert edge["widen"] == [grid]
     lines = (Path(survivor["path"]) / "result.json").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     # Ray counts iterations since the last restore: it restarted from the checkpoint
@@ -457,6 +460,9 @@ def test_a_batch_grid_whose_best_is_its_smallest_tries_the_next_smaller_batch(
     assert "trainer.total_batch_size=512" in summary["best"]["overrides"]
     (edge,) = summary["stages"][1]["at_range_edge"]
     assert "of its values [512, 1024, 2048, 4096]" in edge["note"]
+    # a batch below this micro-batch: the note names the one that makes it a run
+    grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[256,512,1024,2048,4096]"
+    assert edge["widen"] == [grid, "trainer.device_batch_size=4"]
     assert_a_resume_reads_every_round_back(tmp_path, state, summary, *GRID_EXTENDED)
 
 

@@ -32,14 +32,21 @@ class ConfigError(ValueError):
     """A user's config mistake: reported as one line, exit code 2, nothing written."""
 
 
+def micro_batch_dividing(total: int, sequence_tokens: int, device_batch: int) -> int | None:
+    """The largest micro-batch (sequences) up to `device_batch` that divides a batch of
+    `total` tokens into whole micro-batches of `sequence_tokens` per sequence (seq_len x
+    workers); None where no whole number of sequences makes the batch."""
+    if total <= 0 or total % sequence_tokens:
+        return None
+    sequences = total // sequence_tokens
+    return next(d for d in range(min(device_batch, sequences), 0, -1) if sequences % d == 0)
+
+
 def _smaller_micro_batch(total: int, sequence_tokens: int, device_batch: int) -> str:
     """'; trainer.device_batch_size=N makes it one' where a smaller micro-batch divides the
     batch (a batch below lr_bs's 16 x 256 tokens), else nothing."""
-    if total <= 0 or total % sequence_tokens:
-        return ""
-    sequences = total // sequence_tokens
-    fits = [d for d in range(min(device_batch, sequences), 0, -1) if sequences % d == 0]
-    return f"; trainer.device_batch_size={fits[0]} makes it one" if fits else ""
+    fits = micro_batch_dividing(total, sequence_tokens, device_batch)
+    return f"; trainer.device_batch_size={fits} makes it one" if fits else ""
 
 
 def _require(ok: bool, message: str) -> None:

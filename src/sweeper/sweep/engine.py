@@ -279,7 +279,7 @@ def run_stages(
         if all(r["status"] == "failed" for r in records):
             raise SweepFailed(stage.name, records[0]["error"], out)
         best = pick_best(records, spec.metric, spec.mode)
-        edges = outputs.range_edges(spec, stage.name, current, best)
+        edges = outputs.range_edges(spec, stage.name, current, best, None, not target)
         extended = {}
         if stage.extend_trials and edges:
             records, reports, extended = extend(
@@ -297,7 +297,7 @@ def run_stages(
                 tracker,
             )
             best = pick_best(records, spec.metric, spec.mode)
-            edges = outputs.range_edges(spec, stage.name, current, best, extended)
+            edges = outputs.range_edges(spec, stage.name, current, best, extended, not target)
         incumbent, start = state.carried(), current
         keeps_start = keeps_its_start(incumbent, best, spec.mode)
         if best is not None and not keeps_start:

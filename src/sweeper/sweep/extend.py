@@ -21,10 +21,10 @@ import dataclasses
 import math
 import time
 
-from sweeper.config import ConfigError, load_run_config
+from sweeper.config import ConfigError, load_run_config, micro_batch_dividing
 from sweeper.sweep.space import LIST_KINDS, ParamSpec, extended_range, extended_values, parse_space
 from sweeper.sweep.spec import StageSpec, SweepSpec, flatten_params
-from sweeper.sweep.stages import apply_params
+from sweeper.sweep.stages import apply_params, float_text
 from sweeper.sweep.state import SweepState, spent_flops
 
 EXPERIMENT_SUFFIX = "_extended"  # the round's Ray Tune experiment: stage{i}_{name}_extended
@@ -144,6 +144,62 @@ def invalid_run(base: dict, name: str, value) -> str | None:
     except ConfigError as error:
         return str(error)
     return None
+
+
+def widening_overrides(
+    index: int, param: ParamSpec, side: str, start: dict, own_trainable: bool
+) -> list[str]:
+    """The Hydra overrides that search past `param`'s `side` end when the sweep runs again:
+    its range widened by what an extend_trials round would search (`extended_range`), or
+    its list with the next value past the end (`extended_values`), and for a batch below
+    the micro-batch, the smaller micro-batch that makes it a run (lr_bs's 2048 needs
+    trainer.device_batch_size=8). Empty where nothing past the end makes a valid run from
+    `start` (a user's function is not checked: sweeper cannot see what it accepts)."""
+    key = f"sweep.stages.{index}.params.{param.name}.{param.kind}"
+    if param.kind in LIST_KINDS:
+        past = extended_values(param, side, 1)
+        if past is None:
+            return []
+        value = past.values[0]
+        fix = run_fix(start, param.name, value) if own_trainable else []
+        if fix is None:
+            return []
+        values = sorted([*param.values, value])
+        return [f"{key}=[{','.join(_override_value(v, exact=True) for v in values)}]", *fix]
+    past = extended_range(param, side)
+    if past is not None and own_trainable:
+        past, _ = valid_part(start, past)
+    if past is None:
+        return []
+    low, high = min(param.low, past.low), max(param.high, past.high)
+    return [f"{key}=[{_override_value(low)},{_override_value(high)}]"]
+
+
+def run_fix(base: dict, name: str, value) -> list[str] | None:
+    """The overrides besides `name`=`value` that make a valid run from `base`: none, a
+    smaller trainer.device_batch_size for a batch size the micro-batch does not divide, or
+    None where neither does."""
+    if invalid_run(base, name, value) is None:
+        return []
+    if name != "trainer.total_batch_size" or not isinstance(value, int):
+        return None
+    run = load_run_config(base)  # the defaults filled in
+    sequence_tokens = run.model.seq_len * run.trainer.workers
+    device_batch = micro_batch_dividing(value, sequence_tokens, run.trainer.device_batch_size)
+    if device_batch is None:
+        return None
+    smaller = apply_params(base, {"trainer.device_batch_size": device_batch})
+    if invalid_run(smaller, name, value) is not None:
+        return None
+    return [f"trainer.device_batch_size={device_batch}"]
+
+
+def _override_value(value, exact: bool = False) -> str:
+    """A value as an override writes it: a list's exactly, as the sweep tried them; a
+    widened range's bound to 4 significant digits (nothing needs more)."""
+    if not isinstance(value, float):
+        return str(value)
+    return float_text(value if exact else float(f"{value:.4g}"))
 
 
 def extension_stage(stage: StageSpec, ranges: dict[str, ParamSpec], num_samples: int) -> StageSpec:

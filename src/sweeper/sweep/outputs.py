@@ -119,11 +119,16 @@ def range_edges(
     start: dict,
     best: dict | None,
     extended: dict[str, list] | None = None,
+    own_trainable: bool = True,
 ) -> list[dict]:
     """The stage's best values that sit at an end of their search range (`range_edge`):
     the optimum may lie outside it. `start` is the config the stage started from (its
     lr_rule=retune bands are centred on that config's LRs); `extended`, the ranges an
-    extend_trials round searched past the stage's own."""
+    extend_trials round searched past the stage's own. Each edge names the overrides
+    that search past it in the next sweep (`widen`, empty where nothing past it makes a
+    run), and its note says them."""
+    from sweeper.sweep.extend import widening_overrides
+
     if best is None:
         return []
     index, stage = _stage_spec(spec, stage_name)
@@ -140,13 +145,26 @@ def range_edges(
             scope, hint = f"range [{_fmt(param.low)}, {_fmt(param.high)}]", "widen the range"
         else:
             scope, hint = f"values {list(param.values)}", "add values beyond it"
+        widen = []
         if param.name not in declared:  # an lr_rule=retune band around a frozen LR
             hint = f"raise sweep.stages.{index}.retune_factor ({stage.retune_factor:g})"
+        else:
+            widen = widening_overrides(index, param, side, start, own_trainable)
+        if widen:
+            hint += ": " + shlex.join(widen)  # quoted: zsh refuses an unmatched [...] glob
+            # the round extend_trials runs checks its runs as this does: only a batch that
+            # needs a smaller micro-batch (a second override) is beyond it. `++`: most
+            # sweep files do not set the key, and `+` fails where one does
+            if not stage.extend_trials and len(widen) == 1:
+                hint += (
+                    f" (or ++sweep.stages.{index}.extend_trials=4: the sweep looks there itself)"
+                )
         edges.append(
             {
                 "param": param.name,
                 "value": value,
                 "side": side,
+                "widen": widen,
                 "note": f"best {param.name}={_fmt(value)} is at the {side} end of its "
                 f"{scope}: the optimum may lie {'above' if side == 'high' else 'below'} "
                 f"it; {hint}",
@@ -301,7 +319,7 @@ def write_all(
                 "best_value": best["metric"] if best else None,
                 "best_params": best["params"] if best else None,
                 "at_range_edge": range_edges(
-                    spec, stage["name"], start, best, stage.get("extended")
+                    spec, stage["name"], start, best, stage.get("extended"), not target
                 ),
                 **({"extended": stage["extended"]} if stage.get("extended") else {}),
             }
