@@ -24,7 +24,7 @@ import time
 from sweeper.config import ConfigError, load_run_config, micro_batch_dividing
 from sweeper.sweep.space import LIST_KINDS, ParamSpec, extended_range, extended_values, parse_space
 from sweeper.sweep.spec import StageSpec, SweepSpec, flatten_params
-from sweeper.sweep.stages import apply_params, float_text
+from sweeper.sweep.stages import apply_params, float_text, rounded_text
 from sweeper.sweep.state import SweepState, spent_flops
 
 EXPERIMENT_SUFFIX = "_extended"  # the round's Ray Tune experiment: stage{i}_{name}_extended
@@ -165,14 +165,16 @@ def widening_overrides(
         if fix is None:
             return []
         values = sorted([*param.values, value])
-        return [f"{key}=[{','.join(_override_value(v, exact=True) for v in values)}]", *fix]
+        # the list's values exactly, as the sweep tried them
+        exact = (float_text(v) if isinstance(v, float) else str(v) for v in values)
+        return [f"{key}=[{','.join(exact)}]", *fix]
     past = extended_range(param, side)
     if past is not None and own_trainable:
         past, _ = valid_part(start, past)
     if past is None:
         return []
     low, high = min(param.low, past.low), max(param.high, past.high)
-    return [f"{key}=[{_override_value(low)},{_override_value(high)}]"]
+    return [f"{key}=[{rounded_text(low)},{rounded_text(high)}]"]  # a bound needs no more
 
 
 def run_fix(base: dict, name: str, value) -> list[str] | None:
@@ -192,14 +194,6 @@ def run_fix(base: dict, name: str, value) -> list[str] | None:
     if invalid_run(smaller, name, value) is not None:
         return None
     return [f"trainer.device_batch_size={device_batch}"]
-
-
-def _override_value(value, exact: bool = False) -> str:
-    """A value as an override writes it: a list's exactly, as the sweep tried them; a
-    widened range's bound to 4 significant digits (nothing needs more)."""
-    if not isinstance(value, float):
-        return str(value)
-    return float_text(value if exact else float(f"{value:.4g}"))
 
 
 def extension_stage(stage: StageSpec, ranges: dict[str, ParamSpec], num_samples: int) -> StageSpec:

@@ -8,13 +8,12 @@ import math
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from sweeper.config import BUDGET_KEYS
 from sweeper.sweep.results import REPORT_COLUMNS
 from sweeper.sweep.space import LIST_KINDS, ParamSpec, range_edge
 from sweeper.sweep.spec import SweepSpec, flatten, flatten_params, stage_space
-from sweeper.sweep.stages import float_text, unresolved_rivals
+from sweeper.sweep.stages import rounded_text, unresolved_rivals
 from sweeper.sweep.state import SweepState, write_json_atomic
 from sweeper.sweep.trainable import RUNG_METRIC
 
@@ -142,7 +141,10 @@ def range_edges(
         if side is None:
             continue
         if param.low is not None:
-            scope, hint = f"range [{_fmt(param.low)}, {_fmt(param.high)}]", "widen the range"
+            scope, hint = (
+                f"range [{rounded_text(param.low)}, {rounded_text(param.high)}]",
+                "widen the range",
+            )
         else:
             scope, hint = f"values {list(param.values)}", "add values beyond it"
         widen = []
@@ -165,7 +167,7 @@ def range_edges(
                 "value": value,
                 "side": side,
                 "widen": widen,
-                "note": f"best {param.name}={_fmt(value)} is at the {side} end of its "
+                "note": f"best {param.name}={rounded_text(value)} is at the {side} end of its "
                 f"{scope}: the optimum may lie {'above' if side == 'high' else 'below'} "
                 f"it; {hint}",
             }
@@ -231,7 +233,7 @@ def print_stage_table(
         cells = [
             f"{value:>9}",
             f"{r['status']:>9}",
-            *(f"{_fmt(r['params'].get(k)):>22}" for k in keys),
+            *(f"{rounded_text(r['params'].get(k)):>22}" for k in keys),
         ]
         mark = ""
         if best is not None and r["trial_id"] in best.get("trial_ids", [best["trial_id"]]):
@@ -253,16 +255,11 @@ def print_stage_table(
 
 
 def _params_text(params: dict) -> str:
-    return " ".join(f"{k}={_fmt(v)}" for k, v in sorted(params.items()))
+    return " ".join(f"{k}={rounded_text(v)}" for k, v in sorted(params.items()))
 
 
 def _signed(value, mode):
     return 0.0 if value is None else (value if mode == "min" else -value)
-
-
-def _fmt(value: Any) -> str:
-    """4 significant digits, written as an override would be (1e13, 2.5e-5)."""
-    return float_text(float(f"{value:.4g}")) if isinstance(value, float) else str(value)
 
 
 # --- files -----------------------------------------------------------------------------

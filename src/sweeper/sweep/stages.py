@@ -185,6 +185,12 @@ def hydra_value(value: Any) -> str:
     return float_text(value) if isinstance(value, float) else str(value)
 
 
+def rounded_text(value: Any) -> str:
+    """4 significant digits for a float, written as an override would be (1e13, 2.5e-5);
+    anything else as it is."""
+    return float_text(float(f"{value:.4g}")) if isinstance(value, float) else str(value)
+
+
 def float_text(value: float) -> str:
     """A float as a Hydra override reads it back exactly, in as few characters as it takes:
     1e15, not Python's 1000000000000000.0 (repr writes exponents only from 1e16 on), and
