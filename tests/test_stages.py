@@ -337,6 +337,11 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
         "(or ++sweep.stages.0.extend_trials=4: the sweep looks there itself)"
     )
     assert top["widen"] == ["sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.004,0.5]"]
+    # params under a dotted key: no Hydra override reaches them, so none is named
+    dotted = StageSpec(name="lr", params={"optimizer.matrix_lr": {"log_uniform": [0.004, 0.1]}})
+    dotted_spec = SweepSpec(stages=[dotted], lr_keys=["optimizer.matrix_lr"])
+    (top,) = range_edges(dotted_spec, "lr", start, best(optimizer__matrix_lr=0.09))
+    assert top["widen"] == [] and top["note"].endswith("; widen the range")
     assert range_edges(spec, "lr", start, best(optimizer__matrix_lr=0.02)) == []
     assert range_edges(spec, "lr", start, None) == []  # every trial diverged or failed
     # the retune stage: its LR band [0.01, 0.04] is centred on the frozen 0.02, not the user's

@@ -147,14 +147,18 @@ def invalid_run(base: dict, name: str, value) -> str | None:
 
 
 def widening_overrides(
-    index: int, param: ParamSpec, side: str, start: dict, own_trainable: bool
+    index: int, declared: dict, param: ParamSpec, side: str, start: dict, own_trainable: bool
 ) -> list[str]:
     """The Hydra overrides that search past `param`'s `side` end when the sweep runs again:
     its range widened by what an extend_trials round would search (`extended_range`), or
     its list with the next value past the end (`extended_values`), and for a batch below
     the micro-batch, the smaller micro-batch that makes it a run (lr_bs's 2048 needs
     trainer.device_batch_size=8). Empty where nothing past the end makes a valid run from
-    `start` (a user's function is not checked: sweeper cannot see what it accepts)."""
+    `start` (a user's function is not checked: sweeper cannot see what it accepts), and
+    where the stage's `declared` params name it by a dotted key (`optimizer.matrix_lr:`),
+    which no Hydra override can address."""
+    if not _nested(declared, param.name.split(".")):
+        return []
     key = f"sweep.stages.{index}.params.{param.name}.{param.kind}"
     if param.kind in LIST_KINDS:
         past = extended_values(param, side, 1)
@@ -175,6 +179,12 @@ def widening_overrides(
         return []
     low, high = min(param.low, past.low), max(param.high, past.high)
     return [f"{key}=[{rounded_text(low)},{rounded_text(high)}]"]  # a bound needs no more
+
+
+def _nested(params: dict, parts: list[str]) -> bool:
+    """Whether `params` holds the spec of parts[0].parts[1]... one level per part."""
+    level = params.get(parts[0])
+    return isinstance(level, dict) and (len(parts) == 1 or _nested(level, parts[1:]))
 
 
 def run_fix(base: dict, name: str, value) -> list[str] | None:

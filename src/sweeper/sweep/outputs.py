@@ -151,7 +151,7 @@ def range_edges(
         if param.name not in declared:  # an lr_rule=retune band around a frozen LR
             hint = f"raise sweep.stages.{index}.retune_factor ({stage.retune_factor:g})"
         else:
-            widen = widening_overrides(index, param, side, start, own_trainable)
+            widen = widening_overrides(index, stage.params, param, side, start, own_trainable)
         if widen:
             hint += ": " + shlex.join(widen)  # quoted: zsh refuses an unmatched [...] glob
             # the round extend_trials runs checks its runs as this does: only a batch that
