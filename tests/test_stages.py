@@ -323,7 +323,8 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
     batch = {"trainer": {"total_batch_size": {"grid": [4096, 8192, 16384]}}}
     bs = StageSpec(name="bs", lr_rule="retune", retune_factor=2.0, params=batch)
     spec = SweepSpec(stages=[lr, bs], lr_keys=["optimizer.matrix_lr"])
-    start = {"optimizer": {"matrix_lr": 0.02}, "trainer": {"total_batch_size": 8192}}
+    lr_bs = compose(["+sweep=lr_bs"])
+    start = base_config(lr_bs, validate_sweep(lr_bs), None)  # matrix_lr 0.02, batch 8192
 
     def best(**params):
         return {"params": {key.replace("__", "."): v for key, v in params.items()}}
@@ -336,12 +337,12 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
         "'sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.004,0.5]' "
         "(or ++sweep.stages.0.extend_trials=4: the sweep looks there itself)"
     )
-    assert top["widen"] == ["sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.004,0.5]"]
+    assert top["widen"] == "sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.004,0.5]"
     # params under a dotted key: no Hydra override reaches them, so none is named
     dotted = StageSpec(name="lr", params={"optimizer.matrix_lr": {"log_uniform": [0.004, 0.1]}})
     dotted_spec = SweepSpec(stages=[dotted], lr_keys=["optimizer.matrix_lr"])
     (top,) = range_edges(dotted_spec, "lr", start, best(optimizer__matrix_lr=0.09))
-    assert top["widen"] == [] and top["note"].endswith("; widen the range")
+    assert top["widen"] is None and top["note"].endswith("; widen the range")
     assert range_edges(spec, "lr", start, best(optimizer__matrix_lr=0.02)) == []
     assert range_edges(spec, "lr", start, None) == []  # every trial diverged or failed
     # the retune stage: its LR band [0.01, 0.04] is centred on the frozen 0.02, not the user's
@@ -349,11 +350,11 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
         spec, "bs", start, best(optimizer__matrix_lr=0.0105, trainer__total_batch_size=4096)
     )
     notes = {edge["param"]: edge["note"] for edge in edges}
-    # 2048 is no multiple of the default 16 x 256-token micro-batch: the note says which is
+    # the next value by the grid's spacing (2048 trains in micro-batches of 8 sequences)
     assert notes["trainer.total_batch_size"].endswith(
         "of its values [4096, 8192, 16384]: the optimum may lie below it; add values beyond "
         "it: 'sweep.stages.1.params.trainer.total_batch_size.grid=[2048,4096,8192,16384]' "
-        "trainer.device_batch_size=8"
+        "(or ++sweep.stages.1.extend_trials=4: the sweep looks there itself)"
     )
     assert notes["optimizer.matrix_lr"].endswith(
         "range [0.01, 0.04]: the optimum may lie below it; raise sweep.stages.1.retune_factor (2)"
@@ -375,14 +376,13 @@ BATCH, MATRIX_LR, EMBEDDING_LR = (
 
 
 @pytest.mark.parametrize(
-    ("overrides", "stage", "best", "edge_of", "past", "micro_batch"),
+    ("overrides", "stage", "best", "edge_of", "past"),
     [
-        # lr_bs's batch grid at its low end: 2048 needs a micro-batch of 8 sequences, not 16
-        ([], "batch_size", {BATCH: 4096}, BATCH, 2048, "trainer.device_batch_size=8"),
-        (["trainer.device_batch_size=4"], "batch_size", {BATCH: 4096}, BATCH, 2048, None),
-        ([], "batch_size", {BATCH: 16384}, BATCH, 32768, None),
-        ([], "lr", {MATRIX_LR: 0.099, EMBEDDING_LR: 0.3}, MATRIX_LR, 0.1, None),
-        ([], "lr", {MATRIX_LR: 0.02, EMBEDDING_LR: 0.031}, EMBEDDING_LR, 0.03, None),
+        # lr_bs's batch grid at its low end: 2048 trains in micro-batches of 8 sequences
+        ([], "batch_size", {BATCH: 4096}, BATCH, 2048),
+        ([], "batch_size", {BATCH: 16384}, BATCH, 32768),
+        ([], "lr", {MATRIX_LR: 0.099, EMBEDDING_LR: 0.3}, MATRIX_LR, 0.1),
+        ([], "lr", {MATRIX_LR: 0.02, EMBEDDING_LR: 0.031}, EMBEDDING_LR, 0.03),
         # a weight decay range from 0 has nothing below it: the note names no override
         (
             ["+sweep.stages.0.params.optimizer.weight_decay.uniform=[0.0,0.2]"],
@@ -390,12 +390,11 @@ BATCH, MATRIX_LR, EMBEDDING_LR = (
             {MATRIX_LR: 0.02, EMBEDDING_LR: 0.3, "optimizer.weight_decay": 0.0},
             "optimizer.weight_decay",
             None,
-            None,
         ),
     ],
 )
-def test_the_overrides_a_range_edge_names_make_a_sweep_that_searches_past_it(
-    overrides, stage, best, edge_of, past, micro_batch
+def test_the_override_a_range_edge_names_makes_a_sweep_that_searches_past_it(
+    overrides, stage, best, edge_of, past
 ):
     from sweeper.sweep.outputs import range_edges, searched_params
 
@@ -404,14 +403,16 @@ def test_the_overrides_a_range_edge_names_make_a_sweep_that_searches_past_it(
     (edge,) = range_edges(spec, stage, base_config(cfg, spec, None), {"params": best})
     assert edge["param"] == edge_of
     if past is None:
-        assert edge["widen"] == []
+        assert edge["widen"] is None
         assert edge["note"].endswith("; widen the range")
         return
-    assert shlex.join(edge["widen"]) in edge["note"]
-    assert (micro_batch in edge["widen"]) if micro_batch else len(edge["widen"]) == 1
-    # the sweep those overrides make passes the checks made before Ray starts (a value that
-    # is no valid run is refused there), and its stage searches past the old end
-    again = compose(["+sweep=lr_bs", *overrides, *edge["widen"]])
+    assert (
+        f"; {'widen the range' if edge_of != BATCH else 'add values beyond it'}: " in edge["note"]
+    )
+    assert shlex.quote(edge["widen"]) in edge["note"]
+    # the sweep it makes passes the checks made before Ray starts (a value that is no valid
+    # run is refused there), and its stage searches past the old end
+    again = compose(["+sweep=lr_bs", *overrides, edge["widen"]])
     spec_again = validate_sweep(again)
     searched = searched_params(spec_again, stage, base_config(again, spec_again, None))
     (param,) = [p for p in searched if p.name == edge_of]
@@ -421,24 +422,93 @@ def test_the_overrides_a_range_edge_names_make_a_sweep_that_searches_past_it(
         assert param.low < past
     else:
         assert param.high > past
-    # or the sweep searches past it itself, where the note offers that
-    if "extend_trials" in edge["note"]:
-        extend = edge["note"].split("(or ")[1].split(":")[0]
-        extended = validate_sweep(compose(["+sweep=lr_bs", *overrides, extend]))
-        assert {s.name: s.extend_trials for s in extended.stages}[stage] == 4
+    # or the sweep searches past it itself, as the note offers
+    extend = edge["note"].split("(or ")[1].split(":")[0]
+    extended = validate_sweep(compose(["+sweep=lr_bs", *overrides, extend]))
+    assert {s.name: s.extend_trials for s in extended.stages}[stage] == 4
 
 
-def test_a_user_functions_range_edge_names_no_micro_batch():
+@pytest.mark.parametrize(
+    ("device_batch", "workers", "batch", "fitted"),
+    [
+        (16, 1, 8192, 16),  # divides: unchanged
+        (16, 1, 2048, 8),
+        (16, 1, 1024, 4),
+        (16, 1, 3072, 12),  # 12 sequences: the largest divisor up to 16
+        (16, 1, 256, 1),
+        (16, 2, 2048, 4),  # DDP: each of 2 ranks takes 4 sequences of 256 tokens
+        (16, 1, 1000, 16),  # no whole number of sequences: left for the run's check
+    ],
+)
+def test_a_sweeps_micro_batch_is_the_largest_that_divides_the_batch(
+    device_batch, workers, batch, fitted
+):
+    from sweeper.config import load_run_config
+    from sweeper.sweep.stages import fit_micro_batch
+
+    cfg = compose(["+sweep=lr_bs", f"trainer.device_batch_size={device_batch}"])
+    base = base_config(cfg, validate_sweep(cfg), None)
+    base["trainer"]["workers"] = workers
+    run = fit_micro_batch(apply_params(base, {BATCH: batch}))
+    assert run["trainer"]["device_batch_size"] == fitted
+    assert run["trainer"]["total_batch_size"] == batch
+    if batch % 256 == 0:
+        load_run_config(run)  # a valid run
+    else:
+        with pytest.raises(ConfigError, match="got 1000"):
+            load_run_config(run)
+    # the base config itself is not touched
+    assert base["trainer"]["device_batch_size"] == device_batch
+
+
+def test_a_batch_below_the_micro_batch_is_a_sweeps_trial_but_a_plain_runs_error():
+    from sweeper.sweep.outputs import searched_params
+    from sweeper.sweep.stages import fitted_micro_batches
+
+    grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[1024,2048,4096,8192]"
+    cfg = compose(["+sweep=lr_bs", grid])
+    spec = validate_sweep(cfg)  # the checks before Ray starts let 1024 and 2048 pass
+    base = base_config(cfg, spec, None)
+    assert base["trainer"]["device_batch_size"] == 16
+    ctx = TrialContext(metric="val_bpb", penalty=8.0, lr_keys=tuple(spec.lr_keys))
+    trial = trial_config({BATCH: 2048}, base, ctx)
+    assert (trial["trainer"]["total_batch_size"], trial["trainer"]["device_batch_size"]) == (
+        2048,
+        8,
+    )
+    # the stage's first line says which batches train in smaller micro-batches
+    assert fitted_micro_batches(searched_params(spec, "batch_size", base), base) == (
+        "batch 1024 in micro-batches of 4, 2048 in micro-batches of 8 sequences "
+        "(trainer.device_batch_size=16 does not divide them)"
+    )
+    # a sweep's own batch below the micro-batch: its runs (the baseline too) train in 8,
+    # while 16 stays the ceiling for the batches its stages try
+    cfg = compose(["+sweep=lr_bs", "trainer.total_batch_size=2048"])
+    base = base_config(cfg, validate_sweep(cfg), None)
+    assert base["trainer"]["device_batch_size"] == 16
+    assert placed(base, 1, 0)["trainer"]["device_batch_size"] == 8
+    assert trial_config({BATCH: 16384}, base, ctx)["trainer"]["device_batch_size"] == 16
+    # a plain run keeps its contract: such a batch is an error that names the fix
+    from sweeper.config import load_run_config
+
+    with pytest.raises(ConfigError, match="trainer.device_batch_size=8 makes it one"):
+        load_run_config(apply_params(base, {BATCH: 2048}))
+
+
+def test_a_user_functions_range_edge_is_not_checked_as_sweepers_run():
     from sweeper.sweep.outputs import range_edges
 
-    cfg = compose(["+sweep=lr_bs"])
+    grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[256,512,1024]"
+    cfg = compose(["+sweep=lr_bs", grid])
     spec = validate_sweep(cfg)
     base = base_config(cfg, spec, None)
-    best = {"params": {BATCH: 4096}}
+    best = {"params": {BATCH: 256}}
+    # 128 tokens are half a sequence: no run of sweeper's, so no override is named ...
+    (edge,) = range_edges(spec, "batch_size", base, best)
+    assert edge["widen"] is None
+    # ... but sweeper cannot see what a user's function accepts: there, the next value
     (edge,) = range_edges(spec, "batch_size", base, best, own_trainable=False)
-    # sweeper cannot see what the function accepts: the next value, as it is
-    grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[2048,4096,8192,16384]"
-    assert edge["widen"] == [grid]
+    assert edge["widen"] == "sweep.stages.1.params.trainer.total_batch_size.grid=[128,256,512,1024]"
 
 
 def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs():
@@ -461,7 +531,7 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
         "params": {
             "optimizer.matrix_lr": 0.095,  # high end: searched past
             "optimizer.weight_decay": 0.0,  # low end of a range from 0: nothing below
-            "trainer.total_batch_size": 4096,  # low end: 2048-4095 are no multiple of 4096
+            "trainer.total_batch_size": 4096,  # low end: 4095 is no whole number of sequences
             "optimizer.embedding_lr": base["optimizer"]["embedding_lr"] / 1.9,  # retune band
         }
     }
@@ -477,7 +547,7 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
         "cannot search past the low end of optimizer.weight_decay: nothing lies past it",
         "cannot search past the low end of trainer.total_batch_size: trainer.total_batch_size "
         "must be a multiple of trainer.device_batch_size * model.seq_len * trainer.workers = "
-        "4096, got 2048; trainer.device_batch_size=8 makes it one",
+        "4096, got 4095",
     ]
     # a user's function has no run config to check: the batch range is searched past
     ranges, _ = extension_ranges(stage, searched, edges, base, own_trainable=False)
@@ -504,48 +574,39 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
 
 
 @pytest.mark.parametrize(
-    ("device_batch", "values", "skipped"),
+    ("grid", "values", "skipped"),
     [
-        # lr_bs's micro-batch is 16 x 256 = 4096 tokens: no smaller batch is a run
-        (
-            16,
-            None,
-            "cannot search past the low end of trainer.total_batch_size: 4096, got 2048; "
-            "trainer.device_batch_size=8 makes it one",
-        ),
-        (
-            8,
-            [2048],
-            "past the low end of trainer.total_batch_size, only [2048]: 2048, got 1024; "
-            "trainer.device_batch_size=4 makes it one",
-        ),
-        (4, [2048, 1024], None),
+        # below lr_bs's micro-batch of 16 x 256 tokens: 2048 and 1024 train in 8 and 4
+        ([4096, 8192, 16384], [2048, 1024], None),
+        ([1024, 2048, 4096], [512, 256], None),
+        # 128 tokens are half a 256-token sequence: no run
+        ([512, 1024, 2048], [256], "past the low end of trainer.total_batch_size, only [256]"),
+        ([256, 512, 1024], None, "cannot search past the low end of trainer.total_batch_size"),
     ],
 )
 def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
-    device_batch, values, skipped
+    grid, values, skipped
 ):
     from sweeper.sweep.extend import extended_ranges, extension_ranges, extension_stage
     from sweeper.sweep.outputs import range_edges, searched_params
     from sweeper.sweep.spec import StageSpec, SweepSpec
 
-    cfg = compose(["+sweep=lr_bs", f"trainer.device_batch_size={device_batch}"])
+    cfg = compose(["+sweep=lr_bs"])
     base = base_config(cfg, validate_sweep(cfg), None)
-    params = {"trainer": {"total_batch_size": {"grid": [4096, 8192, 16384]}}}
+    params = {"trainer": {"total_batch_size": {"grid": grid}}}
     stage = StageSpec(name="bs", search="grid", params=params, lr_rule="sqrt", extend_trials=2)
     spec = SweepSpec(stages=[stage], lr_keys=["optimizer.matrix_lr"])
-    best = {"params": {"trainer.total_batch_size": 4096}}
+    best = {"params": {"trainer.total_batch_size": min(grid)}}
     edges = range_edges(spec, "bs", base, best)
     searched = searched_params(spec, "bs", base)
     ranges, lines = extension_ranges(stage, searched, edges, base, own_trainable=True, count=2)
     if skipped is None:
         assert lines == []
     else:
-        # the message of the value that is no run: "...must be a multiple of ... = 4096, got 2048"
+        # with the message of the value that is no run
         error = "trainer.total_batch_size must be a multiple of trainer.device_batch_size * "
-        error += "model.seq_len * trainer.workers = "
-        head, tail = skipped.split(": ")
-        assert lines == [f"{head}: {error}{tail}"]
+        error += "model.seq_len * trainer.workers = 4096, got 128"
+        assert lines == [f"{skipped}: {error}"]
     if values is None:
         assert ranges == {}
         return
@@ -557,7 +618,7 @@ def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
     # after the round, the note speaks of both rounds' values
     best["params"]["trainer.total_batch_size"] = min(values)
     (edge,) = range_edges(spec, "bs", base, best, extended)
-    assert f"of its values {sorted(values) + [4096, 8192, 16384]}" in edge["note"]
+    assert f"of its values {sorted(values) + grid}" in edge["note"]
 
 
 @pytest.mark.parametrize(

@@ -204,7 +204,7 @@ def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, 
     assert capsys.readouterr().out.count(f"note: {edge['note']}") == 2
     # and names the next value past it, by the grid's spacing (0.002 -> 0.03: x15)
     grid = "sweep.stages.0.params.optimizer.matrix_lr.grid=[0.001,0.002,0.03,0.45]"
-    assert edge["widen"] == [grid]
+    assert edge["widen"] == grid
     lines = (Path(survivor["path"]) / "result.json").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     # Ray counts iterations since the last restore: it restarted from the checkpoint
@@ -438,31 +438,32 @@ def test_a_batch_grid_whose_best_is_its_smallest_tries_the_next_smaller_batch(
 ):
     summary = sweep(tmp_path, *GRID_EXTENDED)
     out = capsys.readouterr().out
-    # the grid's ratio goes on below 1024: 512, then 256, which no micro-batch of
-    # 8 x 64 tokens makes; the round trains the one that runs
+    # the grid's ratio goes on below 1024: 512, then 256, below the micro-batch of 8 x 64
+    # tokens: that trial trains the same updates in micro-batches of 4 sequences
     assert (
-        "[batch_size] past the low end of trainer.total_batch_size, only [512]: "
-        "trainer.total_batch_size must be a multiple of trainer.device_batch_size * "
-        "model.seq_len * trainer.workers = 512, got 256; trainer.device_batch_size=4 makes it one\n"
+        "[batch_size] its best sits at an end of its range: 2 more trials past it, "
+        "trainer.total_batch_size at [512, 256], the other params at the best"
     ) in out
     assert (
-        "[batch_size] its best sits at an end of its range: 1 more trial past it, "
-        "trainer.total_batch_size at [512], the other params at the best"
-    ) in out
+        "; batch 256 in micro-batches of 4 sequences (trainer.device_batch_size=8 does not" in out
+    )
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     stage = state["stages"][1]
-    assert stage["extended"] == {"trainer.total_batch_size": [512]}
-    batches = [r["params"]["trainer.total_batch_size"] for r in stage["records"]]
-    assert sorted(batches) == [512, 1024, 2048, 4096]
+    assert stage["extended"] == {"trainer.total_batch_size": [512, 256]}
+    records = {r["params"]["trainer.total_batch_size"]: r for r in stage["records"]}
+    assert sorted(records) == [256, 512, 1024, 2048, 4096]
+    assert {r["status"] for r in records.values()} == {"completed"}
     # the best of both rounds: at 8,192 tokens a smaller batch takes more steps and wins
     assert stage["best"]["metric"] == min(r["metric"] for r in stage["records"])
-    assert stage["best"]["params"]["trainer.total_batch_size"] == 512
-    assert "trainer.total_batch_size=512" in summary["best"]["overrides"]
+    assert stage["best"]["params"]["trainer.total_batch_size"] == 256
+    # and is reproduced in the micro-batch it trained in
+    overrides = summary["best"]["overrides"]
+    assert {"trainer.total_batch_size=256", "trainer.device_batch_size=4"} <= set(overrides)
     (edge,) = summary["stages"][1]["at_range_edge"]
-    assert "of its values [512, 1024, 2048, 4096]" in edge["note"]
-    # a batch below this micro-batch: the note names the one that makes it a run
-    grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[256,512,1024,2048,4096]"
-    assert edge["widen"] == [grid, "trainer.device_batch_size=4"]
+    assert "of its values [256, 512, 1024, 2048, 4096]" in edge["note"]
+    # 128 tokens would be 2 sequences: the note names that next
+    grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[128,256,512,1024,2048,4096]"
+    assert edge["widen"] == grid
     assert_a_resume_reads_every_round_back(tmp_path, state, summary, *GRID_EXTENDED)
 
 

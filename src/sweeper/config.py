@@ -39,7 +39,7 @@ def micro_batch_dividing(total: int, sequence_tokens: int, device_batch: int) ->
     if total <= 0 or total % sequence_tokens:
         return None
     sequences = total // sequence_tokens
-    return next(d for d in range(min(device_batch, sequences), 0, -1) if sequences % d == 0)
+    return next((d for d in range(min(device_batch, sequences), 0, -1) if sequences % d == 0), None)
 
 
 def _smaller_micro_batch(total: int, sequence_tokens: int, device_batch: int) -> str:

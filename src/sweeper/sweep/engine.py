@@ -27,7 +27,13 @@ from sweeper.sweep.preflight import (
     with_reports,
 )
 from sweeper.sweep.spec import SweepSpec, flatten, stage_points, stage_space
-from sweeper.sweep.stages import hydra_value, keeps_its_start, pick_best
+from sweeper.sweep.stages import (
+    fit_micro_batch,
+    fitted_micro_batches,
+    hydra_value,
+    keeps_its_start,
+    pick_best,
+)
 from sweeper.sweep.state import SweepState, sweep_definition
 from sweeper.sweep.trainable import (
     RUNG_METRIC,
@@ -102,7 +108,7 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     out = Path(out_dir).resolve()
     base = base_config(cfg, spec, target)
     if not target:
-        load_run_config(base)  # the budget written in must still make a valid run
+        load_run_config(fit_micro_batch(base))  # the budget written in must still make a run
     # before MLflow and Ray: a state of another sweep is refused with nothing written
     state = resumable_state(out, spec, base) if spec.resume else None
     if spec.resume and state is None:
@@ -576,6 +582,7 @@ def run_stage(
         if spec.brackets and scheduler_name in ("hyperband", "bohb")
         else None,
         random_start(search, space, planned, given=len(points)),
+        None if target else fitted_micro_batches(space.params, base),
         f"ranked at the rungs against the first round's {earlier} trial{'s' * (earlier > 1)} too"
         if earlier
         else None,

@@ -21,10 +21,10 @@ import dataclasses
 import math
 import time
 
-from sweeper.config import ConfigError, load_run_config, micro_batch_dividing
+from sweeper.config import ConfigError, load_run_config
 from sweeper.sweep.space import LIST_KINDS, ParamSpec, extended_range, extended_values, parse_space
 from sweeper.sweep.spec import StageSpec, SweepSpec, flatten_params
-from sweeper.sweep.stages import apply_params, float_text, rounded_text
+from sweeper.sweep.stages import apply_params, fit_micro_batch, float_text, rounded_text
 from sweeper.sweep.state import SweepState, spent_flops
 
 EXPERIMENT_SUFFIX = "_extended"  # the round's Ray Tune experiment: stage{i}_{name}_extended
@@ -121,8 +121,8 @@ def extension_ranges(
 
 
 def valid_part(base: dict, param: ParamSpec) -> tuple[ParamSpec | None, str | None]:
-    """`param` where its values make valid runs from `base` (an LR at 0, a batch size that
-    is no multiple of a micro-batch do not), as preflight checks a stage's declared ranges
+    """`param` where its values make valid runs from `base` (an LR at 0, a batch of no whole
+    number of sequences do not), as preflight checks a stage's declared ranges
     before Ray starts: a range whose ends both do, or a list's values up to the first that
     does not (they go away from the end, nearest first), with why the rest do not; None
     and why when none does."""
@@ -140,70 +140,45 @@ def invalid_run(base: dict, name: str, value) -> str | None:
     from sweeper.budget import check_budget
 
     try:
-        check_budget(load_run_config(apply_params(base, {name: value})))
+        check_budget(load_run_config(fit_micro_batch(apply_params(base, {name: value}))))
     except ConfigError as error:
         return str(error)
     return None
 
 
-def widening_overrides(
+def widening_override(
     index: int, declared: dict, param: ParamSpec, side: str, start: dict, own_trainable: bool
-) -> list[str]:
-    """The Hydra overrides that search past `param`'s `side` end when the sweep runs again:
-    its range widened by what an extend_trials round would search (`extended_range`), or
-    its list with the next value past the end (`extended_values`), and for a batch below
-    the micro-batch, the smaller micro-batch that makes it a run (lr_bs's 2048 needs
-    trainer.device_batch_size=8). Empty where nothing past the end makes a valid run from
-    `start` (a user's function is not checked: sweeper cannot see what it accepts), and
-    where the stage's `declared` params name it by a dotted key (`optimizer.matrix_lr:`),
-    which no Hydra override can address."""
+) -> str | None:
+    """The Hydra override that searches past `param`'s `side` end when the sweep runs
+    again: its range widened by what an extend_trials round would search
+    (`extended_range`), or its list with the next value past the end (`extended_values`).
+    None where nothing past the end makes a valid run from `start` (a user's function is
+    not checked: sweeper cannot see what it accepts), or where the stage's `declared`
+    params name it by a dotted key (`optimizer.matrix_lr:`), which no override can reach."""
     if not _nested(declared, param.name.split(".")):
-        return []
+        return None
     key = f"sweep.stages.{index}.params.{param.name}.{param.kind}"
     if param.kind in LIST_KINDS:
         past = extended_values(param, side, 1)
-        if past is None:
-            return []
-        value = past.values[0]
-        fix = run_fix(start, param.name, value) if own_trainable else []
-        if fix is None:
-            return []
-        values = sorted([*param.values, value])
+        if past is None or (own_trainable and invalid_run(start, param.name, past.values[0])):
+            return None
+        values = sorted([*param.values, *past.values])
         # the list's values exactly, as the sweep tried them
         exact = (float_text(v) if isinstance(v, float) else str(v) for v in values)
-        return [f"{key}=[{','.join(exact)}]", *fix]
+        return f"{key}=[{','.join(exact)}]"
     past = extended_range(param, side)
     if past is not None and own_trainable:
         past, _ = valid_part(start, past)
     if past is None:
-        return []
+        return None
     low, high = min(param.low, past.low), max(param.high, past.high)
-    return [f"{key}=[{rounded_text(low)},{rounded_text(high)}]"]  # a bound needs no more
+    return f"{key}=[{rounded_text(low)},{rounded_text(high)}]"  # a bound needs no more
 
 
 def _nested(params: dict, parts: list[str]) -> bool:
     """Whether `params` holds the spec of parts[0].parts[1]... one level per part."""
     level = params.get(parts[0])
     return isinstance(level, dict) and (len(parts) == 1 or _nested(level, parts[1:]))
-
-
-def run_fix(base: dict, name: str, value) -> list[str] | None:
-    """The overrides besides `name`=`value` that make a valid run from `base`: none, a
-    smaller trainer.device_batch_size for a batch size the micro-batch does not divide, or
-    None where neither does."""
-    if invalid_run(base, name, value) is None:
-        return []
-    if name != "trainer.total_batch_size" or not isinstance(value, int):
-        return None
-    run = load_run_config(base)  # the defaults filled in
-    sequence_tokens = run.model.seq_len * run.trainer.workers
-    device_batch = micro_batch_dividing(value, sequence_tokens, run.trainer.device_batch_size)
-    if device_batch is None:
-        return None
-    smaller = apply_params(base, {"trainer.device_batch_size": device_batch})
-    if invalid_run(smaller, name, value) is not None:
-        return None
-    return [f"trainer.device_batch_size={device_batch}"]
 
 
 def extension_stage(stage: StageSpec, ranges: dict[str, ParamSpec], num_samples: int) -> StageSpec:

@@ -123,10 +123,10 @@ def range_edges(
     """The stage's best values that sit at an end of their search range (`range_edge`):
     the optimum may lie outside it. `start` is the config the stage started from (its
     lr_rule=retune bands are centred on that config's LRs); `extended`, the ranges an
-    extend_trials round searched past the stage's own. Each edge names the overrides
-    that search past it in the next sweep (`widen`, empty where nothing past it makes a
-    run), and its note says them."""
-    from sweeper.sweep.extend import widening_overrides
+    extend_trials round searched past the stage's own. Each edge names the override that
+    searches past it in the next sweep (`widen`, None where nothing past it makes a run),
+    and its note says it."""
+    from sweeper.sweep.extend import widening_override
 
     if best is None:
         return []
@@ -147,17 +147,15 @@ def range_edges(
             )
         else:
             scope, hint = f"values {list(param.values)}", "add values beyond it"
-        widen = []
+        widen = None
         if param.name not in declared:  # an lr_rule=retune band around a frozen LR
             hint = f"raise sweep.stages.{index}.retune_factor ({stage.retune_factor:g})"
         else:
-            widen = widening_overrides(index, stage.params, param, side, start, own_trainable)
+            widen = widening_override(index, stage.params, param, side, start, own_trainable)
         if widen:
-            hint += ": " + shlex.join(widen)  # quoted: zsh refuses an unmatched [...] glob
-            # the round extend_trials runs checks its runs as this does: only a batch that
-            # needs a smaller micro-batch (a second override) is beyond it. `++`: most
-            # sweep files do not set the key, and `+` fails where one does
-            if not stage.extend_trials and len(widen) == 1:
+            hint += ": " + shlex.quote(widen)  # quoted: zsh refuses an unmatched [...] glob
+            # `++`: most sweep files do not set the key, and `+` fails where one does
+            if not stage.extend_trials:
                 hint += (
                     f" (or ++sweep.stages.{index}.extend_trials=4: the sweep looks there itself)"
                 )

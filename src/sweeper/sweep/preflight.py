@@ -27,7 +27,7 @@ from sweeper.sweep.spec import (
     stage_space,
     validate_spec,
 )
-from sweeper.sweep.stages import apply_params, get_dotted, hydra_value
+from sweeper.sweep.stages import apply_params, fit_micro_batch, get_dotted, hydra_value
 from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
 from sweeper.sweep.trainable import load_target
 
@@ -259,7 +259,7 @@ def local_trial_memory(spec: SweepSpec, cfg) -> TrialMemory | None:
 
 def check_stage_values(spec: SweepSpec, base: dict, memory: TrialMemory | None = None) -> None:
     """Each value a stage can hand a trial, written alone into the base config, must make a
-    valid run. Otherwise a grid batch size that is no multiple of a micro-batch, or a fixed
+    valid run. Otherwise a grid batch size of no whole number of sequences, or a fixed
     LR below zero, fails every trial it reaches after Ray has started and the run dir is
     written. Ranges are checked at both ends, and integer ranges also one step in from the
     low end: a constraint like "a multiple of 4096" fails there, and a grid or choice is
@@ -270,7 +270,7 @@ def check_stage_values(spec: SweepSpec, base: dict, memory: TrialMemory | None =
     Later stages start from earlier stages' best, which satisfies the same schema."""
     from sweeper.budget import check_budget
 
-    run = load_run_config(base)
+    run = load_run_config(fit_micro_batch(base))  # the baseline's run, and every stage's start
     check_budget(run)  # the budget written in, before any stage's values
     if memory is not None:
         memory.check(run)
@@ -324,7 +324,8 @@ def _run_error(base: dict, candidate: dict, memory: TrialMemory | None) -> Confi
     from sweeper.budget import check_budget
 
     try:
-        run = load_run_config(apply_params(base, {k: v for k, (v, _) in candidate.items()}))
+        values = {k: v for k, (v, _) in candidate.items()}
+        run = load_run_config(fit_micro_batch(apply_params(base, values)))
         check_budget(run)
         if memory is not None:
             memory.check(run)

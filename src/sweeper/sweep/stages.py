@@ -8,7 +8,7 @@ import copy
 import math
 from typing import Any
 
-from sweeper.config import BUDGET_KEYS
+from sweeper.config import BUDGET_KEYS, micro_batch_dividing
 from sweeper.seeds import paired_lead
 
 BATCH_KEY = "trainer.total_batch_size"
@@ -38,6 +38,49 @@ def apply_params(base: dict, params: dict[str, Any]) -> dict:
     for key, value in params.items():
         set_dotted(tree, key, value)
     return tree
+
+
+def fit_micro_batch(config: dict) -> dict:
+    """`config` with its micro-batch (trainer.device_batch_size, in sequences) lowered to
+    the largest that divides its batch, where the one it has does not: lr_bs's 16 x 256
+    tokens divide no batch below 4096, and 8 x 256 make 2048. Gradient accumulation makes
+    the same update from smaller pieces, so in a sweep the micro-batch is a ceiling (what
+    fits in memory), not a bound on the batch sizes a stage can try. Unchanged where it
+    divides, or where no whole number of sequences makes the batch (the run's check then
+    says why). A plain run keeps its contract: such a batch is an error, with the fix."""
+    trainer, model = config.get("trainer"), config.get("model")
+    try:
+        total, device_batch = int(trainer["total_batch_size"]), int(trainer["device_batch_size"])
+        sequence_tokens = int(model["seq_len"]) * int(trainer.get("workers", 1))
+    except (KeyError, TypeError, ValueError):
+        return config  # not sweeper's run config, or a bad value its check names
+    if sequence_tokens <= 0 or device_batch <= 0 or total % (device_batch * sequence_tokens) == 0:
+        return config
+    fitted = micro_batch_dividing(total, sequence_tokens, device_batch)
+    if fitted is None:
+        return config
+    return {**config, "trainer": {**trainer, "device_batch_size": fitted}}
+
+
+def fitted_micro_batches(params, base: dict) -> str | None:
+    """What a stage's first line says of the listed batch sizes (`params`, its ParamSpecs)
+    that train in a smaller micro-batch than `base`'s (fit_micro_batch): 'batch 2048 in
+    micro-batches of 8 sequences (trainer.device_batch_size=16 does not divide it)'. None
+    where there are none."""
+    batch = next((p for p in params if p.name == BATCH_KEY and p.values), None)
+    own = get_dotted(base, "trainer.device_batch_size")
+    if batch is None or own is None:
+        return None
+    fitted = []
+    for value in batch.values:
+        run = fit_micro_batch(apply_params(base, {BATCH_KEY: value}))
+        if (micro := get_dotted(run, "trainer.device_batch_size")) != own:
+            fitted.append((value, micro))
+    if not fitted:
+        return None
+    shown = ", ".join(f"{value} in micro-batches of {micro}" for value, micro in fitted)
+    them = "it" if len(fitted) == 1 else "them"
+    return f"batch {shown} sequences (trainer.device_batch_size={own} does not divide {them})"
 
 
 def lr_scale(rule: str, batch: float, base_batch: float) -> float:

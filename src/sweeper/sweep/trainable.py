@@ -22,7 +22,7 @@ from typing import Any
 
 from sweeper.checkpoint import load_latest_state, save_state
 from sweeper.sweep.space import to_builtin
-from sweeper.sweep.stages import apply_params, follow_batch_size, get_dotted
+from sweeper.sweep.stages import apply_params, fit_micro_batch, follow_batch_size, get_dotted
 
 
 @dataclass(frozen=True)
@@ -128,11 +128,12 @@ def trial_config(params: dict[str, Any], base: dict, ctx: TrialContext) -> dict:
 
 def placed(config: dict, threads: int, gpus: float) -> dict:
     """A run of sweeper's training with a trial's resources: `threads` torch threads (its
-    CPU share; float sums, so results, depend on the count) and, for one process, the
-    device its GPU share allows. Ray (2.60) no longer hides the GPUs from a worker given
+    CPU share; float sums, so results, depend on the count), the largest micro-batch up to
+    its own that divides its batch (fit_micro_batch), and, for one process, the device its
+    GPU share allows. Ray (2.60) no longer hides the GPUs from a worker given
     none, so `auto` would put every such trial on cuda:0, unaccounted. A DDP trial's ranks
     ask Ray Train for their GPUs themselves (distributed.train_ddp)."""
-    trainer = {**config["trainer"], "threads": threads}
+    trainer = {**fit_micro_batch(config)["trainer"], "threads": threads}
     if trainer.get("workers", 1) == 1 and trainer.get("device") == "auto":
         trainer["device"] = "cuda" if gpus else "cpu"
     return {**config, "trainer": trainer}
