@@ -699,17 +699,24 @@ def test_the_predicted_run_is_the_sweeps_config_at_the_target_with_the_laws_valu
 
     cfg = compose(["+sweep=lr_bs_scaling"])
     base = base_config(cfg, validate_sweep(cfg), None)
-    unit = base["trainer"]["device_batch_size"] * base["model"]["seq_len"]  # 512 tokens
+    sequence = base["model"]["seq_len"]  # 256 tokens; micro-batches of 2 sequences
 
     def run(predictions, points=()):
         overrides = predicted_run({"target_flops": 1e15, "predictions": predictions}, base, points)
         return None if overrides is None else load_run_config(compose(overrides))
 
-    both = run({"lr_opt": 0.0123456, "batch_size_opt": 1.7 * unit})
+    both = run({"lr_opt": 0.0123456, "batch_size_opt": 4.2 * sequence})
     assert both.trainer.budget_flops == 1e15 and both.trainer.budget_tokens is None
     assert both.optimizer.matrix_lr == 0.01235  # 4 significant digits
-    assert both.trainer.total_batch_size == 2 * unit  # the nearest whole micro-batches
-    assert run({"batch_size_opt": 0.2 * unit}).trainer.total_batch_size == unit  # at least one
+    assert both.trainer.total_batch_size == 4 * sequence  # the nearest whole sequences
+    assert both.trainer.device_batch_size == 2  # the sweep's micro-batch divides it
+    # 3 sequences: no whole number of micro-batches of 2, so micro-batches of 1, as the
+    # sweep's trials would have run it
+    three = run({"batch_size_opt": 2.9 * sequence}).trainer
+    assert (three.total_batch_size, three.device_batch_size) == (3 * sequence, 1)
+    # nearest on a log scale: 1.45 sequences is 2 (x1.38), not 1 (x1.45)
+    assert run({"batch_size_opt": 1.45 * sequence}).trainer.total_batch_size == 2 * sequence
+    assert run({"batch_size_opt": 0.2 * sequence}).trainer.total_batch_size == sequence  # >= 1
     # an LR law but no batch law over a batch grid: the best batch at the largest budget
     grid = [
         {
@@ -736,7 +743,7 @@ def test_a_predicted_batch_the_run_cannot_take_is_said_beside_the_run():
     from sweeper.sweep.preflight import base_config, validate_sweep
 
     cfg = compose(["+sweep=lr_bs_scaling"])
-    base = base_config(cfg, validate_sweep(cfg), None)  # micro-batches of 512 tokens
+    base = base_config(cfg, validate_sweep(cfg), None)  # sequences of 256 tokens
 
     def note(batch):
         result = {"target_flops": 1e15, "predictions": {"lr_opt": 0.01, "batch_size_opt": batch}}
@@ -744,16 +751,17 @@ def test_a_predicted_batch_the_run_cannot_take_is_said_beside_the_run():
         return predicted_run_note(result, [])
 
     assert note(180.3) == (
-        "(the batch law predicts 180.3 tokens; the run takes 512, the nearest whole number of "
-        "micro-batches (trainer.device_batch_size x model.seq_len), at least one)"
+        "(the batch law predicts 180.3 tokens; the run takes 256, the nearest whole number of "
+        "sequences (model.seq_len tokens) on a log scale, at least one)"
     )
-    assert note(700.0).startswith("(the batch law predicts 700 tokens; the run takes 512,")
-    assert note(1500.0) is None  # 1536: within 10% of the law
+    assert note(377.5).startswith("(the batch law predicts 377.5 tokens; the run takes 512,")
+    assert note(700.0) is None  # 768: within 10% of the law
+    assert note(1500.0) is None  # 1536
     assert (
         predicted_run_note({"predictions": {"lr_opt": 0.01}, "predicted_run": ["x=1"]}, []) is None
     )
-    # no batch law: the best batch at the largest budget (256, one sequence, in a grid run
-    # with micro-batches of one sequence) in a config whose micro-batches hold two
+    # no batch law: the best batch at the largest budget (256, one sequence) in a config
+    # whose micro-batches hold two: the run takes it in micro-batches of one, as the grid did
     grid = [
         {"N": 3e6, "C": c, "budget": c, "lr": 0.01, "batch_size": b, "final": True,
          "loss": 3 + b / 1e4 - c / 1e13}
@@ -761,11 +769,9 @@ def test_a_predicted_batch_the_run_cannot_take_is_said_beside_the_run():
     ]  # fmt: skip
     result = {"target_flops": 1e15, "predictions": {"lr_opt": 0.01}}
     result["predicted_run"] = predicted_run(result, base, grid)
-    assert "trainer.total_batch_size=512" in result["predicted_run"]
-    assert predicted_run_note(result, grid) == (
-        "(the best batch at the largest budget is 256 tokens; the run takes 512, the nearest "
-        "whole number of micro-batches (trainer.device_batch_size x model.seq_len), at least one)"
-    )
+    assert "trainer.total_batch_size=256" in result["predicted_run"]
+    assert "trainer.device_batch_size=1" in result["predicted_run"]
+    assert predicted_run_note(result, grid) is None
 
 
 def margin_grid(margins: list[float], far: list[float] | None = None) -> list[dict]:

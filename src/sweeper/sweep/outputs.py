@@ -13,7 +13,7 @@ from sweeper.config import BUDGET_KEYS
 from sweeper.sweep.results import REPORT_COLUMNS
 from sweeper.sweep.space import LIST_KINDS, ParamSpec, range_edge
 from sweeper.sweep.spec import SweepSpec, flatten, flatten_params, stage_space
-from sweeper.sweep.stages import rounded_text, unresolved_rivals
+from sweeper.sweep.stages import fit_micro_batch, rounded_text, unresolved_rivals
 from sweeper.sweep.state import SweepState, write_json_atomic
 from sweeper.sweep.trainable import RUNG_METRIC
 
@@ -493,9 +493,10 @@ def predicted_run(result: dict, base: dict, points: list[dict]) -> list[str] | N
     its budget at the target and the LR and batch size the laws predict there. A varied
     hyperparameter without a law (its optima were all grid ends) takes its best value at
     the largest budget instead: the laws were measured there, not at the base config's
-    value. The batch is rounded to a multiple of device_batch_size x seq_len x workers,
-    which a run requires. None where no law predicts (or the config is a user function's,
-    not a sweeper run)."""
+    value. The batch is rounded to a whole number of sequences (`whole_sequences`), which a
+    run requires, and trains in the largest micro-batch up to the sweep's that divides it
+    (fit_micro_batch), as the sweep's own trials did. None where no law predicts (or the
+    config is a user function's, not a sweeper run)."""
     from sweeper.sweep.engine import reproduce_overrides
 
     predictions, target = result.get("predictions") or {}, result.get("target_flops")
@@ -510,22 +511,32 @@ def predicted_run(result: dict, base: dict, points: list[dict]) -> list[str] | N
         trainer, optimizer = config["trainer"], config["optimizer"]
         trainer.update({key: None for key in BUDGET_KEYS}, budget_flops=target)
         if values["batch_size"]:
-            unit = trainer["device_batch_size"] * base["model"]["seq_len"] * trainer["workers"]
-            trainer["total_batch_size"] = max(1, round(values["batch_size"] / unit)) * unit
+            sequence = base["model"]["seq_len"] * trainer["workers"]
+            trainer["total_batch_size"] = whole_sequences(values["batch_size"], sequence)
         if values["lr"]:  # the LR the sweep varied: its peak_lr
             key = "lr" if optimizer.get("name") == "adamw" else "matrix_lr"
             optimizer[key] = float(f"{values['lr']:.4g}")
-        return reproduce_overrides(config)
+        return reproduce_overrides(fit_micro_batch(config))
     except Exception:  # a user's function's config (no run of sweeper's to predict), odd records
         return None
 
 
+def whole_sequences(tokens: float, sequence: int) -> int:
+    """The batch of whole `sequence`-token sequences nearest `tokens` on a log scale, where
+    batch optima are read and fitted (377 tokens of 256-token sequences: 512, not 256), at
+    least one sequence."""
+    count = tokens / sequence
+    if count <= 1:
+        return sequence
+    below = math.floor(count)
+    return (below + 1 if (below + 1) / count < count / below else below) * sequence
+
+
 def predicted_run_note(result: dict, points: list[dict]) -> str | None:
     """Where the predicted run's batch is not the one meant (the batch law's prediction, or
-    without a law the best batch at the largest budget), rounded to whole micro-batches of
-    the config the run starts from, a line that says so: a law through batch optima at a
-    grid's end can predict fewer tokens than one sequence, and a sweep's grid may have run
-    smaller micro-batches than that config's."""
+    without a law the best batch at the largest budget) by more than a tenth, rounded to
+    whole sequences, a line that says so: a law through batch optima at a grid's end can
+    predict fewer tokens than one sequence."""
     run = [
         o for o in result.get("predicted_run") or [] if o.startswith("trainer.total_batch_size=")
     ]
@@ -539,7 +550,7 @@ def predicted_run_note(result: dict, points: list[dict]) -> str | None:
     what = "the batch law predicts" if predicted else "the best batch at the largest budget is"
     return (
         f"({what} {meant:.4g} tokens; the run takes {batch}, the nearest whole number of "
-        "micro-batches (trainer.device_batch_size x model.seq_len), at least one)"
+        "sequences (model.seq_len tokens) on a log scale, at least one)"
     )
 
 
