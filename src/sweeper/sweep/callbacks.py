@@ -190,10 +190,9 @@ class GridCosts:
         from sweeper.budget import planned_flops
         from sweeper.config import load_run_config
         from sweeper.sweep.space import to_builtin
-        from sweeper.sweep.stages import apply_params, fit_micro_batch
+        from sweeper.sweep.stages import sweep_run
 
-        run = fit_micro_batch(apply_params(self.base, to_builtin(dict(params))))
-        return planned_flops(load_run_config(run))
+        return planned_flops(load_run_config(sweep_run(self.base, to_builtin(dict(params)))))
 
     def eta(self, trials, finished, elapsed: float) -> float | None:
         """Seconds left, or None before any FLOPs are reported; `finished`: the trial whose

@@ -24,7 +24,7 @@ import time
 from sweeper.config import ConfigError, load_run_config
 from sweeper.sweep.space import LIST_KINDS, ParamSpec, extended_range, extended_values, parse_space
 from sweeper.sweep.spec import StageSpec, SweepSpec, flatten_params
-from sweeper.sweep.stages import apply_params, fit_micro_batch, float_text, rounded_text
+from sweeper.sweep.stages import float_text, rounded_text, sweep_run
 from sweeper.sweep.state import SweepState, spent_flops
 
 EXPERIMENT_SUFFIX = "_extended"  # the round's Ray Tune experiment: stage{i}_{name}_extended
@@ -140,7 +140,7 @@ def invalid_run(base: dict, name: str, value) -> str | None:
     from sweeper.budget import check_budget
 
     try:
-        check_budget(load_run_config(fit_micro_batch(apply_params(base, {name: value}))))
+        check_budget(load_run_config(sweep_run(base, {name: value})))
     except ConfigError as error:
         return str(error)
     return None

@@ -27,7 +27,7 @@ from sweeper.sweep.spec import (
     stage_space,
     validate_spec,
 )
-from sweeper.sweep.stages import apply_params, fit_micro_batch, get_dotted, hydra_value
+from sweeper.sweep.stages import fit_micro_batch, get_dotted, hydra_value, sweep_run
 from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
 from sweeper.sweep.trainable import load_target
 
@@ -324,8 +324,7 @@ def _run_error(base: dict, candidate: dict, memory: TrialMemory | None) -> Confi
     from sweeper.budget import check_budget
 
     try:
-        values = {k: v for k, (v, _) in candidate.items()}
-        run = load_run_config(fit_micro_batch(apply_params(base, values)))
+        run = load_run_config(sweep_run(base, {k: v for k, (v, _) in candidate.items()}))
         check_budget(run)
         if memory is not None:
             memory.check(run)

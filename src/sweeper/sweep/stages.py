@@ -62,6 +62,12 @@ def fit_micro_batch(config: dict) -> dict:
     return {**config, "trainer": {**trainer, "device_batch_size": fitted}}
 
 
+def sweep_run(base: dict, params: dict[str, Any]) -> dict:
+    """The run a sweep makes of `base` with `params` written in: its micro-batch fitted to
+    its batch (fit_micro_batch), as every trial's is (trainable.placed)."""
+    return fit_micro_batch(apply_params(base, params))
+
+
 def fitted_micro_batches(params, base: dict) -> str | None:
     """What a stage's first line says of the listed batch sizes (`params`, its ParamSpecs)
     that train in a smaller micro-batch than `base`'s (fit_micro_batch): 'batch 2048 in
@@ -73,7 +79,7 @@ def fitted_micro_batches(params, base: dict) -> str | None:
         return None
     fitted = []
     for value in batch.values:
-        run = fit_micro_batch(apply_params(base, {BATCH_KEY: value}))
+        run = sweep_run(base, {BATCH_KEY: value})
         if (micro := get_dotted(run, "trainer.device_batch_size")) != own:
             fitted.append((value, micro))
     if not fitted:
