@@ -267,7 +267,8 @@ def test_a_progress_line_comes_while_trials_run_before_any_ends(
     sweep(
         tmp_path,
         "sweep.stages.0.num_samples=2",
-        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+        # not 512, the batch stage 0 trained: that trial would be replayed in a second
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[1024]",
     )
     lines = capsys.readouterr().out.splitlines()
     # Tune calls the callback on its loop's steps: lines come before the first trial ends
