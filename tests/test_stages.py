@@ -383,12 +383,29 @@ BATCH, MATRIX_LR, EMBEDDING_LR = (
         ([], "batch_size", {BATCH: 16384}, BATCH, 32768),
         ([], "lr", {MATRIX_LR: 0.099, EMBEDDING_LR: 0.3}, MATRIX_LR, 0.1),
         ([], "lr", {MATRIX_LR: 0.02, EMBEDDING_LR: 0.031}, EMBEDDING_LR, 0.03),
-        # a weight decay range from 0 has nothing below it: the note names no override
+        # a weight decay range from 0 has nothing below it: no edge, no note
         (
             ["+sweep.stages.0.params.optimizer.weight_decay.uniform=[0.0,0.2]"],
             "lr",
             {MATRIX_LR: 0.02, EMBEDDING_LR: 0.3, "optimizer.weight_decay": 0.0},
+            None,
+            None,
+        ),
+        # from 0.01, 0 lies below it: widened to 0
+        (
+            ["+sweep.stages.0.params.optimizer.weight_decay.uniform=[0.01,0.2]"],
+            "lr",
+            {MATRIX_LR: 0.02, EMBEDDING_LR: 0.3, "optimizer.weight_decay": 0.01},
             "optimizer.weight_decay",
+            0.005,
+        ),
+        # a warm-up of 0.5 beside the warm-down's 0.4: more is a run up to 0.6, but the range
+        # just above ends at 0.7; the note stays, with no override
+        (
+            ["+sweep.stages.0.params.scheduler.warmup_ratio.uniform=[0.1,0.5]"],
+            "lr",
+            {MATRIX_LR: 0.02, EMBEDDING_LR: 0.3, "scheduler.warmup_ratio": 0.5},
+            "scheduler.warmup_ratio",
             None,
         ),
     ],
@@ -400,15 +417,18 @@ def test_the_override_a_range_edge_names_makes_a_sweep_that_searches_past_it(
 
     cfg = compose(["+sweep=lr_bs", *overrides])
     spec = validate_sweep(cfg)
-    (edge,) = range_edges(spec, stage, base_config(cfg, spec, None), {"params": best})
+    edges = range_edges(spec, stage, base_config(cfg, spec, None), {"params": best})
+    if edge_of is None:
+        assert edges == []
+        return
+    (edge,) = edges
     assert edge["param"] == edge_of
     if past is None:
         assert edge["widen"] is None
         assert edge["note"].endswith("; widen the range")
         return
-    assert (
-        f"; {'widen the range' if edge_of != BATCH else 'add values beyond it'}: " in edge["note"]
-    )
+    listed = stage == "batch_size"  # lr_bs's batch grid
+    assert f"; {'add values beyond it' if listed else 'widen the range'}: " in edge["note"]
     assert shlex.quote(edge["widen"]) in edge["note"]
     # the sweep it makes passes the checks made before Ray starts (a value that is no valid
     # run is refused there), and its stage searches past the old end
@@ -495,7 +515,7 @@ def test_a_batch_below_the_micro_batch_is_a_sweeps_trial_but_a_plain_runs_error(
         load_run_config(apply_params(base, {BATCH: 2048}))
 
 
-def test_a_user_functions_range_edge_is_not_checked_as_sweepers_run():
+def test_a_best_at_the_end_of_what_makes_a_run_is_an_edge_only_for_a_users_function():
     from sweeper.sweep.outputs import range_edges
 
     grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[256,512,1024]"
@@ -503,9 +523,9 @@ def test_a_user_functions_range_edge_is_not_checked_as_sweepers_run():
     spec = validate_sweep(cfg)
     base = base_config(cfg, spec, None)
     best = {"params": {BATCH: 256}}
-    # 128 tokens are half a sequence: no run of sweeper's, so no override is named ...
-    (edge,) = range_edges(spec, "batch_size", base, best)
-    assert edge["widen"] is None
+    # 128 tokens are half a sequence: nothing below one sequence is a run of sweeper's, so
+    # its best batch cannot lie below it and no note says it may ...
+    assert range_edges(spec, "batch_size", base, best) == []
     # ... but sweeper cannot see what a user's function accepts: there, the next value
     (edge,) = range_edges(spec, "batch_size", base, best, own_trainable=False)
     assert edge["widen"] == "sweep.stages.1.params.trainer.total_batch_size.grid=[128,256,512,1024]"
@@ -530,21 +550,21 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
     best = {
         "params": {
             "optimizer.matrix_lr": 0.095,  # high end: searched past
-            "optimizer.weight_decay": 0.0,  # low end of a range from 0: nothing below
+            "optimizer.weight_decay": 0.0,  # low end of a range from 0: nothing below, no edge
             "trainer.total_batch_size": 4096,  # low end: 4095 is no whole number of sequences
             "optimizer.embedding_lr": base["optimizer"]["embedding_lr"] / 1.9,  # retune band
         }
     }
     edges = range_edges(spec, "s", base, best)
-    assert {e["param"] for e in edges} == set(best["params"])
+    assert {e["param"] for e in edges} == set(best["params"]) - {"optimizer.weight_decay"}
     searched = searched_params(spec, "s", base)
     ranges, skipped = extension_ranges(stage, searched, edges, base, own_trainable=True)
     assert list(ranges) == ["optimizer.matrix_lr"]
     assert [ranges["optimizer.matrix_lr"].low, ranges["optimizer.matrix_lr"].high] == (
         pytest.approx([0.1, 0.5])
     )
-    assert sorted(skipped) == [
-        "cannot search past the low end of optimizer.weight_decay: nothing lies past it",
+    # 2048 is a batch, 4095 (the range just below 4096 ends there) is not
+    assert skipped == [
         "cannot search past the low end of trainer.total_batch_size: trainer.total_batch_size "
         "must be a multiple of trainer.device_batch_size * model.seq_len * trainer.workers = "
         "4096, got 4095",
@@ -581,7 +601,8 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
         ([1024, 2048, 4096], [512, 256], None),
         # 128 tokens are half a 256-token sequence: no run
         ([512, 1024, 2048], [256], "past the low end of trainer.total_batch_size, only [256]"),
-        ([256, 512, 1024], None, "cannot search past the low end of trainer.total_batch_size"),
+        # one sequence: no batch below it, so no edge and no round
+        ([256, 512, 1024], None, None),
     ],
 )
 def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
@@ -615,9 +636,14 @@ def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
     assert round_two.params == {"trainer.total_batch_size": {"grid": values}}
     extended = extended_ranges(round_two)
     assert extended == {"trainer.total_batch_size": values}
-    # after the round, the note speaks of both rounds' values
+    # after the round, the note speaks of both rounds' values; at one sequence (256
+    # tokens) there is no note: no batch lies below it
     best["params"]["trainer.total_batch_size"] = min(values)
-    (edge,) = range_edges(spec, "bs", base, best, extended)
+    edges = range_edges(spec, "bs", base, best, extended)
+    if min(values) == 256:
+        assert edges == []
+        return
+    (edge,) = edges
     assert f"of its values {sorted(values) + grid}" in edge["note"]
 
 

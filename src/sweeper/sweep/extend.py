@@ -104,12 +104,13 @@ def extension_ranges(
         param = by_name.get(name)
         if name not in declared or param is None:
             continue
+        # range_edges leaves out ends with nothing past them (`nothing_past`)
         if param.kind in LIST_KINDS:
             wider = extended_values(param, side, count)
         else:
             wider = extended_range(param, side)
-        problem = "nothing lies past it" if wider is None else None
-        if wider is not None and own_trainable:
+        problem = None
+        if own_trainable:
             wider, problem = valid_part(after, wider)
         if wider is None:
             skipped.append(f"cannot search past the {side} end of {name}: {problem}")
@@ -146,21 +147,40 @@ def invalid_run(base: dict, name: str, value) -> str | None:
     return None
 
 
+def nothing_past(param: ParamSpec, side: str, start: dict, own_trainable: bool) -> bool:
+    """Whether no value lies past `param`'s `side` end: none by the space's own rules (a
+    weight decay or warm-up below 0), or, for sweeper's own training, none that makes a run
+    from `start` (a batch below one sequence). A best value there is the best the param can
+    take, not a sign that the optimum lies outside the range."""
+    if param.kind in LIST_KINDS:
+        past = extended_values(param, side, 1)
+        return past is None or bool(
+            own_trainable and invalid_run(start, param.name, past.values[0])
+        )
+    past = extended_range(param, side)
+    if past is None:
+        return True
+    return own_trainable and all(
+        invalid_run(start, param.name, value) for value in (past.low, past.high)
+    )
+
+
 def widening_override(
     index: int, declared: dict, param: ParamSpec, side: str, start: dict, own_trainable: bool
 ) -> str | None:
     """The Hydra override that searches past `param`'s `side` end when the sweep runs
     again: its range widened by what an extend_trials round would search
-    (`extended_range`), or its list with the next value past the end (`extended_values`).
-    None where nothing past the end makes a valid run from `start` (a user's function is
-    not checked: sweeper cannot see what it accepts), or where the stage's `declared`
-    params name it by a dotted key (`optimizer.matrix_lr:`), which no override can reach."""
+    (`extended_range`), or its list with the next value past the end (`extended_values`),
+    for an end with something past it (not `nothing_past`). None where the widened range
+    makes no valid run from `start` (a user's function is not checked: sweeper cannot see
+    what it accepts), or where the stage's `declared` params name it by a dotted key
+    (`optimizer.matrix_lr:`), which no override can reach."""
     if not _nested(declared, param.name.split(".")):
         return None
     key = f"sweep.stages.{index}.params.{param.name}.{param.kind}"
     if param.kind in LIST_KINDS:
         past = extended_values(param, side, 1)
-        if past is None or (own_trainable and invalid_run(start, param.name, past.values[0])):
+        if past is None:
             return None
         values = sorted([*param.values, *past.values])
         # the list's values exactly, as the sweep tried them

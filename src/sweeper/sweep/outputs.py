@@ -120,13 +120,14 @@ def range_edges(
     extended: dict[str, list] | None = None,
     own_trainable: bool = True,
 ) -> list[dict]:
-    """The stage's best values that sit at an end of their search range (`range_edge`):
-    the optimum may lie outside it. `start` is the config the stage started from (its
-    lr_rule=retune bands are centred on that config's LRs); `extended`, the ranges an
-    extend_trials round searched past the stage's own. Each edge names the override that
-    searches past it in the next sweep (`widen`, None where nothing past it makes a run),
-    and its note says it."""
-    from sweeper.sweep.extend import widening_override
+    """The stage's best values that sit at an end of their search range (`range_edge`)
+    with values past it (not `nothing_past`): the optimum may lie outside it. `start` is
+    the config the stage started from (its lr_rule=retune bands are centred on that
+    config's LRs); `extended`, the ranges an extend_trials round searched past the stage's
+    own. Each edge names the override that searches past it in the next sweep (`widen`,
+    None where the range just past it makes no run or no override reaches it), and its
+    note says it."""
+    from sweeper.sweep.extend import nothing_past, widening_override
 
     if best is None:
         return []
@@ -138,7 +139,7 @@ def range_edges(
             continue  # more compute trains to a lower loss: its largest value is no optimum
         value = best["params"].get(param.name)
         side = range_edge(param, value)
-        if side is None:
+        if side is None or nothing_past(param, side, start, own_trainable):
             continue
         if param.low is not None:
             scope, hint = (
