@@ -399,13 +399,21 @@ BATCH, MATRIX_LR, EMBEDDING_LR = (
             "optimizer.weight_decay",
             0.005,
         ),
-        # a warm-up of 0.5 beside the warm-down's 0.4: more is a run up to 0.6, but the range
-        # just above ends at 0.7; the note stays, with no override
+        # a warm-up of 0.5 beside the warm-down's 0.4: the range just above would end at
+        # 0.7, but the two must sum to at most 1, so it is cut at 0.6
         (
             ["+sweep.stages.0.params.scheduler.warmup_ratio.uniform=[0.1,0.5]"],
             "lr",
             {MATRIX_LR: 0.02, EMBEDDING_LR: 0.3, "scheduler.warmup_ratio": 0.5},
             "scheduler.warmup_ratio",
+            0.55,
+        ),
+        # ... and from 0.6 nothing lies above: no edge
+        (
+            ["+sweep.stages.0.params.scheduler.warmup_ratio.uniform=[0.1,0.6]"],
+            "lr",
+            {MATRIX_LR: 0.02, EMBEDDING_LR: 0.3, "scheduler.warmup_ratio": 0.6},
+            None,
             None,
         ),
     ],
@@ -591,6 +599,39 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
     (lr_edge,) = lr_edges(0.45)
     assert lr_edge["side"] == "high" and "range [0.004, 0.5]" in lr_edge["note"]
     assert lr_edges(0.095) == []  # was the old range's end, is inside the new one
+
+
+@pytest.mark.parametrize(
+    ("name", "declared", "cut", "problem"),
+    [
+        ("scheduler.warmdown_ratio", [0.2, 0.8], 1.0, "must be in [0, 1], got 1.1"),
+        # beside lr_bs's warm-down of 0.4
+        ("scheduler.warmup_ratio", [0.1, 0.5], 0.6, "must be <= 1, got 0.7 + 0.4"),
+    ],
+)
+def test_a_float_range_past_its_end_is_cut_where_runs_end(name, declared, cut, problem):
+    from sweeper.sweep.extend import extension_ranges, valid_part, widening_override
+    from sweeper.sweep.space import extended_range, parse_space
+    from sweeper.sweep.spec import StageSpec
+
+    cfg = compose(["+sweep=lr_bs"])
+    base = base_config(cfg, validate_sweep(cfg), None)
+    (param,) = parse_space({name: {"uniform": declared}}).params
+    past = extended_range(param, "high")
+    kept, why = valid_part(base, past)
+    assert (kept.low, kept.high) == (declared[1], cut) and why.endswith(problem)
+    # the value named is exact, and the override's range is one preflight accepts
+    group, key = name.split(".")
+    params = {group: {key: {"uniform": declared}}}
+    widen = widening_override(0, params, param, "high", base, own_trainable=True)
+    assert widen == f"sweep.stages.0.params.{name}.uniform=[{declared[0]},{cut}]"
+    validate_sweep(compose(["+sweep=lr_bs", f"+{widen}"]))
+    # a round searches the part that makes runs, and says where it stops
+    stage = StageSpec(name="s", params=params, extend_trials=2)
+    edge = {"param": name, "side": "high"}
+    ranges, lines = extension_ranges(stage, [param], [edge], base, own_trainable=True)
+    assert (ranges[name].low, ranges[name].high) == (declared[1], cut)
+    assert lines == [f"past the high end of {name}, only [{declared[1]}, {cut:g}]: {why}"]
 
 
 @pytest.mark.parametrize(

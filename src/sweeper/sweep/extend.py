@@ -115,25 +115,66 @@ def extension_ranges(
         if wider is None:
             skipped.append(f"cannot search past the {side} end of {name}: {problem}")
             continue
-        if problem:  # a list's first values make valid runs, the next one does not
-            skipped.append(f"past the {side} end of {name}, only {list(wider.values)}: {problem}")
+        if problem:  # part of it makes runs: a list's first values, a range up to a bound
+            part = (
+                list(wider.values)
+                if wider.kind in LIST_KINDS
+                else f"[{wider.low:.4g}, {wider.high:.4g}]"
+            )
+            skipped.append(f"past the {side} end of {name}, only {part}: {problem}")
         ranges[name] = wider
     return ranges, skipped
 
 
 def valid_part(base: dict, param: ParamSpec) -> tuple[ParamSpec | None, str | None]:
     """`param` where its values make valid runs from `base` (an LR at 0, a batch of no whole
-    number of sequences do not), as preflight checks a stage's declared ranges
-    before Ray starts: a range whose ends both do, or a list's values up to the first that
-    does not (they go away from the end, nearest first), with why the rest do not; None
-    and why when none does."""
-    listed = param.kind in LIST_KINDS
-    for i, value in enumerate(param.values if listed else (param.low, param.high)):
-        problem = invalid_run(base, param.name, value)
-        if problem is not None:
-            kept = dataclasses.replace(param, values=param.values[:i]) if listed and i else None
-            return kept, problem
-    return param, None
+    number of sequences do not), as preflight checks a stage's declared ranges before Ray
+    starts, with why the rest do not: a list's values up to the first that makes no run
+    (they go away from the end, nearest first); a float range with one end a run and the
+    other not, cut where runs end (`_last_run`: a warm-down past 0.8 stops at 1); an integer
+    range only whole (batch sizes are no interval: 2049 is no run, 3072 is). None and why
+    when no value past the end does."""
+    if param.kind in LIST_KINDS:
+        for i, value in enumerate(param.values):
+            if problem := invalid_run(base, param.name, value):
+                kept = dataclasses.replace(param, values=param.values[:i]) if i else None
+                return kept, problem
+        return param, None
+    low_problem = invalid_run(base, param.name, param.low)
+    high_problem = invalid_run(base, param.name, param.high)
+    if low_problem is None and high_problem is None:
+        return param, None
+    problem = high_problem or low_problem
+    if param.integer or (low_problem and high_problem):
+        return None, problem
+    if high_problem:
+        low, high = param.low, _last_run(base, param, param.low, param.high)
+    else:
+        low, high = _last_run(base, param, param.high, param.low), param.high
+    if low >= high:
+        return None, problem
+    return dataclasses.replace(param, low=low, high=high), problem
+
+
+def _last_run(base: dict, param: ParamSpec, run: float, no_run: float) -> float:
+    """The value farthest from `run` towards `no_run` that still makes a run, by bisection
+    (on the param's own scale): the config's bounds on a float (a ratio <= 1, a warm-up and
+    warm-down that sum to at most 1) are thresholds. Then the shortest number near it that
+    is still a run, within a thousandth of the range: 1 rather than 0.99999999997."""
+    scale, unscale = (math.log, math.exp) if param.log else (float, float)
+    good, bad = scale(run), scale(no_run)
+    for _ in range(24):  # to 2^-24 of the range: well inside the thousandth kept below
+        middle = (good + bad) / 2
+        if invalid_run(base, param.name, unscale(middle)):
+            bad = middle
+        else:
+            good = middle
+    value, width = unscale(good), abs(scale(no_run) - scale(run))
+    for digits in range(1, 17):
+        short = float(f"{value:.{digits}g}")
+        if abs(scale(short) - good) <= 1e-3 * width and not invalid_run(base, param.name, short):
+            return short
+    return value
 
 
 def invalid_run(base: dict, name: str, value) -> str | None:
@@ -150,19 +191,20 @@ def invalid_run(base: dict, name: str, value) -> str | None:
 def nothing_past(param: ParamSpec, side: str, start: dict, own_trainable: bool) -> bool:
     """Whether no value lies past `param`'s `side` end: none by the space's own rules (a
     weight decay or warm-up below 0), or, for sweeper's own training, none that makes a run
-    from `start` (a batch below one sequence). A best value there is the best the param can
-    take, not a sign that the optimum lies outside the range."""
+    from `start` (a batch below one sequence, a warm-up of 0.6 beside a warm-down of 0.4). A
+    best value there is the best the param can take, not a sign that the optimum lies
+    outside the range."""
     if param.kind in LIST_KINDS:
         past = extended_values(param, side, 1)
         return past is None or bool(
             own_trainable and invalid_run(start, param.name, past.values[0])
         )
     past = extended_range(param, side)
-    if past is None:
-        return True
-    return own_trainable and all(
-        invalid_run(start, param.name, value) for value in (past.low, past.high)
-    )
+    if past is None or not own_trainable:
+        return past is None
+    if param.integer:  # its ends are past the end already; no interval (batch 2048 runs, 4095 not)
+        return all(invalid_run(start, param.name, end) for end in (past.low, past.high))
+    return valid_part(start, past)[0] is None  # a float range: is there more than its end?
 
 
 def widening_override(
@@ -186,13 +228,15 @@ def widening_override(
         # the list's values exactly, as the sweep tried them
         exact = (float_text(v) if isinstance(v, float) else str(v) for v in values)
         return f"{key}=[{','.join(exact)}]"
-    past = extended_range(param, side)
+    past, cut = extended_range(param, side), None
     if past is not None and own_trainable:
-        past, _ = valid_part(start, past)
+        past, cut = valid_part(start, past)
     if past is None:
         return None
     low, high = min(param.low, past.low), max(param.high, past.high)
-    return f"{key}=[{rounded_text(low)},{rounded_text(high)}]"  # a bound needs no more
+    # 4 digits are enough for a bound, but not for one cut where runs end: it is exact
+    text = float_text if cut else rounded_text
+    return f"{key}=[{text(low)},{text(high)}]"
 
 
 def _nested(params: dict, parts: list[str]) -> bool:
