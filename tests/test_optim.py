@@ -5,7 +5,7 @@ import torch
 
 from sweeper.config import OptimizerConfig
 from sweeper.model import GPT, GPTShape
-from sweeper.optim import build_optimizer
+from sweeper.optim import ChainedOptimizer, build_optimizer, update_ratios, weights_before_step
 from sweeper.schedule import lr_multiplier, muon_momentum
 
 SHAPE = GPTShape(depth=2, d_model=64, head_dim=32, seq_len=32, vocab_size=256)
@@ -161,3 +161,22 @@ def test_newton_schulz_orthogonalises_each_matrix_of_a_batch():
     # and each matrix keeps its own singular vectors: the same as orthogonalising alone
     alone = newton_schulz(grads[1], (3.4445, -4.7750, 2.0315), 5, 1e-7)
     torch.testing.assert_close(ortho[1], alone)
+
+
+def test_update_ratios_are_each_groups_step_over_its_weights_norm():
+    a, b = torch.nn.Parameter(torch.full((4,), 1.0)), torch.nn.Parameter(torch.zeros(3))
+    c = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+    sgd = torch.optim.SGD(
+        [dict(name="matrix", params=[a, b], lr=0.1), dict(name="scalar", params=[c], lr=0.5)]
+    )
+    optimizer = ChainedOptimizer([sgd])
+    a.grad, b.grad, c.grad = torch.ones(4), torch.full((3,), 2.0), torch.tensor([0.0, 2.0])
+    before = weights_before_step(optimizer)
+    optimizer.step()
+    ratios = update_ratios(optimizer, before)
+    # matrix: the step 0.1 x (1,1,1,1, 2,2,2) has norm 0.1 x 4, the weights (1,1,1,1, 0,0,0) 2
+    # scalar: 0.5 x (0, 2) over (3, 4): 1 / 5
+    assert ratios == pytest.approx({"matrix": 0.2, "scalar": 0.2})
+    # the copies are the weights before the step, not views of the stepped ones
+    assert before["matrix"][0].tolist() == [1.0] * 4
+    assert a.tolist() == pytest.approx([0.9] * 4)

@@ -815,7 +815,9 @@ def test_the_stage_plot_colours_each_trials_learning_curve_by_its_lr(tmp_path, m
     assert len(drawn[1].axes) == 1
 
 
-def test_the_learning_curves_plot_the_gradient_norm_beside_the_metric(tmp_path, monkeypatch):
+def test_the_learning_curves_plot_the_gradient_norm_and_update_ratio_beside_the_metric(
+    tmp_path, monkeypatch
+):
     from matplotlib.figure import Figure
 
     from sweeper.sweep.plots import plot_learning_curves
@@ -844,6 +846,12 @@ def test_the_learning_curves_plot_the_gradient_norm_beside_the_metric(tmp_path, 
     plain = [{k: v for k, v in r.items() if k != "grad_norm_max"} for r in reports]
     plot_learning_curves(tmp_path / "c.png", plain, "val_bpb")
     assert len(drawn[1].axes) == 1
+    # sweeper's training also reports how far each step moved the hidden matrices
+    moved = [{**r, "update_ratio_matrix": u} for r, u in zip(reports, [3e-3, 1e-3, 0.2, nan])]
+    plot_learning_curves(tmp_path / "c.png", moved, "val_bpb")
+    ratios = drawn[2].axes[2]
+    assert [list(line.get_ydata()) for line in ratios.get_lines()] == [[3e-3, 1e-3], [0.2]]
+    assert ratios.get_yscale() == "log" and "weights" in ratios.get_ylabel()
 
 
 def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():

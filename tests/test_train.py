@@ -102,6 +102,36 @@ def test_report_called_at_every_eval_with_the_contract_metrics():
         assert key in result
 
 
+def test_reports_how_far_the_step_before_each_report_moved_each_group():
+    common = {"max_steps": 6, "eval_every": 3, "dtype": "float32"}
+
+    def reported(**optimizer):
+        seen = []
+        train(tiny(trainer=common, optimizer=optimizer), seen.append, verbose=False)
+        return seen
+
+    base = reported(matrix_lr=0.01)
+    ratios = [{k: v for k, v in m.items() if k.startswith("update_ratio_")} for m in base]
+    groups = {f"update_ratio_{g}" for g in ("matrix", "embedding", "unembedding", "scalar")}
+    assert [m["step"] for m in base] == [3, 6] and all(r.keys() == groups for r in ratios)
+    assert all(0 < v < 1 for r in ratios for v in r.values()), ratios
+    # a Muon step's size is its LR times an orthogonalised matrix: twice the matrix LR
+    # moves the matrices about twice as far (the weights have drifted apart by step 3)
+    doubled = reported(matrix_lr=0.02)[0]
+    assert doubled["update_ratio_matrix"] / ratios[0]["update_ratio_matrix"] == pytest.approx(
+        2, rel=0.05
+    )
+    # and the embedding, whose own LR did not change, about as far as before
+    assert doubled["update_ratio_embedding"] == pytest.approx(
+        ratios[0]["update_ratio_embedding"], rel=0.05
+    )
+    # plain AdamW has no unembedding group of its own (lm_head steps with the matrices)
+    adamw = reported(name="adamw")[0]
+    assert {k for k in adamw if k.startswith("update_ratio_")} == groups - {
+        "update_ratio_unembedding"
+    }
+
+
 def test_reports_the_gradient_norm_before_clipping_and_its_largest_since_the_last_report():
     common = {"max_steps": 4, "eval_every": 1, "dtype": "float32"}
 

@@ -88,3 +88,30 @@ def build_optimizer(model: GPT, cfg: OptimizerConfig) -> ChainedOptimizer:
     for group in chained.param_groups:
         group["initial_lr"] = group["lr"]
     return chained
+
+
+def weights_before_step(optimizer: ChainedOptimizer) -> dict[str, list[torch.Tensor]]:
+    """Copies of each parameter group's weights, for `update_ratios` after the step."""
+    return {g["name"]: [p.detach().clone() for p in g["params"]] for g in optimizer.param_groups}
+
+
+def update_ratios(
+    optimizer: ChainedOptimizer, before: dict[str, list[torch.Tensor]]
+) -> dict[str, float]:
+    """How far one optimizer step moved each group's weights, relative to their size:
+    ||W_after - W_before|| / ||W_before||, the group's tensors taken as one vector.
+
+    Karpathy's rule of thumb puts it near 1e-3; short runs with LRs tuned for their length
+    sit higher (the 1-minute default: ~1.5e-2 for the matrices at its peak LR), so it is a
+    figure for comparing runs. Written here: torch and its optimizers keep no such figure."""
+    ratios = {}
+    for group in optimizer.param_groups:
+        old = before[group["name"]]
+        if not old:
+            continue
+        moved = [p.detach() - w for p, w in zip(group["params"], old, strict=True)]
+        size = torch.nn.utils.get_total_norm(old)
+        ratios[group["name"]] = (
+            (torch.nn.utils.get_total_norm(moved) / size).item() if size > 0 else float("nan")
+        )
+    return ratios

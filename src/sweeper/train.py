@@ -23,7 +23,7 @@ from sweeper.budget import resolve_total_steps
 from sweeper.config import RunConfig, load_run_config
 from sweeper.data import BatchSampler, load_data, unigram_bpb, val_windows
 from sweeper.model import GPT, GPTShape, residual_dtype_for
-from sweeper.optim import build_optimizer
+from sweeper.optim import build_optimizer, update_ratios, weights_before_step
 from sweeper.runtime import (
     autocast_context,
     distributed_info,
@@ -278,8 +278,14 @@ def train(
                 cfg.optimizer.muon_momentum,
                 cfg.optimizer.muon_momentum_warmup,
             )
-            # 2) forward/backward over the micro-batches, clip, step
+            # 2) forward/backward over the micro-batches, clip, step; before a report, how
+            # far the step moves the weights (a copy of them: only then, it is not free)
+            reports_next = step + 1 == total_steps or is_eval_step(
+                step + 1, total_steps, eval_every
+            )
+            before = weights_before_step(optimizer) if reports_next else None
             loss_sum, grad_norm = optimizer_step(step, lrm, momentum)
+            ratios = update_ratios(optimizer, before) if before else {}
             # maximum, not fmax: a NaN norm is the news, and must not be skipped over
             grad_norm_max = (
                 grad_norm if grad_norm_max is None else torch.maximum(grad_norm_max, grad_norm)
@@ -327,7 +333,11 @@ def train(
                     val_bpb = evaluate(
                         train_model if world == 1 else model, data, cfg, device, dtype, rank, world
                     )
-                    say(f"step {step:5d}/{total_steps} | val bpb {val_bpb:.4f}")
+                    moved = ", ".join(f"{name} {ratio:.1e}" for name, ratio in ratios.items())
+                    say(
+                        f"step {step:5d}/{total_steps} | val bpb {val_bpb:.4f}"
+                        + (f" | update/weight {moved}" if moved else "")
+                    )
                 rung_val_bpb = val_bpb
                 at_rung = bool(rungs_ahead) and progress() >= rungs_ahead[0]
                 while rungs_ahead and progress() >= rungs_ahead[0]:
@@ -354,6 +364,8 @@ def train(
                     # before clipping, at this step and the largest since the last report
                     "grad_norm": grad_norm.item(),
                     "grad_norm_max": grad_norm_max.item(),
+                    # ||step's update|| / ||weights|| per parameter group (update_ratios)
+                    **{f"update_ratio_{name}": ratio for name, ratio in ratios.items()},
                     "tokens_per_s": tok_s,
                     "mfu": mfu,
                     "status": status if last else "running",

@@ -26,8 +26,9 @@ def _pyplot():
 
 def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path | None:
     """metric vs tokens for every trial, coloured by how the trial ended; beside it, where
-    the trials report it (sweeper's own training does), the largest gradient norm between
-    reports: a trial heading for a loss spike often shows it there first. A trial that
+    the trials report them (sweeper's own training does), the largest gradient norm between
+    reports: a trial heading for a loss spike often shows it there first; and how far the
+    step before each report moved the hidden matrices, relative to their size. A trial that
     replayed an earlier run (`reused_from`) is left out: its curve is that run's, drawn already."""
     reports = [r for r in reports if not r.get("reused_from")]
     if not reports:
@@ -43,6 +44,14 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
                 "grad_norm_max",
                 "gradient norm before clipping",
                 "Largest gradient norm since the last report",
+            )
+        )
+    if any(_positive(r.get("update_ratio_matrix")) for r in reports):
+        panels.append(
+            (
+                "update_ratio_matrix",
+                "||update|| / ||weights||, one step",
+                "How far a step moves the hidden matrices",
             )
         )
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)

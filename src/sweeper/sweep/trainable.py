@@ -90,6 +90,11 @@ def replay(earlier: EarlierRun, metric: str, report) -> None:
         report(metrics)
 
 
+# how far a step moved each parameter group's weights (optim.update_ratios), reported by
+# sweeper's own training; the groups of GPT.param_groups (adamw has no unembedding group)
+UPDATE_RATIO_COLUMNS = tuple(
+    f"update_ratio_{group}" for group in ("matrix", "embedding", "unembedding", "scalar")
+)
 # what a trial's report holds, as reports.csv keeps it (results.collect_results)
 REPORT_COLUMNS = (
     "step",
@@ -101,6 +106,7 @@ REPORT_COLUMNS = (
     "lr",
     "grad_norm",
     "grad_norm_max",
+    *UPDATE_RATIO_COLUMNS,
     "tokens_per_s",
     "mfu",
     "wall_time",

@@ -29,7 +29,7 @@ from sweeper.paths import PACKAGE_DIR
 from sweeper.sweep.space import to_builtin
 from sweeper.sweep.spec import flatten, flatten_params
 from sweeper.sweep.state import STATE_NAME, write_json_atomic
-from sweeper.sweep.trainable import trial_config
+from sweeper.sweep.trainable import UPDATE_RATIO_COLUMNS, trial_config
 from sweeper.tracking.mlflow_callback import LIVE, MlflowCallback, final_status, trial_key
 from sweeper.tracking.mlflow_queue import OpQueue, short_error
 from sweeper.tracking.mlflow_store import (
@@ -48,6 +48,7 @@ METRICS = (
     "lr",
     "grad_norm",
     "grad_norm_max",
+    *UPDATE_RATIO_COLUMNS,
     "tokens",
     "flops",
     "tokens_per_s",
