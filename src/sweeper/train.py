@@ -182,11 +182,13 @@ def train(
     params = list(model.parameters())
 
     def optimizer_step(
-        batch_step: int, lrm: float, momentum: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_step: int, lrm: float, momentum: float, measure: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """One optimizer step on the batches of step `batch_step`: the summed micro-batch
-        losses and the gradient's global norm before clipping (tensors: no device sync).
-        Also a cooldown fork's step (below), with its own LR."""
+        losses, the gradient's global norm before clipping (tensors: no device sync) and,
+        if `measure`, how far the step moved each parameter group (`update_ratios`; the
+        weights are copied after the backward pass, so the copy never adds to the
+        activations' peak). Also a cooldown fork's step (below), with its own LR."""
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
             if "nesterov" in group:  # Muon's group
@@ -209,9 +211,10 @@ def train(
         else:  # unclipped, the norm is still worth watching: spikes come before loss spikes
             grads = [p.grad for p in params if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads)
+        before = weights_before_step(optimizer) if measure else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm
+        return loss_sum, grad_norm, update_ratios(optimizer, before) if before else {}
 
     def cooled_val_bpb(lrm: float, momentum: float) -> tuple[float, int]:
         """val_bpb of a copy of the run cooled down from here, and the fork's steps.
@@ -283,9 +286,7 @@ def train(
             reports_next = step + 1 == total_steps or is_eval_step(
                 step + 1, total_steps, eval_every
             )
-            before = weights_before_step(optimizer) if reports_next else None
-            loss_sum, grad_norm = optimizer_step(step, lrm, momentum)
-            ratios = update_ratios(optimizer, before) if before else {}
+            loss_sum, grad_norm, ratios = optimizer_step(step, lrm, momentum, reports_next)
             # maximum, not fmax: a NaN norm is the news, and must not be skipped over
             grad_norm_max = (
                 grad_norm if grad_norm_max is None else torch.maximum(grad_norm_max, grad_norm)
