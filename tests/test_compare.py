@@ -54,6 +54,8 @@ def make_store(folder) -> tuple[str, dict]:
             client.log_metric(child, "val_bpb", value + 1.0, step=1)
             client.log_metric(child, "val_bpb", value, step=2)
             client.log_metric(child, "tokens", 8192, step=2)
+            if name == "lr":  # sweeper's training logs its peak memory; a user's may not
+                client.log_metric(child, "peak_memory_gib", 0.25 + lr, step=2)
             client.set_terminated(child, "KILLED" if status == "pruned" else "FINISHED")
         baseline = client.create_run(
             experiment, tags={"mlflow.parentRunId": pid, "role": "baseline", "stage": "baseline"}
@@ -83,6 +85,9 @@ def test_a_sweep_by_name_run_id_or_run_dir_sorted_by_its_metric(tmp_path):
     assert compare(str(tmp_path / "run_smoke"), None, None) == text  # its recorded store
     latest = compare(None, uri, None)
     assert latest.startswith("sweep 'lr'") and [r[1] for r in table_rows(latest)] == ["b_1", "b_0"]
+    # where the trials logged their peak memory, a column of it after tokens
+    assert latest.splitlines()[1].split()[4:6] == ["tokens", "GiB"]
+    assert [r[5] for r in table_rows(latest)] == ["0.26", "0.28"]
 
 
 def test_the_default_store_is_mlflow_db_in_the_working_directory(tmp_path, monkeypatch, capsys):
@@ -190,13 +195,14 @@ def test_a_smoke_sweep_then_compare_in_the_same_directory(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("sweep 'smoke' run ") and "(completed), 3 trials" in lines[0]
     header = lines[1].split()
-    assert header[:5] == ["stage", "trial", "status", "val_bpb", "tokens"]
+    assert header[:6] == ["stage", "trial", "status", "val_bpb", "tokens", "GiB"]
     assert "trainer.total_batch_size" in header  # varied across trials; model.depth did not
     assert "model.depth" not in header
     rows = [line.split() for line in lines[2:]]
     assert sorted(r[0] for r in rows) == ["batch_size", "batch_size", "lr"]
     values = [float(r[3]) for r in rows if r[3] != "-"]
     assert values == sorted(values) and len(values) == 3
+    assert all(0.1 < float(r[5]) < 8 for r in rows), rows  # each trial's peak memory
 
 
 def test_compare_into_a_closed_pipe_ends_quietly(tmp_path):

@@ -35,6 +35,8 @@ def test_compiled_bf16_training_on_cuda_learns_and_reports_mfu():
         assert result["mfu"] is None
     else:
         assert 0.0 < result["mfu"] < 1.0, result["mfu"]
+    # torch's CUDA allocator's peak: the tiny model's weights, state and activations, MiBs
+    assert 0.0 < result["peak_memory_gib"] < 1.0, result["peak_memory_gib"]
 
 
 def test_compiled_model_matches_eager_on_cuda():

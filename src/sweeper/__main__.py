@@ -91,7 +91,12 @@ def run_job(cfg) -> float | None:
         write_result(out_dir, result)
     elif result.get("out_of_memory"):  # the ranks recorded it and returned quietly
         exit_out_of_memory(cfg, result["out_of_memory"], out_dir)
-    print(f"{result['status']}: val_bpb {result['val_bpb']:.4f} -> {out_dir}/result.json")
+    memory = result.get("peak_memory_gib")
+    print(
+        f"{result['status']}: val_bpb {result['val_bpb']:.4f}"
+        + (f", peak memory {memory:.2f} GiB" if memory else "")
+        + f" -> {out_dir}/result.json"
+    )
     return result["val_bpb"]
 
 

@@ -3,7 +3,8 @@
 SWEEP is a sweep name (its latest run), the MLflow run id of a sweep, or a sweep's run dir
 (default: the latest sweep in the store). The store is MLflow's default (sqlite:///mlflow.db
 in the working directory), the one a run dir recorded, or --tracking-uri. Columns: stage,
-trial, status, the metric, tokens, and every parameter whose value differs across trials.
+trial, status, the metric, tokens, peak memory (GiB) and every parameter whose value
+differs across trials.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sweeper.sweep.stages import float_text
 from sweeper.tracking.mlflow_store import shown
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
+MEMORY = "peak_memory_gib"  # shown as "GiB": the most a trial held (runtime.peak_memory_bytes)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,7 +165,9 @@ def _render(parent, children: list, uri: str) -> str:
         value = run.data.metrics.get(metric)
         return (value is None, 0.0 if value is None else (value if mode == "min" else -value))
 
-    header = ["stage", "trial", "status", metric, "tokens", *varied]
+    # sweeper's own training logs its peak memory; a user's function may not
+    memory = any(MEMORY in r.data.metrics for r in trials)
+    header = ["stage", "trial", "status", metric, "tokens", *["GiB"] * memory, *varied]
     rows = [
         [
             r.data.tags.get("stage", "-"),
@@ -171,6 +175,7 @@ def _render(parent, children: list, uri: str) -> str:
             r.data.tags.get("status", r.info.status.lower()),
             _number(r.data.metrics.get(metric), ".4f"),
             _number(r.data.metrics.get("tokens"), ",.0f"),
+            *[_number(r.data.metrics.get(MEMORY), ".2f")] * memory,
             *(_param(r.data.params.get(k)) for k in varied),
         ]
         for r in sorted(trials, key=order)

@@ -160,6 +160,39 @@ def release_freed_memory() -> None:
         malloc_trim(0)
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start counting a run's peak memory from now (see peak_memory_bytes)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: "5" resets the process's peak resident set (VmHWM) to its current size
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """The most memory the run has held since reset_peak_memory: on a GPU, what torch's
+    allocator handed to tensors (the figure nanochat and autoresearch log); on a CPU, the
+    process's peak resident set, which also counts Python, torch's libraries and the corpus
+    (~0.5 GB before any model). What a larger batch or model adds shows on top of that.
+    None where the system does not say (a CPU off Linux).
+
+    Written here: torch keeps a peak only for its CUDA allocator; on a CPU the kernel's
+    VmHWM is the one figure that counts every allocation, torch's and numpy's alike."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def out_of_memory(error: BaseException) -> str | None:
     """How much the failed allocation asked for ("24.4 GiB"), where `error` is one: torch's
     OutOfMemoryError (CUDA), the CPU allocator's RuntimeError or a MemoryError (numpy's,

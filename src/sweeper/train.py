@@ -29,7 +29,9 @@ from sweeper.runtime import (
     distributed_info,
     keep_freed_memory_for_reuse,
     peak_flops,
+    peak_memory_bytes,
     release_freed_memory,
+    reset_peak_memory,
     resolve_device,
     resolve_dtype,
 )
@@ -125,6 +127,7 @@ def train(
     if device.type == "cpu":
         release_freed_memory()  # of earlier runs in this (reused Ray) worker
         keep_freed_memory_for_reuse()
+    reset_peak_memory(device)  # after the release: an earlier run's peak is not this one's
     say = print if verbose and rank == 0 else (lambda *a, **k: None)
 
     torch.manual_seed(t.seed)
@@ -180,6 +183,16 @@ def train(
         }
 
     params = list(model.parameters())
+
+    def peak_memory_gib() -> float | None:
+        """The run's peak memory so far (runtime.peak_memory_bytes); with DDP the largest
+        rank's, which is what has to fit."""
+        held = peak_memory_bytes(device)
+        if held is None or world == 1:
+            return None if held is None else held / 2**30
+        largest = torch.tensor(float(held), device=device)
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+        return largest.item() / 2**30
 
     def optimizer_step(
         batch_step: int, lrm: float, momentum: float, measure: bool = False
@@ -369,6 +382,7 @@ def train(
                     **{f"update_ratio_{name}": ratio for name, ratio in ratios.items()},
                     "tokens_per_s": tok_s,
                     "mfu": mfu,
+                    "peak_memory_gib": peak_memory_gib(),
                     "status": status if last else "running",
                 }
                 if t.rung_cooldown:  # what the sweep's rungs rank: see cooled_val_bpb
@@ -410,6 +424,7 @@ def train(
         "flops_per_token": flops_per_token,
         "tokens_per_s": overall_tok_s,
         "mfu": flops_per_token * overall_tok_s / peak if peak else None,
+        "peak_memory_gib": peak_memory_gib(),
         "steps": step,
         "workers": world,
         "dtype": str(dtype).removeprefix("torch."),

@@ -109,6 +109,7 @@ REPORT_COLUMNS = (
     *UPDATE_RATIO_COLUMNS,
     "tokens_per_s",
     "mfu",
+    "peak_memory_gib",
     "wall_time",
 )
 # what a replayed report carries: the run's own, without the wall clock (a replay happens

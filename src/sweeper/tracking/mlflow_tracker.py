@@ -53,6 +53,7 @@ METRICS = (
     "flops",
     "tokens_per_s",
     "mfu",
+    "peak_memory_gib",
 )
 RUN_STATUS = {
     "completed": "FINISHED",
