@@ -181,7 +181,10 @@ def test_a_two_rank_run_from_the_command_line_shows_its_progress_once(tmp_path):
     assert "Reporting training result" not in both and "Requesting resources" not in both
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["status"] == "completed" and (result["steps"], result["workers"]) == (3, 2)
-    assert proc.stdout.strip().splitlines()[-1].startswith("completed: val_bpb ")
+    # the larger rank's peak (an all-reduce at each report): a process with torch and a model
+    assert 0.1 < result["peak_memory_gib"] == result["history"][-1]["peak_memory_gib"] < 8
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("completed: val_bpb ") and ", peak memory " in last, last
 
 
 def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_path):
