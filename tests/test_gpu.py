@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from sweeper.activations import ACTIVATION_COLUMNS
 from sweeper.data import BatchSampler
 from sweeper.model import GPT, GPTShape, residual_dtype_for
 from sweeper.runtime import peak_flops
@@ -35,6 +36,9 @@ def test_compiled_bf16_training_on_cuda_learns_and_reports_mfu():
         assert result["mfu"] is None
     else:
         assert 0.0 < result["mfu"] < 1.0, result["mfu"]
+    # the activations' figures of a compiled run: its graph skips the hooks, so they come
+    # from an eager pass over the evaluation's first batch
+    assert set(ACTIVATION_COLUMNS) <= result["history"][-1].keys()
     # torch's CUDA allocator's peak: the tiny model's weights, state and activations, MiBs
     assert 0.0 < result["peak_memory_gib"] < 1.0, result["peak_memory_gib"]
 

@@ -815,7 +815,7 @@ def test_the_stage_plot_colours_each_trials_learning_curve_by_its_lr(tmp_path, m
     assert len(drawn[1].axes) == 1
 
 
-def test_the_learning_curves_plot_the_gradient_norm_and_update_ratio_beside_the_metric(
+def test_the_learning_curves_plot_the_gradient_norm_update_ratio_and_residual_beside_the_metric(
     tmp_path, monkeypatch
 ):
     from matplotlib.figure import Figure
@@ -852,6 +852,13 @@ def test_the_learning_curves_plot_the_gradient_norm_and_update_ratio_beside_the_
     ratios = drawn[2].axes[2]
     assert [list(line.get_ydata()) for line in ratios.get_lines()] == [[3e-3, 1e-3], [0.2]]
     assert ratios.get_yscale() == "log" and "weights" in ratios.get_ylabel()
+    # and the residual stream's RMS: a fourth panel, the figure in two rows of two
+    grown = [{**r, "residual_rms": v} for r, v in zip(moved, [1.5, 2.0, 300.0, nan])]
+    plot_learning_curves(tmp_path / "c.png", grown, "val_bpb")
+    assert len(drawn[3].axes) == 4 and drawn[3].get_size_inches()[1] == 9.0
+    residual = drawn[3].axes[3]
+    assert [list(line.get_ydata()) for line in residual.get_lines()] == [[1.5, 2.0], [300.0]]
+    assert residual.get_yscale() == "log" and "residual" in residual.get_ylabel()
 
 
 def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():

@@ -217,12 +217,14 @@ def test_a_real_sweep_on_a_tracking_server_has_a_parent_and_a_child_per_trial(
         assert "matrix_lr" in Path(config_file).read_text()
         assert {"val_bpb", "train_loss", "lr", "tokens", "flops"} <= set(child.data.metrics)
         watched = {"grad_norm", "grad_norm_max", "update_ratio_matrix", "peak_memory_gib"}
+        watched |= {"mlp_zero_fraction", "dead_units", "residual_rms"}
         assert watched <= set(child.data.metrics)
     assert_histories_match(client, children, run_dir)
     # reports.csv has the gradient norms too, and MLflow the same values at the same steps
     assert_histories_match(client, children, run_dir, "grad_norm_max")
     assert_histories_match(client, children, run_dir, "update_ratio_matrix")
     assert_histories_match(client, children, run_dir, "peak_memory_gib")
+    assert_histories_match(client, children, run_dir, "residual_rms")
     for metric in ("train_loss", "tokens"):
         history = client.get_metric_history(children[0].info.run_id, metric)
         assert len(history) == len({m.step for m in history}) > 0

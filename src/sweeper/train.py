@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sweeper.activations import ActivationWatch, activations_text
 from sweeper.budget import resolve_total_steps
 from sweeper.config import RunConfig, load_run_config
 from sweeper.data import BatchSampler, load_data, unigram_bpb, val_windows
@@ -89,19 +90,40 @@ class DivergenceWatch:
 
 
 @torch.no_grad()
-def evaluate(model, data, cfg: RunConfig, device, dtype, rank: int, world: int) -> float:
-    """Validation bits per byte (bits per token when bytes_per_token is unknown)."""
+def evaluate(
+    model,
+    data,
+    cfg: RunConfig,
+    device,
+    dtype,
+    rank: int,
+    world: int,
+    watch: ActivationWatch | None = None,
+) -> float:
+    """Validation bits per byte (bits per token when bytes_per_token is unknown). With a
+    `watch`, the activations of this rank's first batch are recorded in `watch.stats`."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of nats, tokens)
     batches = val_windows(
         data.val, cfg.model.seq_len, cfg.trainer.eval_tokens, cfg.trainer.device_batch_size
     )
+    first = None
     for i, (x, y) in enumerate(batches):
         if i % world != rank:  # DDP: each rank scores its share, then all-reduce
             continue
-        with autocast_context(device, dtype):
+        recording = watch is not None and first is None
+        first = x if first is None else first
+        with (
+            watch.recording() if recording else contextlib.nullcontext(),
+            autocast_context(device, dtype),
+        ):
             loss = model(x.to(device), y.to(device), reduction="sum")
         total += torch.stack([loss.double(), torch.tensor(y.numel(), device=device).double()])
+    if watch is not None and not watch.stats and first is not None:
+        # the pass went through a compiled graph, which the hooks do not reach: one eager
+        # forward of the same batch (on a GPU, a few ms a report)
+        with autocast_context(device, dtype):
+            watch.record(first.to(device))
     if world > 1:
         torch.distributed.all_reduce(total)
     model.train()
@@ -183,6 +205,7 @@ def train(
         }
 
     params = list(model.parameters())
+    watch = ActivationWatch(model)  # read at each evaluation
 
     def peak_memory_gib() -> float | None:
         """The run's peak memory so far (runtime.peak_memory_bytes); with DDP the largest
@@ -345,12 +368,15 @@ def train(
                     val_bpb = float("nan")
                 else:
                     val_bpb = evaluate(
-                        train_model if world == 1 else model, data, cfg, device, dtype, rank, world
+                        train_model if world == 1 else model,
+                        *(data, cfg, device, dtype, rank, world),
+                        watch=watch,
                     )
                     moved = ", ".join(f"{name} {ratio:.1e}" for name, ratio in ratios.items())
                     say(
                         f"step {step:5d}/{total_steps} | val bpb {val_bpb:.4f}"
                         + (f" | update/weight {moved}" if moved else "")
+                        + (f" | {activations_text(watch.stats)}" if watch.stats else "")
                     )
                 rung_val_bpb = val_bpb
                 at_rung = bool(rungs_ahead) and progress() >= rungs_ahead[0]
@@ -380,6 +406,9 @@ def train(
                     "grad_norm_max": grad_norm_max.item(),
                     # ||step's update|| / ||weights|| per parameter group (update_ratios)
                     **{f"update_ratio_{name}": ratio for name, ratio in ratios.items()},
+                    # MLP units off and dead, the residual stream's size (activations.py);
+                    # none for a diverged run, whose last evaluation is skipped
+                    **(watch.stats if status != "diverged" else {}),
                     "tokens_per_s": tok_s,
                     "mfu": mfu,
                     "peak_memory_gib": peak_memory_gib(),

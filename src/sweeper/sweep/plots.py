@@ -28,7 +28,9 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
     """metric vs tokens for every trial, coloured by how the trial ended; beside it, where
     the trials report them (sweeper's own training does), the largest gradient norm between
     reports: a trial heading for a loss spike often shows it there first; and how far the
-    step before each report moved the hidden matrices, relative to their size. A trial that
+    step before each report moved the hidden matrices, relative to their size; and the RMS of
+    the residual stream at the last block, which grows without bound in a run going
+    unstable. A trial that
     replayed an earlier run (`reused_from`) is left out: its curve is that run's, drawn already."""
     reports = [r for r in reports if not r.get("reused_from")]
     if not reports:
@@ -54,9 +56,22 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
                 "How far a step moves the hidden matrices",
             )
         )
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    if any(_positive(r.get("residual_rms")) for r in reports):
+        panels.append(
+            (
+                "residual_rms",
+                "RMS of the residual stream",
+                "Residual stream at the last block (grows in unstable runs)",
+            )
+        )
+    rows_of_panels = 1 if len(panels) <= 3 else 2  # four panels: two rows of two
+    columns = math.ceil(len(panels) / rows_of_panels)
+    fig, axes = plt.subplots(
+        rows_of_panels, columns, figsize=(7 * columns, 4.5 * rows_of_panels), squeeze=False
+    )
+    axes = axes.ravel()
     shown = set()
-    for ax, (key, label, title) in zip(axes[0], panels):
+    for ax, (key, label, title) in zip(axes, panels):
         for rows in by_trial.values():
             rows = [r for r in rows if r.get(key) is not None and r.get("tokens")]
             if key != metric:
@@ -80,7 +95,7 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
         if key != metric:  # 0.5, 1, 2 rather than 5x10^-1, 10^0, 2x10^0
             log_axis_labelled(ax.yaxis, [r[key] for r in reports if _positive(r.get(key))])
     if shown:
-        axes[0][0].legend(title="trial ended")
+        axes[0].legend(title="trial ended")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sweeper.activations import ACTIVATION_COLUMNS
 from sweeper.checkpoint import load_latest_state, save_state
 from sweeper.sweep.space import to_builtin
 from sweeper.sweep.stages import apply_params, fit_micro_batch, follow_batch_size, get_dotted
@@ -107,6 +108,7 @@ REPORT_COLUMNS = (
     "grad_norm",
     "grad_norm_max",
     *UPDATE_RATIO_COLUMNS,
+    *ACTIVATION_COLUMNS,
     "tokens_per_s",
     "mfu",
     "peak_memory_gib",

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from sweeper.activations import ACTIVATION_COLUMNS
 from sweeper.config import ConfigError
 from sweeper.paths import PACKAGE_DIR
 from sweeper.sweep.space import to_builtin
@@ -49,6 +50,7 @@ METRICS = (
     "grad_norm",
     "grad_norm_max",
     *UPDATE_RATIO_COLUMNS,
+    *ACTIVATION_COLUMNS,
     "tokens",
     "flops",
     "tokens_per_s",
