@@ -66,6 +66,30 @@ def test_dead_units_zeros_and_the_residual_rms_of_one_forward_pass():
     assert watch.stats == {}
 
 
+@torch.no_grad()
+def test_the_share_of_logits_the_soft_cap_saturates():
+    import math
+
+    from sweeper.activations import SATURATED, TOKENS, activations_text
+
+    cfg, _, model, x, _ = model_and_batch()
+    torch.nn.init.normal_(model.lm_head.weight, std=2.0)  # logits ~ N(0, 16): some past 31
+    watch = ActivationWatch(model)
+    with watch.recording():
+        model(x)
+    raw = model.lm_head(rms_norm(residual_by_hand(model, x))).flatten(0, -2)[:TOKENS]
+    capped = cfg.model.softcap * torch.tanh(raw / cfg.model.softcap)
+    by_hand = (capped.abs() > SATURATED * cfg.model.softcap).float().mean().item()
+    assert 0.01 < by_hand < 0.2 and watch.stats["softcap_saturation"] == pytest.approx(by_hand)
+    assert "softcap saturated" in activations_text(watch.stats)
+    # without a cap there is no tanh to saturate: no figure, rather than a 0 that says "fine"
+    model.shape = GPTShape.from_config(load_run_config(tiny(model={"softcap": 0.0})).model)
+    with watch.recording():
+        model(x)
+    assert watch.stats["softcap_saturation"] is None and math.isfinite(watch.stats["residual_rms"])
+    assert "softcap" not in activations_text(watch.stats)
+
+
 def test_a_pass_the_hooks_do_not_reach_is_recorded_by_an_eager_pass_of_its_batch():
     """A compiled model's graph does not call the eager modules' hooks: evaluate() then runs
     the eager model on the same first batch. Stood in for here by a watch on a copy."""
@@ -85,7 +109,7 @@ def test_every_report_says_how_the_activations_look_and_a_diverged_one_says_noth
     for metrics in seen:
         assert set(ACTIVATION_COLUMNS) <= metrics.keys()
         assert 0 < metrics["mlp_zero_fraction"] < 1 and 0 <= metrics["dead_units"] < 1
-        assert 0 < metrics["residual_rms"] < 100
+        assert 0 < metrics["residual_rms"] < 100 and 0 <= metrics["softcap_saturation"] < 1
     # a run that diverged is not evaluated at its end: no figures from an earlier evaluation
     seen = []
     trainer = {"max_steps": 6, "eval_every": 2, "nan_at_step": 5}
@@ -105,3 +129,15 @@ def test_a_learning_rate_far_too_high_shows_as_a_residual_stream_that_grows():
 
     # measured on the `small` model at 30 steps: ~2 at the default LRs, 1.7e5 at 50x
     assert last_rms(1.0) > 20 * last_rms(0.02)
+
+
+def test_an_output_head_lr_far_too_high_shows_as_logits_held_at_the_cap():
+    def saturation(unembedding_lr: float) -> float:
+        seen = []
+        trainer = {"max_steps": 20, "eval_every": 20, "dtype": "float32", "max_loss": 100.0}
+        optimizer = {"unembedding_lr": unembedding_lr}
+        train(tiny(trainer=trainer, optimizer=optimizer), seen.append, verbose=False)
+        return seen[-1]["softcap_saturation"]
+
+    # measured on the `small` model at 30 steps: 0% at the default 0.004, 26% at 0.1
+    assert saturation(0.004) < 0.01 < 0.05 < saturation(0.2)

@@ -217,7 +217,7 @@ def test_a_real_sweep_on_a_tracking_server_has_a_parent_and_a_child_per_trial(
         assert "matrix_lr" in Path(config_file).read_text()
         assert {"val_bpb", "train_loss", "lr", "tokens", "flops"} <= set(child.data.metrics)
         watched = {"grad_norm", "grad_norm_max", "update_ratio_matrix", "peak_memory_gib"}
-        watched |= {"mlp_zero_fraction", "dead_units", "residual_rms"}
+        watched |= {"mlp_zero_fraction", "dead_units", "residual_rms", "softcap_saturation"}
         assert watched <= set(child.data.metrics)
     assert_histories_match(client, children, run_dir)
     # reports.csv has the gradient norms too, and MLflow the same values at the same steps

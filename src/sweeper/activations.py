@@ -1,12 +1,15 @@
-"""What the activations look like at an evaluation: dead MLP units and the residual stream.
+"""What the activations look like at an evaluation: dead MLP units, the residual stream, the
+soft-capped logits.
 
-Two of the practitioners' "what to monitor" signals (shared/seeds), read from the model's
-first validation batch at each report: `mlp_zero_fraction`, the share of the MLPs' ReLU^2
-outputs that are zero (about half at init; far more means units dying), `dead_units`, the
-share of MLP units that are zero for every token read (the first TOKENS), and
+The practitioners' "what to monitor" signals (shared/seeds) that live in the activations,
+read from the model's first validation batch at each report: `mlp_zero_fraction`, the share
+of the MLPs' ReLU^2 outputs that are zero (about half at init; far more means units dying),
+`dead_units`, the share of MLP units that are zero for every token read (the first TOKENS),
 `residual_rms`, the root mean square of the residual stream the last block hands to the
 final norm (a stream that grows without bound is a run going unstable before its loss
-shows it).
+shows it), and `softcap_saturation`, the share of logits the tanh soft-cap holds past 97%
+of its cap, where their gradient has all but vanished (the "tanh saturation %" of the
+practitioners' logging checklist; None for a model without a cap).
 
 Written here with forward hooks: torch has no such monitor, and the evaluation already runs
 the forward pass, so reading it costs a comparison and a reduction per layer, not a pass.
@@ -15,21 +18,25 @@ the forward pass, so reading it costs a comparison and a reduction per layer, no
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch itself is imported where used: a sweep's driver reads the columns
     import torch
 
-ACTIVATION_COLUMNS = ("mlp_zero_fraction", "dead_units", "residual_rms")
+ACTIVATION_COLUMNS = ("mlp_zero_fraction", "dead_units", "residual_rms", "softcap_saturation")
 # the MLP figures read this many tokens of the batch: a unit off for all of them is dead,
 # and the share of zeros is known to ~0.1%. All of a 4096-token batch cost 24 ms an
 # evaluation of the `small` model on 2 CPU cores (15% of it), mostly the comparisons.
 TOKENS = 1024
+# a tanh past this is saturated (its gradient under 6% of its slope at 0): the threshold of
+# Karpathy's activation statistics (makemore, part 3)
+SATURATED = 0.97
 
 
 class ActivationWatch:
-    """Forward hooks on a GPT's MLP input projections and its last block, attached only
-    while `recording()`: every other forward pass runs without them."""
+    """Forward hooks on a GPT's MLP input projections, its last block and its output head,
+    attached only while `recording()`: every other forward pass runs without them."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model  # the eager module: hooks on it do not reach a compiled graph
@@ -41,7 +48,10 @@ class ActivationWatch:
         no hook ran, as when the pass went through a compiled graph)."""
         import torch
 
-        zero, dead, rms = [], [], []
+        zero, dead, rms, saturated = [], [], [], []
+        cap = self.model.shape.softcap
+        # |cap * tanh(z / cap)| > SATURATED * cap  <=>  |z| > cap * atanh(SATURATED)
+        raw_limit = cap * math.atanh(SATURATED)
 
         def on_mlp_input(module, inputs, pre_activation):
             pre = pre_activation.detach().flatten(0, -2)[:TOKENS]  # (tokens, units)
@@ -53,8 +63,14 @@ class ActivationWatch:
             norm = torch.linalg.vector_norm(output.detach(), dtype=torch.float32)
             rms.append(norm / output.numel() ** 0.5)
 
+        def on_logits(module, inputs, logits):  # before the soft-cap
+            raw = logits.detach().flatten(0, -2)[:TOKENS]
+            saturated.append(torch.count_nonzero(raw.abs() > raw_limit) / raw.numel())
+
         hooks = [block.mlp.c_fc.register_forward_hook(on_mlp_input) for block in self.blocks]
         hooks.append(self.blocks[-1].register_forward_hook(on_last_block))
+        if cap:  # no cap, no tanh to saturate
+            hooks.append(self.model.lm_head.register_forward_hook(on_logits))
         self.stats = {}
         try:
             yield
@@ -63,9 +79,10 @@ class ActivationWatch:
                 hook.remove()
         if zero and rms:
             # every layer's MLP is as wide as the others: the mean of the layers' shares is
-            # the share over all of them; one device sync for the three
-            figures = torch.stack([torch.stack(zero).mean(), torch.stack(dead).mean(), rms[-1]])
-            self.stats = dict(zip(ACTIVATION_COLUMNS, figures.tolist(), strict=True))
+            # the share over all of them; one device sync for them all
+            figures = [torch.stack(zero).mean(), torch.stack(dead).mean(), rms[-1]]
+            figures = torch.stack(figures + saturated[-1:]).tolist() + [None] * (not saturated)
+            self.stats = dict(zip(ACTIVATION_COLUMNS, figures, strict=True))
 
     def record(self, x: torch.Tensor) -> None:
         """One eager forward pass of `x` to record (for a model trained compiled)."""
@@ -79,9 +96,13 @@ class ActivationWatch:
         return self.model.blocks
 
 
-def activations_text(stats: dict[str, float]) -> str:
-    """The progress line's part: 'mlp zeros 52%, dead 0.0% | resid rms 1.23'."""
-    return (
+def activations_text(stats: dict[str, float | None]) -> str:
+    """The progress line's part: 'mlp zeros 52%, dead 0.0% | resid rms 1.23 | softcap
+    saturated 0.0%'."""
+    text = (
         f"mlp zeros {100 * stats['mlp_zero_fraction']:.0f}%, "
         f"dead {100 * stats['dead_units']:.1f}% | resid rms {stats['residual_rms']:.3g}"
     )
+    if stats["softcap_saturation"] is not None:
+        text += f" | softcap saturated {100 * stats['softcap_saturation']:.1f}%"
+    return text
