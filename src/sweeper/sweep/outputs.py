@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sweeper.config import BUDGET_KEYS
+from sweeper.sweep.importance import importance_text, stage_importance
 from sweeper.sweep.results import REPORT_COLUMNS
 from sweeper.sweep.space import LIST_KINDS, ParamSpec, range_edge
 from sweeper.sweep.spec import SweepSpec, flatten, flatten_params, stage_space
@@ -320,6 +321,9 @@ def write_all(
                 **({"extended": stage["extended"]} if stage.get("extended") else {}),
             }
         )
+        searched = searched_params(spec, stage["name"], start, stage.get("extended"))
+        if importance := stage_importance(searched, stage["records"]):
+            stages[-1]["importance"] = importance
         carried = stage.get("carried", best)
         if carried is not None and carried != best:  # the stage froze nothing
             stages[-1]["kept_from"] = {"stage": carried["stage"], "value": carried["metric"]}
@@ -608,6 +612,8 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
                 f"  stage {stage['name']:<14} best {spec.metric} {value:.4f} with "
                 f"{_params_text(stage['best_params'] or {})}"
             )
+        if stage.get("importance"):
+            print(f"    {importance_text(stage['importance'])}")
         if kept := stage.get("kept_from"):
             print(
                 f"    note: froze nothing; the config from stage '{kept['stage']}' "

@@ -1,0 +1,84 @@
+"""sweep/importance.py: each searched parameter's share of a stage's metric (fANOVA)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from sweeper.sweep.importance import MIN_TRIALS, importance_text, stage_importance
+from sweeper.sweep.space import parse_param
+
+LR = parse_param("optimizer.matrix_lr", {"log_uniform": [0.002, 0.2]})
+EMBEDDING_LR = parse_param("optimizer.embedding_lr", {"log_uniform": [0.03, 1.0]})
+BATCH = parse_param("trainer.total_batch_size", {"grid": [4096, 8192, 16384]})
+
+
+def records(metric, n=24, seed=0, status="completed"):
+    """n trials at random points of the three params, valued by `metric(lr, emb, batch)`."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        lr = float(np.exp(rng.uniform(math.log(0.002), math.log(0.2))))
+        emb = float(np.exp(rng.uniform(math.log(0.03), math.log(1.0))))
+        batch = int(rng.choice([4096, 8192, 16384]))
+        params = {LR.name: lr, EMBEDDING_LR.name: emb, BATCH.name: batch}
+        out.append(
+            {
+                "trial_id": f"t{i}",
+                "status": status,
+                "params": params,
+                "metric": metric(*params.values()),
+            }
+        )
+    return out
+
+
+def test_the_parameter_the_metric_follows_takes_nearly_all_the_variance():
+    def by_lr(lr, emb, batch):  # a bowl in log LR; the rest does not matter
+        return 3.0 + (math.log10(lr) - math.log10(0.02)) ** 2
+
+    result = stage_importance([LR, EMBEDDING_LR], records(by_lr))
+    assert result["method"] == "fanova" and result["trials"] == 24
+    assert list(result["params"]) == [LR.name, EMBEDDING_LR.name]  # largest first
+    assert result["params"][LR.name] > 0.9
+    assert sum(result["params"].values()) == pytest.approx(1.0)
+
+    def by_embedding(lr, emb, batch):
+        return 3.0 + (math.log10(emb) - math.log10(0.2)) ** 2
+
+    result = stage_importance([LR, EMBEDDING_LR], records(by_embedding))
+    assert result["params"][EMBEDDING_LR.name] > 0.9
+    # a grid's values are categories: the batch size the metric follows
+    result = stage_importance([LR, BATCH], records(lambda lr, emb, batch: 3.0 + batch / 16384))
+    assert result["params"][BATCH.name] > 0.9
+    text = importance_text(result)
+    assert text.startswith("importance (fANOVA, 24 trials that ran their whole budget): ")
+    assert text.endswith(
+        f"{BATCH.name} {result['params'][BATCH.name]:.2f}, {LR.name} "
+        f"{result['params'][LR.name]:.2f}"
+    )
+
+
+def test_only_trials_that_ran_their_whole_budget_count():
+    def by_lr(lr, emb, batch):
+        return 3.0 + (math.log10(lr) - math.log10(0.02)) ** 2
+
+    # pruned trials, valued early in training by the other parameter, change nothing
+    pruned = records(lambda lr, emb, batch: 9.0 + emb, n=30, seed=1, status="pruned")
+    diverged = records(lambda *_: float("nan"), n=5, seed=2)  # a NaN value is no point either
+    both = stage_importance([LR, EMBEDDING_LR], records(by_lr) + pruned + diverged)
+    alone = stage_importance([LR, EMBEDDING_LR], records(by_lr))
+    assert both == alone
+
+
+def test_too_few_finished_trials_say_so_and_one_parameter_has_no_share_to_give():
+    few = records(lambda lr, emb, batch: lr, n=MIN_TRIALS - 1)
+    result = stage_importance([LR, EMBEDDING_LR], few)
+    assert result["params"] is None and result["trials"] == MIN_TRIALS - 1
+    assert importance_text(result) == (
+        f"importance: none yet, {MIN_TRIALS - 1} trial(s) ran their whole budget; "
+        f"the parameters' importance needs {MIN_TRIALS}"
+    )
+    assert stage_importance([LR], records(lambda lr, emb, batch: lr)) is None
