@@ -4,7 +4,8 @@ soft-capped logits.
 The practitioners' "what to monitor" signals (shared/seeds) that live in the activations,
 read from the model's first validation batch at each report: `mlp_zero_fraction`, the share
 of the MLPs' ReLU^2 outputs that are zero (about half at init; far more means units dying),
-`dead_units`, the share of MLP units that are zero for every token read (the first TOKENS),
+`dead_units`, the share of MLP units that are zero for every token read (the batch's first
+TOKENS: every figure reads those),
 `residual_rms`, the root mean square of the residual stream the last block hands to the
 final norm (a stream that grows without bound is a run going unstable before its loss
 shows it), and `softcap_saturation`, the share of logits the tanh soft-cap holds past 97%
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # torch itself is imported where used: a sweep's driver reads
     import torch
 
 ACTIVATION_COLUMNS = ("mlp_zero_fraction", "dead_units", "residual_rms", "softcap_saturation")
-# the MLP figures read this many tokens of the batch: a unit off for all of them is dead,
+# the figures read this many tokens of the batch: an MLP unit off for all of them is dead,
 # and the share of zeros is known to ~0.1%. All of a 4096-token batch cost 24 ms an
 # evaluation of the `small` model on 2 CPU cores (15% of it), mostly the comparisons.
 TOKENS = 1024
@@ -60,8 +61,9 @@ class ActivationWatch:
             dead.append((pre.amax(dim=0) <= 0).float().mean())  # off for every token
 
         def on_last_block(module, inputs, output):
-            norm = torch.linalg.vector_norm(output.detach(), dtype=torch.float32)
-            rms.append(norm / output.numel() ** 0.5)
+            residual = output.detach().flatten(0, -2)[:TOKENS]
+            norm = torch.linalg.vector_norm(residual, dtype=torch.float32)
+            rms.append(norm / residual.numel() ** 0.5)
 
         def on_logits(module, inputs, logits):  # before the soft-cap
             raw = logits.detach().flatten(0, -2)[:TOKENS]
@@ -85,11 +87,13 @@ class ActivationWatch:
             self.stats = dict(zip(ACTIVATION_COLUMNS, figures, strict=True))
 
     def record(self, x: torch.Tensor) -> None:
-        """One eager forward pass of `x` to record (for a model trained compiled)."""
+        """One eager forward pass to record, of as many of `x`'s sequences as hold TOKENS
+        tokens (the figures read no more): for a model whose evaluation ran compiled."""
         import torch
 
+        rows = -(-TOKENS // x.size(1))
         with torch.no_grad(), self.recording():
-            self.model(x)
+            self.model(x[:rows])
 
     @property
     def blocks(self):

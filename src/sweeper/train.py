@@ -121,7 +121,7 @@ def evaluate(
         total += torch.stack([loss.double(), torch.tensor(y.numel(), device=device).double()])
     if watch is not None and not watch.stats and first is not None:
         # the pass went through a compiled graph, which the hooks do not reach: one eager
-        # forward of the same batch (on a GPU, a few ms a report)
+        # forward of the tokens the figures read (on a GPU, a few ms a report)
         with autocast_context(device, dtype):
             watch.record(first.to(device))
     if world > 1:
