@@ -44,6 +44,9 @@ def test_the_parameter_the_metric_follows_takes_nearly_all_the_variance():
     assert list(result["params"]) == [LR.name, EMBEDDING_LR.name]  # largest first
     assert result["params"][LR.name] > 0.9
     assert sum(result["params"].values()) == pytest.approx(1.0)
+    # how sure: over 24 trials the bootstrap's interval keeps LR well above the other
+    low, high = result["intervals"][LR.name]
+    assert 0.5 < low <= high <= 1.0 and result["intervals"][EMBEDDING_LR.name][1] < 0.5
 
     def by_embedding(lr, emb, batch):
         return 3.0 + (math.log10(emb) - math.log10(0.2)) ** 2
@@ -54,10 +57,14 @@ def test_the_parameter_the_metric_follows_takes_nearly_all_the_variance():
     result = stage_importance([LR, BATCH], records(lambda lr, emb, batch: 3.0 + batch / 16384))
     assert result["params"][BATCH.name] > 0.9
     text = importance_text(result)
-    assert text.startswith("importance (fANOVA, 24 trials that ran their whole budget): ")
-    assert text.endswith(
-        f"{BATCH.name} {result['params'][BATCH.name]:.2f}, {LR.name} "
-        f"{result['params'][LR.name]:.2f}"
+    intervals = result["intervals"]
+    shown = [
+        f"{name} {result['params'][name]:.2f} [{intervals[name][0]:.2f}, {intervals[name][1]:.2f}]"
+        for name in (BATCH.name, LR.name)
+    ]
+    assert text == (
+        "importance (fANOVA over 24 trials that ran their whole budget, 95% bootstrap "
+        f"intervals): {', '.join(shown)}"
     )
 
 

@@ -532,7 +532,8 @@ def test_reports_the_run_s_peak_memory_which_grows_with_the_batch():
     # a 256 x 64-token micro-batch's logits alone are 16 MiB a copy, and a step holds several
     large, large_end = peaks(256)
     small, small_end = peaks(8)
-    assert large == sorted(large) and large_end == large[-1]  # a peak so far, at each report
+    # a peak so far at each report; the result's, read after the last report, is the run's
+    assert large == sorted(large) and large_end >= large[-1]
     # measured: 0.85 against 0.35 GiB; and the small run, after the large one in the same
     # process, counts its own peak only
     assert large_end - small_end > 0.2 and small_end > 0.1, (large, small)
