@@ -15,7 +15,7 @@ EMBEDDING_LR = parse_param("optimizer.embedding_lr", {"log_uniform": [0.03, 1.0]
 BATCH = parse_param("trainer.total_batch_size", {"grid": [4096, 8192, 16384]})
 
 
-def records(metric, n=24, seed=0, status="completed"):
+def records(metric, n=24, seed=0, status="completed", prefix="t"):
     """n trials at random points of the three params, valued by `metric(lr, emb, batch)`."""
     rng = np.random.default_rng(seed)
     out = []
@@ -26,7 +26,7 @@ def records(metric, n=24, seed=0, status="completed"):
         params = {LR.name: lr, EMBEDDING_LR.name: emb, BATCH.name: batch}
         out.append(
             {
-                "trial_id": f"t{i}",
+                "trial_id": f"{prefix}{i}",
                 "status": status,
                 "params": params,
                 "metric": metric(*params.values()),
@@ -73,8 +73,8 @@ def test_only_trials_that_ran_their_whole_budget_count():
         return 3.0 + (math.log10(lr) - math.log10(0.02)) ** 2
 
     # pruned trials, valued early in training by the other parameter, change nothing
-    pruned = records(lambda lr, emb, batch: 9.0 + emb, n=30, seed=1, status="pruned")
-    diverged = records(lambda *_: float("nan"), n=5, seed=2)  # a NaN value is no point either
+    pruned = records(lambda lr, emb, batch: 9.0 + emb, n=30, seed=1, status="pruned", prefix="p")
+    diverged = records(lambda *_: float("nan"), n=5, seed=2, prefix="d")  # no point either
     both = stage_importance([LR, EMBEDDING_LR], records(by_lr) + pruned + diverged)
     alone = stage_importance([LR, EMBEDDING_LR], records(by_lr))
     assert both == alone
@@ -85,7 +85,36 @@ def test_too_few_finished_trials_say_so_and_one_parameter_has_no_share_to_give()
     result = stage_importance([LR, EMBEDDING_LR], few)
     assert result["params"] is None and result["trials"] == MIN_TRIALS - 1
     assert importance_text(result) == (
-        f"importance: none yet, {MIN_TRIALS - 1} trial(s) ran their whole budget; "
-        f"the parameters' importance needs {MIN_TRIALS}"
+        f"importance: not estimated, {MIN_TRIALS - 1} trial(s) ran their whole budget; "
+        f"it needs {MIN_TRIALS}"
     )
     assert stage_importance([LR], records(lambda lr, emb, batch: lr)) is None
+
+
+def test_where_a_scheduler_stopped_most_trials_they_are_compared_where_it_compared_them():
+    def by_lr(lr, emb, batch):
+        return 3.0 + (math.log10(lr) - math.log10(0.02)) ** 2
+
+    trials = records(by_lr)  # 24 trials, ASHA-like: all reach 1,000 tokens, 6 reach 2,000,
+    reports = []  # and 2 run their whole 4,000
+    for i, trial in enumerate(trials):
+        reached = 4000 if i < 2 else 2000 if i < 6 else 1000
+        trial["status"] = "completed" if reached == 4000 else "pruned"
+        for tokens in (1000, 2000, 4000):
+            if tokens <= reached:
+                # what the scheduler ranked (the cooled-down fork), beside the run's own value
+                value = trial["metric"] + 4000 / tokens
+                row = {"trial_id": trial["trial_id"], "tokens": tokens, "val_bpb": 99.0}
+                reports.append(row | {"rung_val_bpb": value})
+    result = stage_importance([LR, EMBEDDING_LR], trials, reports, "val_bpb")
+    assert (result["trials"], result["tokens"]) == (6, 2000)  # the most that 5 reached
+    alone = [{**t, "status": "completed", "metric": t["metric"] + 2.0} for t in trials[:6]]
+    assert result["params"] == stage_importance([LR, EMBEDDING_LR], alone)["params"]
+    assert importance_text(result).startswith(
+        "importance (fANOVA over 6 trials at 2,000 tokens, the most they all reached, "
+    )
+    # a report with no tokens, or a NaN value (a diverged trial), is no point
+    broken = [{**r, "rung_val_bpb": float("nan")} for r in reports if r["tokens"] == 2000]
+    others = [r for r in reports if r["tokens"] != 2000]
+    result = stage_importance([LR, EMBEDDING_LR], trials, others + broken, "val_bpb")
+    assert (result["trials"], result["tokens"]) == (24, 1000)

@@ -2,9 +2,11 @@
 
 A stage that tunes two or more parameters (the `lr` stage's matrix and embedding LRs, a
 user's stage of several) ends with each parameter's share of the metric's variance, as W&B
-Sweeps and Optuna's dashboard show it. Only trials that ran their whole budget count, as in
-Optuna's own `get_param_importances`: a pruned trial's value was taken earlier in training,
-and mixing the two would credit the parameters with the difference in budget. A stage's
+Sweeps and Optuna's dashboard show it. Trials count at one budget only, as in Optuna's own
+`get_param_importances` (which takes finished trials): a pruned trial's value was taken
+earlier in training, and mixing budgets would credit the parameters with the difference.
+Where too few trials finished (ASHA stops most), the budget is the most tokens enough of
+them reached, where the scheduler compared them. A stage's
 5-20 such trials give a forest little to split on, so each share comes with a bootstrap
 interval over the trials: a wide one says the stage cannot tell.
 """
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from sweeper.sweep.space import LIST_KINDS, ParamSpec
+from sweeper.sweep.trainable import RUNG_METRIC
 
 # fewer finished trials than this say too little for a forest to split on
 MIN_TRIALS = 5
@@ -49,31 +52,64 @@ def _coordinate(param: ParamSpec, value: Any) -> Any:
     return math.log(value) if param.log else value
 
 
-def stage_importance(params: list[ParamSpec], records: list[dict]) -> dict | None:
-    """{"method", "trials", "params": {name: share of variance, summing to 1, largest
-    first}, "intervals": {name: [low, high], 95% percentile bootstrap}} for a stage of two
-    or more searched parameters; "params" is None, with a "note", when too few trials
-    finished. None for a stage of one parameter."""
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _whole_budget_values(records: list[dict]) -> dict[str, float]:
+    """trial id -> its metric, for the trials that ran their whole budget."""
+    return {
+        r["trial_id"]: r["metric"]
+        for r in records
+        if r["status"] == "completed" and _finite(r.get("metric"))
+    }
+
+
+def _common_budget_values(reports: list[dict], metric: str) -> tuple[dict[str, float], int]:
+    """(trial id -> its value, tokens) at the most tokens that MIN_TRIALS trials all reached
+    and reported at; ({}, 0) if none. The value is what the stage's scheduler ranked there
+    (the cooled-down fork's, with rung forks on)."""
+    at: dict[int, dict[str, float]] = {}
+    for row in reports:
+        value = row.get(RUNG_METRIC, row.get(metric))
+        if _finite(value) and row.get("tokens"):
+            at.setdefault(int(row["tokens"]), {})[row["trial_id"]] = value
+    reached = [tokens for tokens, values in at.items() if len(values) >= MIN_TRIALS]
+    return (at[max(reached)], max(reached)) if reached else ({}, 0)
+
+
+def stage_importance(
+    params: list[ParamSpec], records: list[dict], reports: list[dict] = (), metric: str = ""
+) -> dict | None:
+    """{"method", "trials", "tokens" (the budget compared: None for the whole one), "params":
+    {name: share of variance, summing to 1, largest first}, "intervals": {name: [low,
+    high], 95% percentile bootstrap}} for a stage of two or more searched parameters; None
+    for a stage of one. From the trials that ran their whole budget where MIN_TRIALS did;
+    else, where a scheduler stopped most trials early, from every trial's value at the most
+    tokens MIN_TRIALS of them reached (ASHA's first rung, typically): there the trials were
+    compared on equal terms. "params" is None, with a "note", when neither has enough."""
     if len(params) < 2:
         return None
-    finished = [
-        r
-        for r in records
-        if r["status"] == "completed"
-        and isinstance(r.get("metric"), int | float)
-        and math.isfinite(r["metric"])
-        and all(p.name in r["params"] for p in params)
-    ]
-    result: dict[str, Any] = {"method": "fanova", "trials": len(finished), "params": None}
-    if len(finished) < MIN_TRIALS:
-        result["note"] = (
-            f"{len(finished)} trial(s) ran their whole budget; "
-            f"the parameters' importance needs {MIN_TRIALS}"
-        )
-        return result
+    names = {p.name for p in params}
+    searched = {r["trial_id"]: r["params"] for r in records if names <= r["params"].keys()}
+    values = {t: v for t, v in _whole_budget_values(records).items() if t in searched}
+    tokens = None
+    if len(values) < MIN_TRIALS:
+        rows = [row for row in reports if row["trial_id"] in searched]
+        earlier, tokens = _common_budget_values(rows, metric)
+        if not earlier:
+            return {
+                "method": "fanova",
+                "trials": len(values),
+                "tokens": None,
+                "params": None,
+                "note": f"{len(values)} trial(s) ran their whole budget; it needs {MIN_TRIALS}",
+            }
+        values = earlier
+    result: dict[str, Any] = {"method": "fanova", "trials": len(values), "tokens": tokens}
     points = [
-        ({p.name: _coordinate(p, r["params"][p.name]) for p in params}, r["metric"])
-        for r in finished
+        ({p.name: _coordinate(p, searched[trial][p.name]) for p in params}, value)
+        for trial, value in values.items()
     ]
     distributions = {p.name: _distribution(p) for p in params}
     shares = _fanova(points, distributions)
@@ -112,13 +148,18 @@ def importance_text(importance: dict) -> str:
     """'importance (fANOVA over 6 trials that ran their whole budget, 95% bootstrap
     intervals): optimizer.matrix_lr 0.77 [0.31, 0.98], ...', or why there is none."""
     if importance["params"] is None:
-        return f"importance: none yet, {importance['note']}"
+        return f"importance: not estimated, {importance['note']}"
     intervals = importance["intervals"]
     shares = ", ".join(
         f"{name} {share:.2f} [{intervals[name][0]:.2f}, {intervals[name][1]:.2f}]"
         for name, share in importance["params"].items()
     )
+    budget = (
+        "that ran their whole budget"
+        if importance["tokens"] is None
+        else f"at {importance['tokens']:,} tokens, the most they all reached"
+    )
     return (
-        f"importance (fANOVA over {importance['trials']} trials that ran their whole budget, "
+        f"importance (fANOVA over {importance['trials']} trials {budget}, "
         f"95% bootstrap intervals): {shares}"
     )

@@ -322,7 +322,8 @@ def write_all(
             }
         )
         searched = searched_params(spec, stage["name"], start, stage.get("extended"))
-        if importance := stage_importance(searched, stage["records"]):
+        importance = stage_importance(searched, stage["records"], stage["reports"], spec.metric)
+        if importance:
             stages[-1]["importance"] = importance
         carried = stage.get("carried", best)
         if carried is not None and carried != best:  # the stage froze nothing
