@@ -112,7 +112,8 @@ def evaluate(
         if i % world != rank:  # DDP: each rank scores its share, then all-reduce
             continue
         recording = watch is not None and first is None
-        first = x if first is None else first
+        if first is None:
+            first = x
         with (
             watch.recording() if recording else contextlib.nullcontext(),
             autocast_context(device, dtype),
@@ -367,11 +368,8 @@ def train(
                 if status == "diverged":
                     val_bpb = float("nan")
                 else:
-                    val_bpb = evaluate(
-                        train_model if world == 1 else model,
-                        *(data, cfg, device, dtype, rank, world),
-                        watch=watch,
-                    )
+                    evaluated = train_model if world == 1 else model
+                    val_bpb = evaluate(evaluated, data, cfg, device, dtype, rank, world, watch)
                     moved = ", ".join(f"{name} {ratio:.1e}" for name, ratio in ratios.items())
                     say(
                         f"step {step:5d}/{total_steps} | val bpb {val_bpb:.4f}"
@@ -406,8 +404,8 @@ def train(
                     "grad_norm_max": grad_norm_max.item(),
                     # ||step's update|| / ||weights|| per parameter group (update_ratios)
                     **{f"update_ratio_{name}": ratio for name, ratio in ratios.items()},
-                    # MLP units off and dead, the residual stream's size (activations.py);
-                    # none for a diverged run, whose last evaluation is skipped
+                    # MLP units off and dead, the residual stream's size, the soft-cap's
+                    # saturation (activations.py); none for a diverged run, not evaluated
                     **(watch.stats if status != "diverged" else {}),
                     "tokens_per_s": tok_s,
                     "mfu": mfu,
