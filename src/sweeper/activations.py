@@ -81,10 +81,15 @@ class ActivationWatch:
                 hook.remove()
         if zero and rms:
             # every layer's MLP is as wide as the others: the mean of the layers' shares is
-            # the share over all of them; one device sync for them all
-            figures = [torch.stack(zero).mean(), torch.stack(dead).mean(), rms[-1]]
-            figures = torch.stack(figures + saturated[-1:]).tolist() + [None] * (not saturated)
-            self.stats = dict(zip(ACTIVATION_COLUMNS, figures, strict=True))
+            # the share over all of them
+            figures = [torch.stack(zero).mean(), torch.stack(dead).mean(), rms[-1], *saturated]
+            values = torch.stack(figures).tolist()  # one device sync for them all
+            self.stats = {
+                "mlp_zero_fraction": values[0],
+                "dead_units": values[1],
+                "residual_rms": values[2],
+                "softcap_saturation": values[3] if saturated else None,
+            }
 
     def record(self, x: torch.Tensor) -> None:
         """One eager forward pass to record, of as many of `x`'s sequences as hold TOKENS
