@@ -118,3 +118,22 @@ def test_where_a_scheduler_stopped_most_trials_they_are_compared_where_it_compar
     others = [r for r in reports if r["tokens"] != 2000]
     result = stage_importance([LR, EMBEDDING_LR], trials, others + broken, "val_bpb")
     assert (result["trials"], result["tokens"]) == (24, 1000)
+
+
+def test_a_metric_the_params_do_not_move_and_values_off_the_space_are_no_points():
+    flat = records(lambda lr, emb, batch: 3.0, n=8)
+    result = stage_importance([LR, EMBEDDING_LR], flat, metric="val_bpb")
+    assert result["params"] is None and result["trials"] == 8
+    assert importance_text(result) == (
+        "importance: not estimated, val_bpb does not vary with the params over these trials"
+    )
+    # a record whose value lies off the searched space (made elsewhere) is left out
+    trials = records(lambda lr, emb, batch: 3.0 + math.log10(lr) ** 2, n=7)
+    trials[0]["params"][LR.name] = 5.0
+    trials[1]["params"][EMBEDDING_LR.name] = None
+    assert stage_importance([LR, EMBEDDING_LR], trials)["trials"] == 5
+    # five points: some resamples draw one point five times, which has no variance; the
+    # interval comes from the others
+    result = stage_importance([LR, EMBEDDING_LR], trials[2:])
+    low, high = result["intervals"][LR.name]
+    assert 0 <= low <= high <= 1

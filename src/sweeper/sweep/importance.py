@@ -52,6 +52,13 @@ def _coordinate(param: ParamSpec, value: Any) -> Any:
     return math.log(value) if param.log else value
 
 
+def _inside(param: ParamSpec, value: Any) -> bool:
+    """A value the param's distribution holds (a record made elsewhere may not)."""
+    if param.kind in LIST_KINDS:
+        return value in param.values
+    return _finite(value) and param.low <= value <= param.high and (value > 0 or not param.log)
+
+
 def _finite(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
@@ -90,8 +97,11 @@ def stage_importance(
     compared on equal terms. "params" is None, with a "note", when neither has enough."""
     if len(params) < 2:
         return None
-    names = {p.name for p in params}
-    searched = {r["trial_id"]: r["params"] for r in records if names <= r["params"].keys()}
+    searched = {
+        r["trial_id"]: r["params"]
+        for r in records
+        if all(_inside(p, r["params"].get(p.name)) for p in params)
+    }
     values = {t: v for t, v in _whole_budget_values(records).items() if t in searched}
     tokens = None
     if len(values) < MIN_TRIALS:
@@ -113,23 +123,32 @@ def stage_importance(
     ]
     distributions = {p.name: _distribution(p) for p in params}
     shares = _fanova(points, distributions)
+    if shares is None:
+        note = f"{metric or 'the metric'} does not vary with the params over these trials"
+        return result | {"params": None, "note": note}
     # the trials again, resampled: with a stage's 5-20 trials the forest's shares move a
-    # lot with which trials there were, and the interval says how much
+    # lot with which trials there were, and the interval says how much. A resample of one
+    # trial drawn again and again has no variance to share out: it is left out.
     rng = np.random.default_rng(0)
     resampled = [
         _fanova([points[i] for i in rng.integers(len(points), size=len(points))], distributions)
         for _ in range(BOOTSTRAPS)
     ]
+    resampled = [r for r in resampled if r is not None]
     result["params"] = dict(sorted(shares.items(), key=lambda item: -item[1]))
     result["intervals"] = {
         name: [float(q) for q in np.percentile([r[name] for r in resampled], [2.5, 97.5])]
+        if resampled
+        else None
         for name in result["params"]
     }
     return result
 
 
-def _fanova(points: list[tuple[dict, float]], distributions: dict) -> dict[str, float]:
-    """Each parameter's share of the variance of `points` ((params, value) pairs)."""
+def _fanova(points: list[tuple[dict, float]], distributions: dict) -> dict[str, float] | None:
+    """Each parameter's share of the variance of `points` ((params, value) pairs); None
+    where no tree finds any (equal values, or a resample of one point drawn again and
+    again: Optuna raises "zero total variance")."""
     import optuna
     from optuna.importance import FanovaImportanceEvaluator, get_param_importances
 
@@ -139,7 +158,12 @@ def _fanova(points: list[tuple[dict, float]], distributions: dict) -> dict[str, 
         study.add_trial(
             optuna.trial.create_trial(params=values, distributions=distributions, value=value)
         )
-    shares = get_param_importances(study, evaluator=FanovaImportanceEvaluator(seed=0))
+    try:
+        shares = get_param_importances(study, evaluator=FanovaImportanceEvaluator(seed=0))
+    except RuntimeError as error:  # equal values, or points no tree can tell apart
+        if "zero total variance" in str(error):
+            return None
+        raise
     # a parameter a resample holds at one value has no share (Optuna leaves it out)
     return {name: float(shares.get(name, 0.0)) for name in distributions}
 
@@ -151,7 +175,8 @@ def importance_text(importance: dict) -> str:
         return f"importance: not estimated, {importance['note']}"
     intervals = importance["intervals"]
     shares = ", ".join(
-        f"{name} {share:.2f} [{intervals[name][0]:.2f}, {intervals[name][1]:.2f}]"
+        f"{name} {share:.2f}"
+        + (f" [{intervals[name][0]:.2f}, {intervals[name][1]:.2f}]" if intervals[name] else "")
         for name, share in importance["params"].items()
     )
     budget = (
