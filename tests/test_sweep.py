@@ -14,6 +14,7 @@ from sweeper.config import ConfigError, load_run_config
 from sweeper.model import GPT, GPTShape
 from sweeper.sweep.engine import run_sweep
 from sweeper.sweep.preflight import base_config, validate_sweep
+from sweeper.sweep.stages import rounded_text
 
 from .conftest import REPO, run_cli
 from .conftest import TINY_SWEEP as TINY
@@ -130,6 +131,19 @@ def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(
     assert summary["baseline"]["value"] is not None
     for name in ("reports.csv", "learning_curves.png", "stage_lr.png", "summary.json"):
         assert (tmp_path / name).is_file(), name
+    # the one-page report: the outcome, the LR the batch rule moved, each stage, every plot
+    page = (tmp_path / "report.md").read_text()
+    assert f"**Best val_bpb {summary['best']['value']:.4f}** against" in page
+    moved = f"| `optimizer.matrix_lr` | 0.02 | {rounded_text(final['optimizer']['matrix_lr'])} |"
+    assert moved in page
+    assert "## Stage 1: `lr`" in page and "## Stage 2: `batch_size`" in page
+    replay_row = (
+        rf"\| (\*\*)?{by_batch[512]['metric']:.4f}(\*\*)? \| completed \(replays {source}\) \|"
+    )
+    assert re.search(replay_row, page), page
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
+    assert {"learning_curves.png", "stage_lr.png", "frontier.png"} <= set(images)
+    assert all((tmp_path / image).is_file() for image in images)
     # every report names the model's size: N of the scaling fits
     with open(tmp_path / "reports.csv") as f:
         sizes = {row["params"] for row in csv.DictReader(f)}

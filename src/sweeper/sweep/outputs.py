@@ -301,6 +301,7 @@ def write_all(
     from sweeper.sweep.confirm import confirmation_summary
     from sweeper.sweep.engine import reproduce_overrides
     from sweeper.sweep.plots import plot_learning_curves, plot_stage_lr
+    from sweeper.sweep.report import write_report
 
     records, reports = state.all_records(), state.all_reports()
     write_reports_csv(out / "reports.csv", reports, spec.metric)
@@ -375,6 +376,7 @@ def write_all(
     summary["plots"] = [p.name for p in plots if p]
     summary["fit"] = _fit(out, reports, spec, fit_cfg or {}, base)
     write_json_atomic(out / "summary.json", finite_or_null(summary))
+    write_report(out, summary, spec, state, base)
     _print_summary(summary, spec, out)
     return summary
 
@@ -652,7 +654,8 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
         print(f"  reproduce: {reproduce_command(summary['best']['overrides'])}")
     fit = summary.get("fit") or {}
     files = ["reports.csv", *summary["plots"], *(["fit.json"] if fit.get("file") else [])]
-    print(f"  outputs: {out}/summary.json, {', '.join([*files, *fit.get('plots', [])])}")
+    files += fit.get("plots", [])
+    print(f"  outputs: {out}/report.md, summary.json, {', '.join(files)}")
 
 
 def reproduce_command(overrides: list[str]) -> str:

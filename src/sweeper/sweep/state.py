@@ -16,9 +16,14 @@ STATE_NAME = "sweep_state.json"
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=2, default=str))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a file whole or not at all: a temporary file, fsync, then os.replace."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

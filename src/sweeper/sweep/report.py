@@ -1,0 +1,207 @@
+"""report.md: a finished sweep on one page, its plots beside its numbers.
+
+Everything on the page is also in summary.json, fit.json and the tables the sweep printed;
+the page puts it in the order a reader asks (what won, by how much, how to run it again,
+what each stage tried) and shows the PNGs inline. Markdown, because it renders where people
+share results (GitHub, editors, notebooks) and diffs as text; it lies in the run dir beside
+the images it links, and MLflow keeps it with the sweep's parent run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from pathlib import Path
+
+from sweeper.sweep.importance import importance_text
+from sweeper.sweep.spec import SweepSpec, flatten
+from sweeper.sweep.stages import rounded_text
+from sweeper.sweep.state import SweepState, write_text_atomic
+
+REPORT_NAME = "report.md"
+
+
+def write_report(out: Path, summary: dict, spec: SweepSpec, state: SweepState, base: dict) -> Path:
+    """Write report.md into the run dir `out`, whole or not at all; `base`: the config the
+    sweep started from."""
+    path = out / REPORT_NAME
+    write_text_atomic(path, render_report(summary, spec, state, out, base))
+    return path
+
+
+def render_report(summary: dict, spec: SweepSpec, state: SweepState, out: Path, base: dict) -> str:
+    from sweeper.sweep.outputs import reproduce_command
+
+    metric = spec.metric
+    lines = [f"# Sweep `{spec.name}`", "", *_outcome(summary, metric), ""]
+    lines.append(
+        f"{summary['trials']} trial{'s' * (summary['trials'] != 1)} in "
+        f"{duration_text(summary['elapsed_s'])}, {flops_text(summary['total_flops'])} training FLOPs; "
+        f"written {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}."
+    )
+    if launched := _launch_overrides(out):
+        lines += ["", f"Launched with `{reproduce_command(launched)}`."]
+    final = state.stages[-1]["base_after"] if state.stages else base
+    tuned = {k for stage in summary["stages"] for k in stage["params"]} | set(spec.lr_keys)
+    if changed := changes_table(base, final, tuned):
+        lines += ["", "What the sweep changed:", "", *changed]
+    if summary.get("best"):
+        lines += ["", "Run the best config again:", "", "```"]
+        lines += [reproduce_command(summary["best"]["overrides"]), "```"]
+    if summary.get("confirmation"):
+        from sweeper.sweep.confirm import confirmation_lines
+
+        lines += ["", "On fresh seeds:", ""]
+        lines += [f"- {line}" for line in confirmation_lines(summary["confirmation"], metric)]
+    for number, (stage, recorded) in enumerate(zip(summary["stages"], state.stages), 1):
+        lines += ["", *_stage_section(number, stage, recorded, spec, out)]
+    if (out / "learning_curves.png").exists():
+        lines += ["", "## Learning curves", ""]
+        lines.append("![every trial's learning curve](learning_curves.png)")
+    lines += _fit_section(summary.get("fit") or {}, out)
+    return "\n".join(lines) + "\n"
+
+
+def _outcome(summary: dict, metric: str) -> list[str]:
+    """The page's first sentence: the best value against the unmodified config's."""
+    best = (summary.get("best") or {}).get("value")
+    baseline = summary.get("baseline") or {}
+    if best is None:
+        return ["No trial finished with a value to rank."]
+    text = f"**Best {metric} {best:.4f}**"
+    base = baseline.get("value")
+    if baseline.get("status") in ("diverged", "failed"):
+        return [f"{text}; the unmodified config {baseline['status']} under the same budget."]
+    if base is None or not math.isfinite(base):
+        return [f"{text}."]
+    gain = summary["improvement"]
+    verdict = f"{gain:.4f} better" if gain >= 0 else f"{-gain:.4f} worse: the unmodified config won"
+    return [
+        f"{text} against {base:.4f} for the unmodified config under the same budget: {verdict}."
+    ]
+
+
+def _stage_section(
+    number: int, stage: dict, recorded: dict, spec: SweepSpec, out: Path
+) -> list[str]:
+    stage_spec = next(s for s in spec.stages if s.name == stage["name"])
+    search, scheduler = spec.stage_search(stage_spec), spec.stage_scheduler(stage_spec)
+    statuses = ", ".join(f"{n} {status}" for status, n in sorted(stage["statuses"].items()))
+    lines = [f"## Stage {number}: `{stage['name']}`", ""]
+    lines.append(f"{search} search, {scheduler} scheduler; {stage['trials']} trials ({statuses}).")
+    if stage["best_value"] is not None:
+        chosen = ", ".join(
+            f"`{k}={rounded_text(v)}`" for k, v in sorted((stage["best_params"] or {}).items())
+        )
+        lines.append(f"Best {spec.metric} {stage['best_value']:.4f} with {chosen}.")
+    notes = []
+    if stage.get("importance"):
+        notes.append(importance_text(stage["importance"]))
+    if kept := stage.get("kept_from"):
+        notes.append(
+            f"froze nothing: the config from stage `{kept['stage']}` "
+            f"({spec.metric} {kept['value']:.4f}) goes on"
+        )
+    notes += [edge["note"] for edge in stage["at_range_edge"]]
+    if rivals := stage.get("not_resolved_from"):
+        notes.append(f"its seeds cannot tell this best from {len(rivals)} other configuration(s)")
+    if notes:
+        lines += ["", *(f"- {note}" for note in notes)]
+    lines += ["", *trial_table(recorded["records"], recorded["best"], spec)]
+    if (out / f"stage_{stage['name']}.png").exists():
+        lines += ["", f"![stage {stage['name']}](stage_{stage['name']}.png)"]
+    return lines
+
+
+def trial_table(records: list[dict], best: dict | None, spec: SweepSpec) -> list[str]:
+    """The stage's trials as a Markdown table, best first; a diverged or failed trial's
+    value is the searcher's penalty, not a measurement, so it shows none."""
+    keys = sorted({k for r in records for k in r["params"]})
+    best_ids = set(best.get("trial_ids", [best["trial_id"]])) if best else set()
+
+    def rank(record: dict) -> tuple:
+        value = record["metric"]
+        ranked = value is not None and record["status"] not in ("diverged", "failed")
+        return (not ranked, 0.0 if not ranked else (value if spec.mode == "min" else -value))
+
+    rows = [
+        f"| {spec.metric} | status | tokens | " + " | ".join(f"`{k}`" for k in keys) + " |",
+        "| ---: | --- | ---: |" + " ---: |" * len(keys),
+    ]
+    for record in sorted(records, key=rank):
+        ranked = not rank(record)[0]
+        value = f"{record['metric']:.4f}" if ranked else "-"
+        if record["trial_id"] in best_ids:
+            value = f"**{value}**"
+        status = record["status"]
+        if record.get("reused_from"):
+            status += f" (replays {record['reused_from']})"
+        tokens = record.get("tokens")
+        cells = [value, status, f"{tokens:,.0f}" if tokens else "-"]
+        cells += [rounded_text(record["params"].get(k)) for k in keys]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def changes_table(base: dict, final: dict, keys: set[str]) -> list[str]:
+    """Of `keys` (what the stages searched, and the LRs a batch-size rule may move), those
+    whose value differs between the config the sweep started with and the one it ends with.
+    Other differences are the trials' placement (device, threads), not hyperparameters."""
+    before, after = flatten(base), flatten(final)
+    changed = sorted(k for k in keys if k in after and before.get(k) != after[k])
+    if not changed:
+        return []
+    rows = ["| key | started at | ends at |", "| --- | ---: | ---: |"]
+    rows += [
+        f"| `{k}` | {rounded_text(before.get(k))} | {rounded_text(after[k])} |" for k in changed
+    ]
+    return rows
+
+
+def _fit_section(fit: dict, out: Path) -> list[str]:
+    """Loss against compute: the fit's own summary (sweeper.scaling.summary) and its plots."""
+    if fit.get("error"):
+        return ["", "## Loss against compute", "", f"No fit: {fit['error']}."]
+    if not fit.get("file") or not (out / fit["file"]).exists():
+        return []
+    from sweeper.scaling.summary import format_summary
+    from sweeper.sweep.outputs import reproduce_command
+
+    result = json.loads((out / fit["file"]).read_text())
+    lines = ["", "## Loss against compute", "", "```", format_summary(result), "```"]
+    if result.get("predicted_run"):
+        lines += ["", f"The run at C = {result['target_flops']:.3g} FLOPs the laws predict:"]
+        lines += ["", "```", reproduce_command(result["predicted_run"]), "```"]
+    for name in fit.get("plots", []):
+        lines += ["", f"![{Path(name).stem}]({name})"]
+    return lines
+
+
+def _launch_overrides(out: Path) -> list[str] | None:
+    """The command line's overrides, from Hydra's record of them in the run dir."""
+    path = out / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return None
+    from omegaconf import OmegaConf
+
+    return [str(o) for o in OmegaConf.load(path)]
+
+
+def flops_text(flops: float) -> str:
+    """2.9e13, as the configs write FLOPs (not Python's 2.9e+13)."""
+    return f"{flops:.3g}".replace("e+", "e")
+
+
+def duration_text(seconds: float | None) -> str:
+    """'48 s', '4 min 48 s', '2 h 05 min'."""
+    if seconds is None:
+        return "an unknown time"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
