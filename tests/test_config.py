@@ -167,6 +167,10 @@ BAD_INPUTS = [
     # inf passes every "> 0" check; it would fail deep inside training
     (["trainer.budget_tokens=inf"], "trainer.budget_tokens must be a finite number, got inf"),
     (["optimizer.weight_decay=inf"], "optimizer.weight_decay must be a finite number"),
+    (
+        ["optimizer.weight_decay_schedule=cosine"],
+        "optimizer.weight_decay_schedule must be one of constant, linear, got 'cosine'",
+    ),
     (["trainer.seed=-1"], "trainer.seed must be in [0, 2^64), got -1"),
     # a budget under one optimizer step would train a whole step: many times the budget
     (["trainer.budget_tokens=100"], "trainer.budget_tokens=100, less than one optimizer step"),

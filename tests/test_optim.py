@@ -6,7 +6,7 @@ import torch
 from sweeper.config import OptimizerConfig
 from sweeper.model import GPT, GPTShape
 from sweeper.optim import ChainedOptimizer, build_optimizer, update_ratios, weights_before_step
-from sweeper.schedule import lr_multiplier, muon_momentum
+from sweeper.schedule import lr_multiplier, muon_momentum, weight_decay_multiplier
 
 SHAPE = GPTShape(depth=2, d_model=64, head_dim=32, seq_len=32, vocab_size=256)
 
@@ -79,6 +79,28 @@ def test_muon_momentum_warmup():
     assert muon_momentum(0, 0.85, 0.95, 300) == pytest.approx(0.85)
     assert muon_momentum(150, 0.85, 0.95, 300) == pytest.approx(0.90)
     assert muon_momentum(1000, 0.85, 0.95, 300) == pytest.approx(0.95)
+
+
+def test_weight_decay_schedules():
+    assert [weight_decay_multiplier(s, 4, "constant") for s in range(5)] == [1.0] * 5
+    # linear: from the full decay at step 0 to none at the run's end, never below
+    assert [weight_decay_multiplier(s, 4, "linear") for s in range(6)] == [
+        1.0,
+        0.75,
+        0.5,
+        0.25,
+        0.0,
+        0.0,
+    ]
+
+
+def test_every_group_keeps_its_weight_decay_for_the_schedule():
+    opt = build_optimizer(GPT(SHAPE), OptimizerConfig(name="adamw", weight_decay=0.1))
+    assert {g["name"]: g["initial_weight_decay"] for g in opt.param_groups} == {
+        "matrix": 0.1,
+        "embedding": 0.0,
+        "scalar": 0.0,
+    }
 
 
 def _muon_params(seed: int) -> list[torch.nn.Parameter]:

@@ -400,6 +400,49 @@ def test_a_cooldown_fork_at_a_rung_scores_the_run_and_leaves_it_exactly_as_it_wa
     assert [r["flops"] for r in forked["history"]] == [r["flops"] for r in plain["history"]]
 
 
+@pytest.mark.parametrize("optimizer", ["muon_adamw", "adamw"])
+@pytest.mark.parametrize("schedule", ["constant", "linear"])
+def test_the_weight_decay_schedule_is_what_each_step_applies(monkeypatch, optimizer, schedule):
+    from sweeper.muon import Muon
+
+    # the decay the matrices' optimizer holds as it steps: Muon's (muon_adamw) or the
+    # matrix group of AdamW (adamw; its other groups never decay)
+    stepped = Muon if optimizer == "muon_adamw" else torch.optim.AdamW
+    seen, step = [], stepped.step
+
+    def spy(self, *args, **kwargs):
+        seen.append({g["name"]: g["weight_decay"] for g in self.param_groups})
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(stepped, "step", spy)
+    opt = {"name": optimizer, "weight_decay": 0.2, "weight_decay_schedule": schedule}
+    train(tiny(optimizer=opt, trainer={"max_steps": 4}), verbose=False)
+    expected = [0.2, 0.15, 0.1, 0.05] if schedule == "linear" else [0.2] * 4
+    assert [s["matrix"] for s in seen] == pytest.approx(expected)
+    if optimizer == "adamw":
+        assert {v for s in seen for k, v in s.items() if k != "matrix"} == {0.0}
+
+
+def test_a_cooldown_fork_takes_the_linear_weight_decay_to_zero_as_the_run_would(monkeypatch):
+    from sweeper.muon import Muon
+
+    seen, step = [], Muon.step
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.param_groups[0]["weight_decay"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Muon, "step", spy)
+    opt = {"weight_decay": 0.2, "weight_decay_schedule": "linear"}
+    trainer = {"max_steps": 8, "eval_every": 4, "rungs": [0.5], "rung_cooldown": 0.5}
+    train(tiny(optimizer=opt, trainer=trainer), verbose=False)
+    # steps 0-3 at 0.2 x (1 - step / 8); at the rung, after step 3, a fork of 2 steps goes
+    # from step 3's decay (0.125) to the schedule's end (0), as its LR goes from step 3's to
+    # the final one; then the run goes on from step 4 as before
+    run = [0.2 * (1 - s / 8) for s in range(8)]
+    assert seen == pytest.approx([*run[:4], 0.0625, 0.0, *run[4:]])
+
+
 # A training step's shape, without the model: a burst of activation-sized blocks (0.5-3.5 MiB,
 # ~128 MiB in all) freed together at the step's end. The real model's per-step faults were
 # once the figure here, but Python's own 1 MiB object arenas (mmapped outside malloc) and a

@@ -24,6 +24,7 @@ OPTIMIZER_LRS = {
     "adamw": ("lr",),
 }
 SCHEDULES = ("wsd", "cosine", "constant")
+WEIGHT_DECAY_SCHEDULES = ("constant", "linear")
 DATASETS = ("stdlib", "shards")
 BUDGET_KEYS = ("max_steps", "budget_tokens", "budget_flops", "tokens_per_param")
 
@@ -102,6 +103,7 @@ class OptimizerConfig:
     scalar_lr: float = 0.02
     lr: float = 0.001
     weight_decay: float = 0.0
+    weight_decay_schedule: str = "constant"
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
     adam_eps: float = 1e-10
@@ -122,6 +124,11 @@ class OptimizerConfig:
         _require(
             self.weight_decay >= 0,
             f"optimizer.weight_decay must be >= 0, got {self.weight_decay}",
+        )
+        _require(
+            self.weight_decay_schedule in WEIGHT_DECAY_SCHEDULES,
+            f"optimizer.weight_decay_schedule must be one of {', '.join(WEIGHT_DECAY_SCHEDULES)}, "
+            f"got {self.weight_decay_schedule!r}",
         )
         for key in ("adam_beta1", "adam_beta2", "muon_momentum", "muon_momentum_start"):
             value = getattr(self, key)

@@ -1,7 +1,7 @@
 """Optimizers: Muon for hidden matrices + AdamW for the rest, or plain AdamW.
 
-Each parameter group keeps its peak LR in `initial_lr`; the training loop multiplies it by
-the schedule at every step. `ChainedOptimizer` lets the loop treat two optimizers as one.
+Each parameter group keeps its peak LR in `initial_lr` and its weight decay in
+`initial_weight_decay`; the training loop multiplies them by their schedules at every step. `ChainedOptimizer` lets the loop treat two optimizers as one.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def build_optimizer(model: GPT, cfg: OptimizerConfig) -> ChainedOptimizer:
     chained = ChainedOptimizer(optimizers)
     for group in chained.param_groups:
         group["initial_lr"] = group["lr"]
+        group["initial_weight_decay"] = group["weight_decay"]
     return chained
 
 

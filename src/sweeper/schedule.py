@@ -36,6 +36,17 @@ def lr_multiplier(
     return final_lr_frac + (1.0 - final_lr_frac) * remaining
 
 
+def weight_decay_multiplier(step: int, total_steps: int, name: str) -> float:
+    """Multiplier of each group's weight decay at optimizer step `step`: 1 throughout
+    (`constant`), or falling linearly to 0 at the run's end (`linear`, nanochat's): a
+    decay that pulls weights toward zero helps while they move, and costs at the end,
+    where the LR is small and the weights settle. Either way the decay applied each step
+    is lr x weight_decay (decoupled), so it also follows the LR schedule."""
+    if name == "linear":
+        return max(1.0 - step / max(total_steps, 1), 0.0)
+    return 1.0
+
+
 def muon_momentum(step: int, start: float, end: float, warmup_steps: int) -> float:
     """Muon momentum raised linearly from `start` to `end` over `warmup_steps` steps: a
     low momentum early avoids overshooting while the gradients still change fast."""

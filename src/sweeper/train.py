@@ -36,7 +36,7 @@ from sweeper.runtime import (
     resolve_device,
     resolve_dtype,
 )
-from sweeper.schedule import lr_multiplier, muon_momentum
+from sweeper.schedule import lr_multiplier, muon_momentum, weight_decay_multiplier
 
 Report = Callable[..., Any]
 
@@ -226,7 +226,7 @@ def train(
         return most_memory / 2**30
 
     def optimizer_step(
-        batch_step: int, lrm: float, momentum: float, measure: bool = False
+        batch_step: int, lrm: float, wdm: float, momentum: float, measure: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """One optimizer step on the batches of step `batch_step`: the summed micro-batch
         losses, the gradient's global norm before clipping (tensors: no device sync) and,
@@ -235,6 +235,7 @@ def train(
         activations' peak). Also a cooldown fork's step (below), with its own LR."""
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
+            group["weight_decay"] = group["initial_weight_decay"] * wdm
             if "nesterov" in group:  # Muon's group
                 group["momentum"] = momentum
         # forward/backward over micro-batches; DDP all-reduces only on the last one
@@ -260,7 +261,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm, update_ratios(optimizer, before) if before else {}
 
-    def cooled_val_bpb(lrm: float, momentum: float) -> tuple[float, int]:
+    def cooled_val_bpb(lrm: float, wdm: float, momentum: float) -> tuple[float, int]:
         """val_bpb of a copy of the run cooled down from here, and the fork's steps.
 
         Under WSD a run at its peak LR scores worse than it will after its decay, the more
@@ -278,9 +279,13 @@ def train(
             "rng": torch.get_rng_state(),
         }
         try:
-            final = cfg.scheduler.final_lr_frac
+            # the weight decay, too, goes where the schedule ends it (linear: to 0)
+            final, final_wd = cfg.scheduler.final_lr_frac, weight_decay_at(total_steps)
             for i in range(steps):
-                optimizer_step(step + i, lrm + (final - lrm) * (i + 1) / steps, momentum)
+                done = (i + 1) / steps
+                optimizer_step(
+                    step + i, lrm + (final - lrm) * done, wdm + (final_wd - wdm) * done, momentum
+                )
             value = evaluate(
                 train_model if world == 1 else model, data, cfg, device, dtype, rank, world
             )
@@ -289,6 +294,9 @@ def train(
             optimizer.load_state_dict(kept["optimizer"])
             torch.set_rng_state(kept["rng"])
         return value, steps
+
+    def weight_decay_at(at_step: int) -> float:
+        return weight_decay_multiplier(at_step, total_steps, cfg.optimizer.weight_decay_schedule)
 
     def progress() -> float:
         """How far along its budget the run is, on the time axis a sweep's rungs use."""
@@ -330,7 +338,8 @@ def train(
             reports_next = step + 1 == total_steps or is_eval_step(
                 step + 1, total_steps, eval_every
             )
-            loss_sum, grad_norm, ratios = optimizer_step(step, lrm, momentum, reports_next)
+            wdm = weight_decay_at(step)
+            loss_sum, grad_norm, ratios = optimizer_step(step, lrm, wdm, momentum, reports_next)
             # maximum, not fmax: a NaN norm is the news, and must not be skipped over
             grad_norm_max = (
                 grad_norm if grad_norm_max is None else torch.maximum(grad_norm_max, grad_norm)
@@ -388,7 +397,7 @@ def train(
                 while rungs_ahead and progress() >= rungs_ahead[0]:
                     rungs_ahead.pop(0)
                 if at_rung and not last:
-                    cooled, fork_steps = cooled_val_bpb(lrm, momentum)
+                    cooled, fork_steps = cooled_val_bpb(lrm, wdm, momentum)
                     fork_flops += fork_steps * tokens_per_step * flops_per_token
                     if math.isfinite(cooled):  # a fork that blew up says nothing of the run
                         rung_val_bpb = cooled
