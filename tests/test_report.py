@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from sweeper.sweep.report import (
+    as_html,
     changes_table,
     duration_text,
     render_report,
@@ -163,6 +164,28 @@ def test_the_page_holds_the_stage_the_command_and_only_the_plots_that_exist(tmp_
     # every image it shows is there; learning_curves.png was not drawn, so not shown
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
     assert images == ["stage_lr.png"]
+
+
+def test_the_html_page_holds_its_images_and_tables(tmp_path):
+    import base64
+
+    summary, spec, state = finished_sweep({"value": 3.55, "status": "completed"})
+    png = b"\x89PNG\r\n\x1a\n not a real image, but bytes to carry"
+    (tmp_path / "stage_lr.png").write_bytes(png)
+    write_report(tmp_path, summary, spec, state, BASE)
+    page = (tmp_path / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<title>sweep lr</title>" in page
+    # the image inside the page, byte for byte: the MLflow UI shows it with no file beside it
+    (source,) = re.findall(r'<img[^>]*src="([^"]+)"', page)
+    prefix = "data:image/png;base64,"
+    assert source.startswith(prefix) and base64.b64decode(source[len(prefix) :]) == png
+    # tables as tables, the best bold, the command as code
+    assert re.search(r"<th[^>]*>val_bpb</th>", page), page
+    assert re.search(r"<td[^>]*><strong>3.4200</strong></td>", page), page
+    assert "<code>python -m sweeper optimizer.matrix_lr=0.04" in page
+    # an image the page names but the run dir lacks, or one outside it, is left as a link
+    outside = as_html("![a](missing.png) ![b](../stage_lr.png)", tmp_path, "x")
+    assert 'src="missing.png"' in outside and 'src="../stage_lr.png"' in outside
 
 
 @pytest.mark.parametrize(

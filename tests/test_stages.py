@@ -725,6 +725,27 @@ def test_a_sweep_written_before_a_stage_key_existed_resumes_while_the_key_is_off
         check_resumable(old, "s", {}, {"stages": [{"name": "bs"}]})
 
 
+def test_a_sweep_written_before_a_run_config_key_existed_resumes_at_its_default(tmp_path):
+    from sweeper.sweep.state import SweepState, check_resumable
+
+    base = {"optimizer": {"weight_decay": 0.1}}
+    old = SweepState(tmp_path, "s", base, definition={})
+    # the older code decayed constantly: the new key at that value changes nothing
+    now = {"optimizer": {"weight_decay": 0.1, "weight_decay_schedule": "constant"}}
+    check_resumable(old, "s", now, {})
+    # so is a whole section, every key at its default
+    section = {"optimizer": {"weight_decay": 0.0, "weight_decay_schedule": "constant"}}
+    check_resumable(SweepState(tmp_path, "s", {}, definition={}), "s", section, {})
+    now["optimizer"]["weight_decay_schedule"] = "linear"
+    with pytest.raises(
+        ValueError, match="optimizer.weight_decay_schedule '\\(absent\\)' -> 'linear'"
+    ):
+        check_resumable(old, "s", now, {})
+    # a key the schema does not know (a user's trainable's) is a change whatever its value
+    with pytest.raises(ValueError, match="mine '\\(absent\\)' -> {'knob': 'constant'}"):
+        check_resumable(old, "s", {**base, "mine": {"knob": "constant"}}, {})
+
+
 def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 

@@ -144,6 +144,9 @@ def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
     assert {"learning_curves.png", "stage_lr.png", "frontier.png"} <= set(images)
     assert all((tmp_path / image).is_file() for image in images)
+    # and as one HTML file with those images inside it, for the MLflow UI
+    html = (tmp_path / "report.html").read_text()
+    assert html.count('src="data:image/png;base64,') == len(images)
     # every report names the model's size: N of the scaling fits
     with open(tmp_path / "reports.csv") as f:
         sizes = {row["params"] for row in csv.DictReader(f)}

@@ -353,6 +353,25 @@ def test_resume_from_state_continues_exactly():
     assert resumed["val_bpb"] == full["val_bpb"]
 
 
+def test_a_checkpoint_from_before_the_weight_decay_schedule_resumes_exactly():
+    # a paused trial of a sweep started before `initial_weight_decay` existed: its groups
+    # lack the key, and held their decay constant, as the default schedule does
+    trainer = {"max_steps": 8, "eval_every": 4, "dtype": "float32", "checkpoint_every_eval": True}
+    cfg = tiny(optimizer={"weight_decay": 0.1}, trainer=trainer)
+    full = train(cfg, verbose=False)
+    states = []
+    train(
+        cfg,
+        lambda m, state=None: states.append(copy.deepcopy(state())) if m["step"] == 4 else None,
+        verbose=False,
+    )
+    for optimizer in states[0]["optimizer"]:
+        for group in optimizer["param_groups"]:
+            del group["initial_weight_decay"]
+    resumed = train(cfg, resume_state=states[0], verbose=False)
+    assert resumed["loss_trace"] == full["loss_trace"]
+
+
 def test_how_often_a_run_evaluates_leaves_its_training_exactly_as_it_is():
     # what lets a fifo stage report fewer times (sweep.stages.N.reports_per_trial): its
     # ranking reads the last value, which must not depend on the evaluations before it

@@ -170,6 +170,8 @@ def train(
     if resume_state is not None:
         model.load_state_dict(resume_state["model"])
         optimizer.load_state_dict(resume_state["optimizer"])
+        for group in optimizer.param_groups:  # a checkpoint from before the decay's schedule
+            group.setdefault("initial_weight_decay", group["weight_decay"])  # held it constant
         torch.set_rng_state(resume_state["torch_rng"])
         step, history = resume_state["step"], list(resume_state["history"])
         loss_trace = list(resume_state["loss_trace"])

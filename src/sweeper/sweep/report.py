@@ -1,17 +1,22 @@
-"""report.md: a finished sweep on one page, its plots beside its numbers.
+"""report.md and report.html: a finished sweep on one page, its plots beside its numbers.
 
 Everything on the page is also in summary.json, fit.json and the tables the sweep printed;
 the page puts it in the order a reader asks (what won, by how much, how to run it again,
 what each stage tried) and shows the PNGs inline. Markdown, because it renders where people
 share results (GitHub, editors, notebooks) and diffs as text; it lies in the run dir beside
-the images it links, and MLflow keeps it with the sweep's parent run.
+the images it links. The same page as HTML with the images inside it (data URIs) is what
+the MLflow UI can show: it renders an HTML artifact, where a Markdown one is plain text and
+a relative image link leads nowhere.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
+import html
 import json
 import math
+import re
 from pathlib import Path
 
 from sweeper.sweep.importance import importance_text
@@ -20,14 +25,46 @@ from sweeper.sweep.stages import rounded_text
 from sweeper.sweep.state import SweepState, write_text_atomic
 
 REPORT_NAME = "report.md"
+HTML_NAME = "report.html"
+STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 72rem; margin: 2rem auto; padding: 0 1rem;
+       line-height: 1.45; color: #222; }
+table { border-collapse: collapse; margin: 0.5rem 0; font-size: 0.9rem; }
+th, td { border: 1px solid #ccc; padding: 0.2rem 0.6rem; }
+pre { background: #f4f4f4; padding: 0.6rem; overflow-x: auto; white-space: pre-wrap; }
+img { max-width: 100%; }
+"""
 
 
 def write_report(out: Path, summary: dict, spec: SweepSpec, state: SweepState, base: dict) -> Path:
     """Write report.md into the run dir `out`, whole or not at all; `base`: the config the
     sweep started from."""
     path = out / REPORT_NAME
-    write_text_atomic(path, render_report(summary, spec, state, out, base))
+    page = render_report(summary, spec, state, out, base)
+    write_text_atomic(path, page)
+    write_text_atomic(out / HTML_NAME, as_html(page, out, spec.name))
     return path
+
+
+def as_html(page: str, out: Path, title: str) -> str:
+    """The Markdown page as one HTML file: each image that lies in `out` embedded in it."""
+    import markdown
+
+    body = markdown.markdown(page, extensions=["tables", "fenced_code"])
+
+    def embedded(match: re.Match) -> str:
+        image = out / html.unescape(match.group(2))
+        if image.suffix != ".png" or image.parent != out or not image.is_file():
+            return match.group(0)
+        data = base64.b64encode(image.read_bytes()).decode("ascii")
+        return f'{match.group(1)}"data:image/png;base64,{data}"'
+
+    body = re.sub(r'(<img[^>]*\bsrc=)"([^"]+)"', embedded, body)
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8">'
+        f"<title>sweep {html.escape(title)}</title><style>{STYLE}</style></head>\n"
+        f"<body>\n{body}\n</body></html>\n"
+    )
 
 
 def render_report(summary: dict, spec: SweepSpec, state: SweepState, out: Path, base: dict) -> str:

@@ -184,6 +184,17 @@ def differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]
     return [] if old == new else [(path, old, new)]
 
 
+def at_schema_default(key: str, value: Any) -> bool:
+    """Whether `value` at dotted `key` (a leaf, or a whole new section) is what the run
+    schema gives it by default."""
+    from sweeper.config import RunConfig
+    from sweeper.sweep.spec import flatten
+
+    defaults = flatten(as_json(RunConfig().to_dict()))
+    leaves = flatten(value, f"{key}.") if isinstance(value, dict) else {key: value}
+    return all(k in defaults and defaults[k] == v for k, v in leaves.items())
+
+
 def check_resumable(state: SweepState, name: str, base: dict, definition: dict) -> None:
     """A run dir resumes only the sweep that wrote it: finished stages and trials are
     reused as they are, so a changed budget, space or model would otherwise be reported
@@ -199,7 +210,13 @@ def check_resumable(state: SweepState, name: str, base: dict, definition: dict) 
     ]
     if state.definition is None:  # an older state file: only the run config is known
         changed = []
-    changed += differences(as_json(state.base), as_json(base))
+    # likewise a run config key added after the state was written, at the value the older
+    # code behaved as (the schema's default: optimizer.weight_decay_schedule=constant)
+    changed += [
+        (k, a, b)
+        for k, a, b in differences(as_json(state.base), as_json(base))
+        if not (a == ABSENT and at_schema_default(k, b))
+    ]
     if changed:
         shown = "; ".join(f"{key} {a!r} -> {b!r}" for key, a, b in changed[:3])
         more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""

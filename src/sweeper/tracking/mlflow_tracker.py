@@ -67,7 +67,7 @@ RUN_STATUS = {
 PENDING_NAME = "mlflow_pending.jsonl"
 RUN_FILE = "mlflow_run.json"  # the parent run of the sweep in this run dir
 PARENT = "sweep"
-PARENT_FILES = ("report.md", "summary.json", "reports.csv", "fit.json")
+PARENT_FILES = ("report.html", "report.md", "summary.json", "reports.csv", "fit.json")
 
 
 class MlflowTracker:
