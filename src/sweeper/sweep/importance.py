@@ -14,6 +14,7 @@ interval over the trials: a wide one says the stage cannot tell.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -86,7 +87,7 @@ def _common_budget_values(reports: list[dict], metric: str) -> tuple[dict[str, f
 
 
 def stage_importance(
-    params: list[ParamSpec], records: list[dict], reports: list[dict] = (), metric: str = ""
+    params: list[ParamSpec], records: list[dict], reports: Sequence[dict] = (), metric: str = ""
 ) -> dict | None:
     """{"method", "trials", "tokens" (the budget compared: None for the whole one), "params":
     {name: share of variance, summing to 1, largest first}, "intervals": {name: [low,
