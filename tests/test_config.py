@@ -374,6 +374,9 @@ def test_single_run_writes_result_json(tmp_path):
     assert result["status"] == "completed" and result["steps"] == 4
     assert result["mfu"] is None and result["device"] == "cpu" and result["workers"] == 1
     assert "val bpb" in proc.stdout  # progress was printed
+    # and drawn: the loss as it trained, beside its LR schedule
+    assert proc.stdout.strip().splitlines()[-1].endswith("/run/result.json, curves.png")
+    assert (tmp_path / "run" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize(

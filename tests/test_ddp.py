@@ -186,6 +186,7 @@ def test_a_two_rank_run_from_the_command_line_shows_its_progress_once(tmp_path):
     assert 0.1 < at_last_report <= peak < 8  # the run's peak is read after its last report
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("completed: val_bpb ") and ", peak memory " in last, last
+    assert last.endswith(", curves.png") and (tmp_path / "run" / "curves.png").is_file()
 
 
 def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_path):

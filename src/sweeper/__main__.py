@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 from sweeper.cli import (
     chosen_budgets,
@@ -91,11 +92,19 @@ def run_job(cfg) -> float | None:
         write_result(out_dir, result)
     elif result.get("out_of_memory"):  # the ranks recorded it and returned quietly
         exit_out_of_memory(cfg, result["out_of_memory"], out_dir)
+    from sweeper.run_plot import PLOT_NAME, plot_run
+
+    try:
+        drawn = plot_run(result, load_run_config(cfg), Path(out_dir) / PLOT_NAME)
+    except Exception as error:  # a figure that cannot be drawn must not fail a finished run
+        drawn = None
+        print(f"note: {PLOT_NAME} not drawn: {failure_text(error)}", file=sys.stderr)
     memory = result.get("peak_memory_gib")
     print(
         f"{result['status']}: val_bpb {result['val_bpb']:.4f}"
         + (f", peak memory {memory:.2f} GiB" if memory else "")
         + f" -> {out_dir}/result.json"
+        + (f", {PLOT_NAME}" if drawn else "")
     )
     return result["val_bpb"]
 
