@@ -151,6 +151,8 @@ def test_the_page_holds_the_stage_the_command_and_only_the_plots_that_exist(tmp_
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "overrides.yaml").write_text("- +sweep=lr\n- trainer.dtype=float32\n")
     (tmp_path / "stage_lr.png").write_bytes(b"png")
+    (tmp_path / "learning_curves.png").write_bytes(b"png")  # an earlier sweep's, not drawn now
+    summary["plots"] = ["stage_lr.png"]
     summary["stages"][0]["at_range_edge"] = [{"note": "best optimizer.matrix_lr=0.04 is at ..."}]
     path = write_report(tmp_path, summary, spec, state, BASE)
     assert path == tmp_path / "report.md"
@@ -161,7 +163,7 @@ def test_the_page_holds_the_stage_the_command_and_only_the_plots_that_exist(tmp_
     assert "## Stage 1: `lr`\n\nrandom search, asha scheduler; 4 trials (" in page
     assert "Best val_bpb 3.4200 with `optimizer.matrix_lr=0.04`." in page
     assert "- best optimizer.matrix_lr=0.04 is at ..." in page
-    # every image it shows is there; learning_curves.png was not drawn, so not shown
+    # every image it shows was drawn by this sweep: learning_curves.png was not
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
     assert images == ["stage_lr.png"]
 
@@ -172,6 +174,7 @@ def test_the_html_page_holds_its_images_and_tables(tmp_path):
     summary, spec, state = finished_sweep({"value": 3.55, "status": "completed"})
     png = b"\x89PNG\r\n\x1a\n not a real image, but bytes to carry"
     (tmp_path / "stage_lr.png").write_bytes(png)
+    summary["plots"] = ["stage_lr.png"]
     write_report(tmp_path, summary, spec, state, BASE)
     page = (tmp_path / "report.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<title>sweep lr</title>" in page

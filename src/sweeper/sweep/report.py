@@ -91,9 +91,10 @@ def render_report(summary: dict, spec: SweepSpec, state: SweepState, out: Path, 
 
         lines += ["", "On fresh seeds:", ""]
         lines += [f"- {line}" for line in confirmation_lines(summary["confirmation"], metric)]
+    plots = set(summary.get("plots") or [])  # the ones drawn this time
     for number, (stage, recorded) in enumerate(zip(summary["stages"], state.stages), 1):
-        lines += ["", *_stage_section(number, stage, recorded, spec, out)]
-    if (out / "learning_curves.png").exists():
+        lines += ["", *_stage_section(number, stage, recorded, spec, plots)]
+    if "learning_curves.png" in plots:
         lines += ["", "## Learning curves", ""]
         lines.append("![every trial's learning curve](learning_curves.png)")
     lines += _fit_section(summary.get("fit") or {}, out)
@@ -120,7 +121,7 @@ def _outcome(summary: dict, metric: str) -> list[str]:
 
 
 def _stage_section(
-    number: int, stage: dict, recorded: dict, spec: SweepSpec, out: Path
+    number: int, stage: dict, recorded: dict, spec: SweepSpec, plots: set[str]
 ) -> list[str]:
     stage_spec = next(s for s in spec.stages if s.name == stage["name"])
     search, scheduler = spec.stage_search(stage_spec), spec.stage_scheduler(stage_spec)
@@ -146,7 +147,7 @@ def _stage_section(
     if notes:
         lines += ["", *(f"- {note}" for note in notes)]
     lines += ["", *trial_table(recorded["records"], recorded["best"], spec)]
-    if (out / f"stage_{stage['name']}.png").exists():
+    if f"stage_{stage['name']}.png" in plots:
         lines += ["", f"![stage {stage['name']}](stage_{stage['name']}.png)"]
     return lines
 
