@@ -211,3 +211,24 @@ def test_a_page_is_never_half_written(tmp_path, monkeypatch):
         write_report(tmp_path, summary, spec, state, BASE)
     monkeypatch.undo()
     assert (tmp_path / "report.md").read_text() == "the earlier page\n"
+
+
+def test_a_report_that_cannot_be_written_loses_nothing_else(tmp_path, monkeypatch, capsys):
+    import json
+
+    from sweeper.sweep import report
+    from sweeper.sweep.outputs import write_all
+    from sweeper.sweep.state import SweepState
+
+    def fails(*args):
+        raise ValueError("a stage without a name")
+
+    monkeypatch.setattr(report, "write_report", fails)
+    base = {**BASE, "trainer": {**BASE["trainer"], "seed": 0}}
+    summary = write_all(tmp_path, SweepSpec(name="s"), SweepState.new(tmp_path, "s", base), base)
+    out = capsys.readouterr().out
+    assert "note: report.md not written: ValueError: a stage without a name" in out
+    # summary.json is there, says so, and the outputs line names no page
+    assert json.loads((tmp_path / "summary.json").read_text())["report"] is None
+    assert summary["report"] is None and f"outputs: {tmp_path}/summary.json" in out
+    assert not (tmp_path / "report.md").exists()

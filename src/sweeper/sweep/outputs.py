@@ -375,8 +375,12 @@ def write_all(
         )
     summary["plots"] = [p.name for p in plots if p]
     summary["fit"] = _fit(out, reports, spec, fit_cfg or {}, base)
+    try:
+        summary["report"] = write_report(out, summary, spec, state, base).name
+    except Exception as error:  # a page that cannot be written must not lose the sweep
+        summary["report"] = None
+        print(f"note: report.md not written: {type(error).__name__}: {error}")
     write_json_atomic(out / "summary.json", finite_or_null(summary))
-    write_report(out, summary, spec, state, base)
     _print_summary(summary, spec, out)
     return summary
 
@@ -655,7 +659,8 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
     fit = summary.get("fit") or {}
     files = ["reports.csv", *summary["plots"], *(["fit.json"] if fit.get("file") else [])]
     files += fit.get("plots", [])
-    print(f"  outputs: {out}/report.md, summary.json, {', '.join(files)}")
+    first = [summary["report"]] if summary.get("report") else []
+    print(f"  outputs: {out}/{', '.join([*first, 'summary.json', *files])}")
 
 
 def reproduce_command(overrides: list[str]) -> str:
