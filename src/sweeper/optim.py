@@ -1,7 +1,8 @@
 """Optimizers: Muon for hidden matrices + AdamW for the rest, or plain AdamW.
 
 Each parameter group keeps its peak LR in `initial_lr` and its weight decay in
-`initial_weight_decay`; the training loop multiplies them by their schedules at every step. `ChainedOptimizer` lets the loop treat two optimizers as one.
+`initial_weight_decay`; the training loop multiplies them by their schedules at every
+step. `ChainedOptimizer` lets the loop treat two optimizers as one.
 """
 
 from __future__ import annotations

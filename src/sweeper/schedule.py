@@ -38,10 +38,9 @@ def lr_multiplier(
 
 def weight_decay_multiplier(step: int, total_steps: int, name: str) -> float:
     """Multiplier of each group's weight decay at optimizer step `step`: 1 throughout
-    (`constant`), or falling linearly to 0 at the run's end (`linear`, nanochat's): a
-    decay that pulls weights toward zero helps while they move, and costs at the end,
-    where the LR is small and the weights settle. Either way the decay applied each step
-    is lr x weight_decay (decoupled), so it also follows the LR schedule."""
+    (`constant`), or falling linearly to 0 at the run's end (`linear`, nanochat's). Either
+    way the decay applied each step is lr x weight_decay (decoupled), so it also follows
+    the LR schedule; on the 74-step default run linear was no better (BENCHMARKS.md)."""
     if name == "linear":
         return max(1.0 - step / max(total_steps, 1), 0.0)
     return 1.0
