@@ -68,12 +68,20 @@ def run_job(cfg) -> float | None:
     if target := trainable_target(cfg):
         return run_user_function(cfg, target, out_dir)
     try:
+        run = load_run_config(cfg)
+        # a resumed run keeps checkpointing: it was started with checkpoints on
+        run.trainer.checkpoint_every_eval |= run.trainer.resume
         if cfg.trainer.workers > 1:
-            result = run_ddp(cfg, out_dir)
+            result = run_ddp(cfg, out_dir, run.trainer.checkpoint_every_eval)
         else:
+            from sweeper.run_checkpoint import checkpoint_saver, load_resume_state
             from sweeper.train import train
 
-            result = train(cfg)
+            saver = checkpoint_saver(out_dir, run.to_dict())
+            resume_state = load_resume_state(out_dir) if run.trainer.resume else None
+            result = train(
+                run, saver if run.trainer.checkpoint_every_eval else None, resume_state=resume_state
+            )
     except ConfigError as error:  # a multirun job past MAX_CHECKED_JOBS is checked here
         fail(str(error))
     except (Exception, KeyboardInterrupt) as error:
@@ -81,7 +89,10 @@ def run_job(cfg) -> float | None:
         # reads it never mistakes an old file or a missing one for this run's outcome
         write_result(out_dir, {"status": "failed", "error": failure_text(error)})
         if isinstance(error, KeyboardInterrupt):
-            print(f"interrupted: status failed -> {out_dir}/result.json", file=sys.stderr)
+            print(
+                f"interrupted: status failed -> {out_dir}/result.json{resume_hint(out_dir)}",
+                file=sys.stderr,
+            )
             sys.exit(130)
         from sweeper.runtime import out_of_memory
 
@@ -107,6 +118,22 @@ def run_job(cfg) -> float | None:
         + (f", {PLOT_NAME}" if drawn else "")
     )
     return result["val_bpb"]
+
+
+def resume_hint(out_dir: str) -> str:
+    """Where an interrupted run left a checkpoint: the step and the command that goes on."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from sweeper.run_checkpoint import has_checkpoint, read_record, resume_command
+
+    if not has_checkpoint(out_dir):
+        return ""
+    try:
+        step = read_record(out_dir)["step"]
+    except ConfigError:  # the state without its record: resuming would refuse it too
+        return ""
+    command = resume_command(list(HydraConfig.get().overrides.task), out_dir)
+    return f"; continue from step {step} with: {command}"
 
 
 def run_user_function(cfg, target: str, out_dir: str) -> float | None:
@@ -170,8 +197,9 @@ def write_result(out_dir: str, result: dict) -> None:
         json.dump(result, f, indent=2)
 
 
-def run_ddp(cfg, out_dir: str) -> dict:
-    """One run on `trainer.workers` DDP ranks: a Ray Train TorchTrainer on Ray."""
+def run_ddp(cfg, out_dir: str, checkpointing: bool) -> dict:
+    """One run on `trainer.workers` DDP ranks: a Ray Train TorchTrainer on Ray. Rank 0
+    keeps the checkpoint in the run dir, as a one-process run does."""
     from omegaconf import OmegaConf
 
     from sweeper.distributed import train_ddp
@@ -179,6 +207,7 @@ def run_ddp(cfg, out_dir: str) -> dict:
 
     start_ray(cfg.ray, log_to_driver=True)
     run_cfg = OmegaConf.to_container(cfg, resolve=True)
+    run_cfg["trainer"]["checkpoint_every_eval"] = checkpointing
     threads = run_cfg["trainer"]["threads"] or 1
     train_ddp(
         run_cfg,
@@ -187,6 +216,7 @@ def run_ddp(cfg, out_dir: str) -> dict:
         name="ddp",
         inside_tune=False,
         result_path=f"{out_dir}/result.json",
+        run_dir=out_dir,
         verbose=True,
     )
     with open(f"{out_dir}/result.json") as f:
@@ -209,6 +239,12 @@ def validate(overrides: list[str], printing: bool = False) -> None:
     run_dir = None if printing else hydra_run_dir(overrides)
     if run_dir is not None:
         check_run_dir(run_dir)
+    if run.trainer.resume:
+        check_single_run_resume(cfg, run, run_dir, printing)
+    elif run_dir and "sweep" not in cfg:
+        from sweeper.run_checkpoint import check_new_run_dir
+
+        check_new_run_dir(run_dir)
     joins_a_cluster = bool(cfg.get("ray", {}).get("address"))
     if run.trainer.device == "cuda" and not (joins_a_cluster and "sweep" in cfg):
         import torch
@@ -310,6 +346,32 @@ def validate(overrides: list[str], printing: bool = False) -> None:
                     f"sweep.resume=true: hydra.run.dir={run_dir} holds a single run "
                     "(result.json), not a sweep; name the interrupted sweep's dir"
                 )
+
+
+def check_single_run_resume(cfg, run, run_dir: str | None, printing: bool) -> None:
+    """trainer.resume=true: a single run of sweeper's own training, in a run dir that holds
+    its checkpoint (run_checkpoint.check_resumable_run)."""
+    from sweeper.run_checkpoint import check_resumable_run
+    from sweeper.sweep.preflight import trainable_target
+
+    if "sweep" in cfg:
+        raise ConfigError(
+            "trainer.resume=true goes on with a single run; a sweep resumes with sweep.resume=true"
+        )
+    if target := trainable_target(cfg):
+        raise ConfigError(
+            f"trainer.resume=true goes on with sweeper's own training, which "
+            f"trainable._target_={target} replaces; it keeps no checkpoint of sweeper's"
+        )
+    if printing:
+        return
+    if not run_dir:  # Hydra would make a new, empty dir
+        raise ConfigError(
+            "trainer.resume=true continues the run in the run dir it names: add "
+            "hydra.run.dir=<the interrupted run's dir> (its path is in the line it printed "
+            "when it stopped)"
+        )
+    check_resumable_run(run_dir, run.to_dict())
 
 
 def is_users_function(cfg) -> bool:

@@ -226,6 +226,7 @@ class TrainerConfig:
     dist_timeout_s: int = 60
     threads: int | None = None
     checkpoint_every_eval: bool = False
+    resume: bool = False  # a single run: go on from the checkpoint in hydra.run.dir
     nan_at_step: int | None = None  # fault injection: see conf/trainer/cpu.yaml
     # set by a sweep with sweep.rung_cooldown: fractions of the budget where its scheduler
     # ranks trials, and the length of the cooled-down fork evaluated there (train.py)

@@ -24,6 +24,8 @@ def _worker_loop(config: dict) -> None:
     import torch
 
     from sweeper.checkpoint import load_latest_state, save_state
+    from sweeper.config import load_run_config
+    from sweeper.run_checkpoint import checkpoint_saver, load_resume_state
     from sweeper.runtime import out_of_memory
     from sweeper.train import train
 
@@ -34,20 +36,27 @@ def _worker_loop(config: dict) -> None:
     torch.set_num_threads(config["threads"])
     resume_state = None
     checkpoint = ray.train.get_checkpoint()
+    run_dir = config.get("run_dir")  # a single run's: its checkpoint lives there
     if checkpoint is not None:  # a paused or retried trial: restores on any world size
         with checkpoint.as_directory() as folder:
             resume_state = load_latest_state(folder)
+    elif run_dir and config["run"]["trainer"]["resume"]:
+        resume_state = load_resume_state(run_dir)
     penalise = config.get("penalise")
+    keep = checkpoint_saver(run_dir, load_run_config(config["run"]).to_dict()) if run_dir else None
 
     def report(metrics: dict, state=None) -> None:
         metrics, diverged = penalise(metrics) if penalise else (metrics, False)
         # every rank reports (Ray Train synchronises on it); only rank 0 checkpoints
-        if state is not None and rank == 0 and not diverged:
+        if state is None or rank != 0 or diverged:
+            ray.train.report(metrics)
+        elif keep is not None:  # a single run: into its run dir, not Ray's storage
+            keep(metrics, state)
+            ray.train.report(metrics)
+        else:
             with tempfile.TemporaryDirectory() as folder:
                 save_state(folder, state())
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
-        else:
-            ray.train.report(metrics)
 
     try:
         result = train(config["run"], report, resume_state=resume_state, verbose=config["verbose"])
@@ -144,10 +153,12 @@ def train_ddp(
     inside_tune: bool,
     penalise=None,
     result_path: str | None = None,
+    run_dir: str | None = None,
     verbose: bool = False,
     loop=_worker_loop,
 ) -> Any:
-    """Fit a TorchTrainer with `trainer.workers` ranks; returns Ray Train's Result."""
+    """Fit a TorchTrainer with `trainer.workers` ranks; returns Ray Train's Result.
+    `run_dir`: a single run's, where rank 0 keeps its checkpoint (run_checkpoint.py)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -178,6 +189,7 @@ def train_ddp(
             "threads": max(1, int(cpus_per_worker)),
             "penalise": penalise,
             "result_path": result_path,
+            "run_dir": run_dir,
             "verbose": verbose,
         },
         # a short process-group timeout: a hung rank fails the run within a minute,

@@ -195,6 +195,8 @@ def train(
         f"on {device.type} {str(dtype).removeprefix('torch.')}"
         f"{' compiled' if use_compile else ''}"
     )
+    if step:
+        say(f"resumed at step {step}/{total_steps} from a checkpoint")
 
     def training_state() -> dict:
         # live tensors, not copies: the caller serialises them before training goes on
@@ -310,6 +312,8 @@ def train(
 
     # --- loop ----------------------------------------------------------------------------
     status, reason, val_bpb, train_loss = "completed", None, None, float("nan")
+    if history:  # resumed: a checkpoint of the last step leaves nothing to train
+        val_bpb, train_loss = history[-1]["val_bpb"], history[-1]["train_loss"]
     train_seconds, window_tokens, window_start = 0.0, 0, time.perf_counter()
     tok_s, mfu, start_step = 0.0, None, step
     # the largest gradient norm since the last report: a spike between evaluations shows

@@ -1,0 +1,151 @@
+"""A single run's checkpoint, and `trainer.resume=true`, which continues from it.
+
+With `trainer.checkpoint_every_eval=true`, `python -m sweeper` keeps the run's training
+state (model, optimizer, RNG, step, history) in `<run dir>/checkpoint/` at each evaluation,
+beside `checkpoint.json`: the step it holds and the run config it was trained under. The
+same command plus `hydra.run.dir=<that dir> trainer.resume=true` goes on from that step;
+the batches are a function of the step (data.BatchSampler), so the run ends as it would
+have without the stop, bit for bit on the same machine.
+
+A sweep's trials checkpoint through Ray Tune instead (sweep/trainable.py), and a sweep
+resumes with `sweep.resume=true`.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from sweeper.checkpoint import STATE_FILE, load_state, save_state
+from sweeper.config import ConfigError
+
+CHECKPOINT_DIR = "checkpoint"
+RECORD_FILE = "checkpoint.json"
+# how a run runs, not what it trains: a resume may change these
+RUN_SETTINGS = frozenset(
+    {
+        "trainer.resume",
+        "trainer.checkpoint_every_eval",
+        "trainer.threads",
+        "trainer.log_every",
+        "trainer.dist_timeout_s",
+    }
+)
+
+
+def checkpoint_folder(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def has_checkpoint(run_dir: str | Path) -> bool:
+    return (checkpoint_folder(run_dir) / STATE_FILE).is_file()
+
+
+def save_run_checkpoint(run_dir: str | Path, state: dict, run_config: dict) -> None:
+    """The training state, then the record that names its step and config. Both files are
+    replaced atomically: a kill mid-save leaves the previous checkpoint whole."""
+    from sweeper.sweep.state import write_json_atomic
+
+    folder = checkpoint_folder(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_state(folder, state)
+    write_json_atomic(folder / RECORD_FILE, {"step": state["step"], "config": run_config})
+
+
+def checkpoint_saver(run_dir: str | Path, run_config: dict) -> Callable:
+    """The `report` hook of train() that keeps a single run's checkpoint."""
+
+    def report(metrics: dict, state=None) -> None:
+        if state is not None:
+            save_run_checkpoint(run_dir, state(), run_config)
+
+    return report
+
+
+def read_record(run_dir: str | Path) -> dict:
+    """checkpoint.json of the run in `run_dir`; ConfigError if it cannot be read."""
+    path = checkpoint_folder(run_dir) / RECORD_FILE
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+            raise ValueError("no config in it")
+        return record
+    except (OSError, ValueError) as error:
+        reason = error.strerror if isinstance(error, OSError) else str(error)
+        raise ConfigError(f"trainer.resume=true: {path} cannot be read ({reason})") from None
+
+
+def finished(run_dir: str | Path) -> bool:
+    """Whether the run in `run_dir` ended (its result.json says completed or diverged)."""
+    try:
+        result = json.loads((Path(run_dir) / "result.json").read_text())
+        return result.get("status") in ("completed", "diverged")
+    except (OSError, ValueError, AttributeError):
+        return False  # none yet (killed), or unreadable: the checkpoint decides
+
+
+def check_new_run_dir(run_dir: str) -> None:
+    """A new single run may not start in a dir that holds another run's checkpoint: it
+    would write over it (an interrupted run's way to go on, a finished run's weights)."""
+    if not has_checkpoint(run_dir):
+        return
+    how = "" if finished(run_dir) else "continue it with trainer.resume=true, or "
+    raise ConfigError(
+        f"hydra.run.dir={run_dir} holds a run's checkpoint ({CHECKPOINT_DIR}/): "
+        f"{how}choose another hydra.run.dir"
+    )
+
+
+def check_resumable_run(run_dir: str, run_config: dict) -> None:
+    """`trainer.resume=true` into `run_dir`: it must hold a checkpoint of this same run
+    that has not finished. Raises ConfigError naming what is wrong."""
+    from sweeper.sweep.state import ABSENT, as_json, at_schema_default, differences
+
+    if not has_checkpoint(run_dir):
+        raise ConfigError(
+            f"trainer.resume=true: hydra.run.dir={run_dir} holds no checkpoint "
+            f"({CHECKPOINT_DIR}/{STATE_FILE}); a run keeps one at each evaluation with "
+            "trainer.checkpoint_every_eval=true"
+        )
+    if finished(run_dir):
+        raise ConfigError(
+            f"trainer.resume=true: hydra.run.dir={run_dir} holds a finished run "
+            "(result.json); nothing to resume"
+        )
+    saved = read_record(run_dir)["config"]
+    changed = [
+        (key, old, new)
+        for key, old, new in differences(as_json(saved), as_json(run_config))
+        # a key added to the schema after the checkpoint, at the value older code behaved as
+        if key not in RUN_SETTINGS and not (old == ABSENT and at_schema_default(key, new))
+    ]
+    if changed:
+        shown = "; ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changed[:3])
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        raise ConfigError(
+            f"trainer.resume=true: hydra.run.dir={run_dir} holds a run of another config: "
+            f"{shown}{more}; resume with the overrides that started it"
+        )
+
+
+def load_resume_state(run_dir: str | Path) -> dict:
+    return load_state(checkpoint_folder(run_dir))
+
+
+def resume_command(overrides: Sequence[str], run_dir: str | Path) -> str:
+    """The shell line that continues an interrupted run: its own overrides, then the run
+    dir and trainer.resume=true (a later override of a key wins in Hydra)."""
+    from sweeper.cli import other_budgets_cleared
+    from sweeper.config import BUDGET_KEYS
+
+    kept = [o for o in overrides if o.split("=")[0].lstrip("+") != "trainer.resume"]
+    # the `trainer.X=null` the command line's one budget brought with it come back by
+    # themselves (cli.other_budgets_cleared): the line shows what the user typed
+    nulls = [o for o in kept if o in {f"trainer.{key}=null" for key in BUDGET_KEYS}]
+    typed = [o for o in kept if o not in nulls]
+    if nulls and sorted(other_budgets_cleared(typed)) == sorted(nulls):
+        kept = typed
+    line = ["python", "-m", "sweeper", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=true"]
+    return shlex.join(line)

@@ -1,0 +1,258 @@
+"""A single run's checkpoint (trainer.checkpoint_every_eval) and trainer.resume=true."""
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from sweeper.cli import compose, other_budgets_cleared
+from sweeper.config import ConfigError, load_run_config
+from sweeper.run_checkpoint import (
+    check_resumable_run,
+    checkpoint_saver,
+    load_resume_state,
+    resume_command,
+)
+from sweeper.train import train
+
+from .conftest import REPO, run_cli, tiny
+
+# a run of ~600 steps of 512 tokens: a few seconds, with a checkpoint every 20 steps
+LONG_RUN = [
+    "model=tiny",
+    "trainer.max_steps=600",
+    "trainer.eval_every=20",
+    "trainer.eval_tokens=1024",
+    "trainer.total_batch_size=512",
+    "trainer.device_batch_size=8",
+    "trainer.checkpoint_every_eval=true",
+]
+# four steps, a checkpoint at 2 and 4
+SHORT_RUN = LONG_RUN[:1] + ["trainer.max_steps=4", "trainer.eval_every=2"] + LONG_RUN[3:]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO / "src"), PYTHONUNBUFFERED="1")
+
+
+def _interrupt_after_first_checkpoint(args: list[str], cwd) -> tuple[int, str]:
+    """Starts `python -m sweeper args`, sends SIGTERM (kill, docker stop) once its first
+    checkpoint is written; returns the exit code and stderr."""
+    run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir="))
+    record = cwd / run_dir / "checkpoint" / "checkpoint.json"
+    with subprocess.Popen(
+        [sys.executable, "-m", "sweeper", *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        while not record.exists() and proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.02)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return proc.returncode, err
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_goes_on_from_its_checkpoint_as_if_never_stopped(tmp_path):
+    code, err = _interrupt_after_first_checkpoint([*LONG_RUN, "hydra.run.dir=stopped"], tmp_path)
+    assert code == 130, err[-2000:]
+    assert json.loads((tmp_path / "stopped" / "result.json").read_text())["status"] == "failed"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted: status failed -> {tmp_path}/stopped/result.json; ")
+    step = json.loads((tmp_path / "stopped" / "checkpoint" / "checkpoint.json").read_text())["step"]
+    assert 20 <= step < 600 and step % 20 == 0
+    # the line names the step and the command that goes on, which is run as printed
+    said, command = last.split("; continue from step ", 1)[1].split(" with: ", 1)
+    assert int(said) == step
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "sweeper"] and words[-1] == "trainer.resume=true"
+    assert "trainer.budget_tokens=null" not in words  # what the user typed, not what it added
+    resumed = subprocess.run(
+        [sys.executable, *words[1:]], cwd=tmp_path, env=_env(), capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed at step {step}/600 from a checkpoint" in resumed.stdout
+
+    straight = run_cli([*LONG_RUN, "hydra.run.dir=straight"], cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    one, two = (
+        json.loads((tmp_path / d / "result.json").read_text()) for d in ("stopped", "straight")
+    )
+    assert one["status"] == "completed" and one["steps"] == 600
+    # bit for bit: the same batches (a function of the step), weights, optimizer and RNG
+    assert one["loss_trace"] == two["loss_trace"] and one["val_bpb"] == two["val_bpb"]
+    assert [h["val_bpb"] for h in one["history"]] == [h["val_bpb"] for h in two["history"]]
+    # and it went on checkpointing (a resumed run keeps the setting it started with)
+    assert (
+        json.loads((tmp_path / "stopped" / "checkpoint" / "checkpoint.json").read_text())["step"]
+        == 600
+    )
+
+
+def test_a_run_resumed_at_its_last_step_returns_its_result(tmp_path):
+    """Killed after its last checkpoint but before result.json: nothing is left to train,
+    and the result is the one the run had reached."""
+    run = load_run_config(
+        tiny(trainer={"checkpoint_every_eval": True, "max_steps": 6, "eval_every": 3})
+    )
+    first = train(run, checkpoint_saver(tmp_path, run.to_dict()), verbose=False)
+    again = train(run, resume_state=load_resume_state(tmp_path), verbose=False)
+    assert again["status"] == "completed" and again["steps"] == 6
+    assert again["val_bpb"] == first["val_bpb"] and again["train_loss"] == first["train_loss"]
+    assert again["loss_trace"] == first["loss_trace"]
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """A run dir as a hard kill (no result.json) after its last checkpoint leaves it."""
+    root = tmp_path_factory.mktemp("killed")
+    proc = run_cli([*SHORT_RUN, "hydra.run.dir=run"], cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (root / "run" / "result.json").unlink()
+    return root / "run"
+
+
+def _listing(folder):
+    return sorted((str(p.relative_to(folder)), p.stat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+BAD_RESUMES = [
+    # (extra overrides, what the one line names); {run} is the killed run's dir
+    (["trainer.resume=true"], "add hydra.run.dir=<the interrupted run's dir>"),
+    (
+        ["hydra.run.dir={empty}", "trainer.resume=true"],
+        "holds no checkpoint (checkpoint/training_state.pt)",
+    ),
+    (
+        ["hydra.run.dir={run}", "trainer.resume=true", "optimizer.matrix_lr=0.05"],
+        "holds a run of another config: optimizer.matrix_lr 0.02 -> 0.05; resume with the",
+    ),
+    (
+        ["hydra.run.dir={run}"],
+        "holds a run's checkpoint (checkpoint/): continue it with trainer.resume=true",
+    ),
+    (
+        ["hydra.run.dir={run}", "+sweep=smoke", "trainer.resume=true"],
+        "a sweep resumes with sweep.resume=true",
+    ),
+    (
+        [
+            "hydra.run.dir={run}",
+            "trainable._target_=tests.user_functions.quadratic",
+            "trainer.resume=true",
+        ],
+        "trainable._target_=tests.user_functions.quadratic replaces",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, names", BAD_RESUMES, ids=[" ".join(e) for e, _ in BAD_RESUMES])
+def test_a_resume_that_cannot_go_on_is_one_line_and_touches_nothing(
+    killed_run, tmp_path, extra, names
+):
+    before = _listing(killed_run)
+    extra = [e.format(run=killed_run, empty=tmp_path / "empty") for e in extra]
+    proc = run_cli([*SHORT_RUN, *extra], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], proc.stderr
+    assert _listing(killed_run) == before
+    assert list(tmp_path.iterdir()) == []  # no run dir, no outputs/ of Hydra's
+
+
+def test_a_finished_run_is_not_resumed_nor_written_over(killed_run, tmp_path):
+    finished = tmp_path / "finished"
+    shutil.copytree(killed_run, finished)
+    (finished / "result.json").write_text(json.dumps({"status": "completed"}))
+    before = _listing(finished)
+    for extra, names in (
+        (["trainer.resume=true"], "holds a finished run (result.json); nothing to resume"),
+        ([], "holds a run's checkpoint (checkpoint/): choose another hydra.run.dir"),
+    ):
+        proc = run_cli([*SHORT_RUN, f"hydra.run.dir={finished}", *extra], cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2 and names in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert _listing(finished) == before
+
+
+def test_an_unreadable_record_is_named(killed_run, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(killed_run, broken)
+    (broken / "checkpoint" / "checkpoint.json").write_text("{not json")
+    proc = run_cli([*SHORT_RUN, f"hydra.run.dir={broken}", "trainer.resume=true"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"{broken}/checkpoint/checkpoint.json cannot be read" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_with_other_run_settings(killed_run, tmp_path):
+    # how the run runs (threads, log lines, checkpointing) may change; what it trains not
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed_run, run_dir)
+    args = [*SHORT_RUN[:-1], "trainer.log_every=1", "trainer.threads=1"]
+    proc = run_cli([*args, f"hydra.run.dir={run_dir}", "trainer.resume=true"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed at step 4/4 from a checkpoint" in proc.stdout
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "completed"
+
+
+def _composed(args: list[str]):
+    """The run config `python -m sweeper args` trains (with the budget's own nulls)."""
+    return load_run_config(compose([*args, *other_budgets_cleared(args)]))
+
+
+def test_the_saved_config_decides_what_may_change(tmp_path):
+    run = _composed(SHORT_RUN)
+    assert train(run, checkpoint_saver(tmp_path, run.to_dict()), verbose=False)["steps"] == 4
+    changed = _composed([*SHORT_RUN, "trainer.log_every=1", "trainer.threads=2"])
+    check_resumable_run(str(tmp_path), changed.to_dict())  # run settings: accepted
+    record = json.loads((tmp_path / "checkpoint" / "checkpoint.json").read_text())
+    del record["config"]["optimizer"]["weight_decay_schedule"]  # a checkpoint of older code
+    (tmp_path / "checkpoint" / "checkpoint.json").write_text(json.dumps(record))
+    check_resumable_run(str(tmp_path), run.to_dict())  # a new key at its default: accepted
+    other = _composed([*SHORT_RUN, "optimizer.weight_decay_schedule=linear"])
+    with pytest.raises(ConfigError, match=r"weight_decay_schedule '\(absent\)' -> 'linear'"):
+        check_resumable_run(str(tmp_path), other.to_dict())
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # the budget's own nulls (cli.other_budgets_cleared) are left to come back by themselves
+        (
+            [
+                "model=tiny",
+                "trainer.max_steps=5",
+                "trainer.budget_tokens=null",
+                "trainer.budget_flops=null",
+                "trainer.tokens_per_param=null",
+            ],
+            "python -m sweeper model=tiny trainer.max_steps=5 'hydra.run.dir=/tmp/a b' trainer.resume=true",
+        ),
+        # a null the user chose beside two budgets is theirs: kept
+        (
+            ["trainer.max_steps=5", "trainer.budget_tokens=null"],
+            "python -m sweeper trainer.max_steps=5 trainer.budget_tokens=null 'hydra.run.dir=/tmp/a b' trainer.resume=true",
+        ),
+        (
+            ["trainer.resume=true", "data=shards", "data.path=/d/*.bin"],
+            "python -m sweeper data=shards 'data.path=/d/*.bin' 'hydra.run.dir=/tmp/a b' trainer.resume=true",
+        ),
+    ],
+)
+def test_the_resume_command_is_the_run_s_own_overrides(overrides, expected):
+    assert resume_command(overrides, "/tmp/a b") == expected
