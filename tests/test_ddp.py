@@ -206,3 +206,36 @@ def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_pa
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["status"] == "failed" and "can't allocate memory" in result["error"]
     assert result["out_of_memory"] == "73.2 GiB"
+
+
+def test_an_interrupted_two_rank_run_goes_on_from_rank_0s_checkpoint(tmp_path):
+    """Rank 0 keeps a single run's checkpoint in its run dir (not in Ray's storage), and
+    `trainer.resume=true` starts both ranks from it: the run's losses are those of one
+    rank training the same global batch straight through."""
+    from sweeper.config import load_run_config
+
+    from .test_run_resume import _interrupt_after_first_checkpoint
+
+    args = ["model=tiny", "trainer.workers=2", "trainer.threads=1", "trainer.max_steps=200"]
+    args += ["trainer.total_batch_size=2048", "trainer.device_batch_size=16"]
+    args += ["trainer.dtype=float32", "optimizer=adamw", "optimizer.lr=3e-3"]
+    args += [
+        "trainer.eval_every=5",
+        "trainer.eval_tokens=1024",
+        "trainer.checkpoint_every_eval=true",
+    ]
+    code, err = _interrupt_after_first_checkpoint([*args, "hydra.run.dir=run"], tmp_path)
+    assert code == 130, err[-3000:]
+    step = json.loads((tmp_path / "run" / "checkpoint" / "checkpoint.json").read_text())["step"]
+    assert "; continue from step" in err and 5 <= step < 200
+    assert not list((tmp_path / "run").glob("ray/**/checkpoint_*"))
+
+    proc = run_cli([*args, "hydra.run.dir=run", "trainer.resume=true"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed at step {step}/200 from a checkpoint" in proc.stdout + proc.stderr
+    resumed = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert resumed["status"] == "completed" and resumed["workers"] == 2
+    one_rank = compose([*args, "trainer.workers=1", "trainer.budget_tokens=null"])
+    straight = train(load_run_config(one_rank), verbose=False)
+    assert resumed["loss_trace"] == pytest.approx(straight["loss_trace"], rel=1e-4)
+    assert resumed["val_bpb"] == pytest.approx(straight["val_bpb"], rel=1e-4)

@@ -6,9 +6,11 @@ written); then Hydra runs the job in its run dir as usual.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 from sweeper.cli import (
@@ -209,7 +211,8 @@ def run_ddp(cfg, out_dir: str, checkpointing: bool) -> dict:
     run_cfg = OmegaConf.to_container(cfg, resolve=True)
     run_cfg["trainer"]["checkpoint_every_eval"] = checkpointing
     threads = run_cfg["trainer"]["threads"] or 1
-    train_ddp(
+    fit = functools.partial(
+        train_ddp,
         run_cfg,
         cpus_per_worker=threads,
         storage_path=f"{out_dir}/ray",
@@ -219,8 +222,38 @@ def run_ddp(cfg, out_dir: str, checkpointing: bool) -> dict:
         run_dir=out_dir,
         verbose=True,
     )
+    interruptible(fit)
     with open(f"{out_dir}/result.json") as f:
         return json.load(f)
+
+
+def interruptible(fit) -> None:
+    """Runs a TorchTrainer's fit() so that Ctrl+C (or SIGTERM) ends it as it ends a
+    one-process run: KeyboardInterrupt here, and a failed result.json.
+
+    Why a thread: called from the main thread, Ray Train puts its own SIGINT handler in
+    place, which aborts the run and exits with code 1, without a word and before the
+    run's result.json is written. It leaves the signal alone in any other thread."""
+    import ray
+
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            fit()
+        except BaseException as error:  # raised again in the main thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="sweeper-ddp-fit", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(timeout=0.5)
+    except KeyboardInterrupt:
+        ray.shutdown()  # the ranks stop with the cluster; rank 0's checkpoint is whole
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 def validate(overrides: list[str], printing: bool = False) -> None:
