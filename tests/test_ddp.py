@@ -187,6 +187,14 @@ def test_a_two_rank_run_from_the_command_line_shows_its_progress_once(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("completed: val_bpb ") and ", peak memory " in last, last
     assert last.endswith(", curves.png") and (tmp_path / "run" / "curves.png").is_file()
+    # rank 0's evaluations reach MLflow with the result (the driver's one MLflow run)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = json.loads((tmp_path / "run" / "mlflow_run.json").read_text())["run_id"]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    logged = [(m.step, m.value) for m in client.get_metric_history(run_id, "val_bpb")]
+    assert logged == [(3, pytest.approx(result["val_bpb"]))]
 
 
 def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_path):

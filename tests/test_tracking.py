@@ -697,3 +697,123 @@ def test_paused_resumed_and_restarted_trials_keep_one_run(tmp_path, monkeypatch)
     assert parents[0].data.metrics["best_val_bpb"] == 2.0
     assert parents[0].data.metrics["confirm_improvement_mean"] == 0.25
     assert parents[0].data.metrics["confirm_improvement_std"] == 0.02
+
+
+# --- single runs (`python -m sweeper` without a sweep) -------------------------------------
+SINGLE = ["model=tiny", "trainer.max_steps=6", "trainer.eval_every=2", "trainer.eval_tokens=1024"]
+SINGLE += ["trainer.total_batch_size=512", "trainer.device_batch_size=8"]
+
+
+def single_run(client, run_dir: Path):
+    """The MLflow run of the single run in `run_dir` (there must be exactly one)."""
+    experiment = client.get_experiment_by_name("sweeper")
+    runs = client.search_runs(
+        [experiment.experiment_id], f"tags.run_dir = '{run_dir.resolve()}' and tags.role = 'run'"
+    )
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+@pytest.mark.slow
+def test_a_single_run_is_one_mlflow_run_on_a_tracking_server(mlflow_server, tmp_path):
+    from mlflow import MlflowClient
+
+    proc = run_cli([*SINGLE, f"mlflow.tracking_uri={mlflow_server}", "hydra.run.dir=run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    client = MlflowClient(mlflow_server)
+    run = single_run(client, tmp_path / "run")
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert run.info.status == "FINISHED" and run.data.tags["status"] == "completed"
+    assert run.data.tags["git_commit"] and run.info.run_name == "run-run"
+    assert (
+        json.loads((tmp_path / "run" / "mlflow_run.json").read_text())["run_id"] == run.info.run_id
+    )
+    # params: the run config, flattened; metrics: each evaluation at its step
+    params = run.data.params
+    assert params["optimizer.matrix_lr"] == "0.02" and params["trainer.max_steps"] == "6"
+    assert params["model.depth"] == "2" and params["trainer.checkpoint_every_eval"] == "False"
+    for name in ("val_bpb", "train_loss", "grad_norm", "peak_memory_gib"):
+        history = client.get_metric_history(run.info.run_id, name)
+        assert sorted((m.step, m.value) for m in history) == [
+            (h["step"], pytest.approx(h[name])) for h in result["history"]
+        ], name
+    files = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"result.json", "curves.png", "config.yaml"} <= files
+    # its line comes before the run's last one, which names result.json as before
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2].startswith(f"[mlflow] run {run.info.run_id} in {mlflow_server}")
+    assert lines[-1].startswith("completed: val_bpb ")
+    # sweeper.compare ranks a sweep's trials: a single run's dir is named as what it is
+    compared = run_cli(["run"], tmp_path, module="sweeper.compare")
+    assert compared.returncode == 2 and len(compared.stderr.splitlines()) == 1
+    assert f"run is a single run (MLflow run {run.info.run_id}), not a sweep" in compared.stderr
+
+
+@pytest.mark.slow
+def test_an_interrupted_single_run_is_killed_in_mlflow_and_its_resume_goes_on_in_it(tmp_path):
+    from mlflow import MlflowClient
+
+    from .test_run_resume import LONG_RUN, _interrupt_after_first_checkpoint
+
+    args = [*LONG_RUN, "hydra.run.dir=run"]
+    code, err = _interrupt_after_first_checkpoint(args, tmp_path)
+    assert code == 130, err[-2000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")  # the default store, in the cwd
+    stopped = single_run(client, tmp_path / "run")
+    assert stopped.info.status == "KILLED" and stopped.data.tags["status"] == "interrupted"
+    assert stopped.data.tags["error"].startswith("interrupted")
+    proc = run_cli([*args, "trainer.resume=true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resumed = single_run(client, tmp_path / "run")  # the same one
+    assert resumed.info.run_id == stopped.info.run_id and resumed.info.status == "FINISHED"
+    assert resumed.data.tags["status"] == "completed" and resumed.data.tags["error"] == ""
+    steps = [m.step for m in client.get_metric_history(resumed.info.run_id, "val_bpb")]
+    assert sorted(steps) == list(range(20, 601, 20))  # each once: none lost, none twice
+
+
+@pytest.mark.slow
+def test_a_single_run_killed_outright_is_failed_in_mlflow(tmp_path):
+    """SIGKILL leaves the run no word to say; its logger, in a session of its own, sees
+    the run's pipe close and ends the MLflow run as failed."""
+    from mlflow import MlflowClient
+
+    from .test_run_resume import LONG_RUN, _env
+
+    with subprocess.Popen(
+        [sys.executable, "-m", "sweeper", *LONG_RUN, "hydra.run.dir=run"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ) as proc:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "mlflow_run.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.kill()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    deadline = time.monotonic() + 60
+    while (run := single_run(client, tmp_path / "run")).info.status == "RUNNING":
+        assert time.monotonic() < deadline, "the logger left the run RUNNING"
+        time.sleep(0.2)
+    assert run.info.status == "FAILED" and run.data.tags["status"] == "failed"
+    assert "killed" in run.data.tags["error"]
+
+
+def test_a_single_run_with_tracking_off_writes_no_mlflow_files(tmp_path):
+    proc = run_cli([*SINGLE, "mlflow.enabled=false", "hydra.run.dir=run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        not (tmp_path / "mlflow.db").exists()
+        and not (tmp_path / "run" / "mlflow_run.json").exists()
+    )
+    assert "[mlflow]" not in proc.stdout
+
+
+def test_a_store_the_logger_cannot_open_costs_the_run_its_tracking_not_its_training(tmp_path):
+    (tmp_path / "not_a.db").write_text("not a database")
+    uri = f"sqlite:///{tmp_path}/not_a.db"
+    proc = run_cli([*SINGLE, f"mlflow.tracking_uri={uri}", "hydra.run.dir=run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "note: this run is not logged to MLflow: " in proc.stderr
+    assert "file is not a database" in proc.stderr and "Traceback" not in proc.stderr
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"

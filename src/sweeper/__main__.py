@@ -69,49 +69,64 @@ def run_job(cfg) -> float | None:
 
     if target := trainable_target(cfg):
         return run_user_function(cfg, target, out_dir)
+    return run_single(cfg, out_dir)
+
+
+def run_single(cfg, out_dir: str) -> float | None:
+    """One run of sweeper's own training (on `trainer.workers` DDP ranks), tracked in
+    MLflow as one run: its result.json, curves.png and, where asked, its checkpoint."""
+    from sweeper.tracking.run_logger import start_run_logger
+
     try:
         run = load_run_config(cfg)
-        # a resumed run keeps checkpointing: it was started with checkpoints on
-        run.trainer.checkpoint_every_eval |= run.trainer.resume
-        if cfg.trainer.workers > 1:
-            result = run_ddp(cfg, out_dir, run.trainer.checkpoint_every_eval)
-        else:
-            from sweeper.run_checkpoint import checkpoint_saver, load_resume_state
-            from sweeper.train import train
-
-            saver = checkpoint_saver(out_dir, run.to_dict())
-            resume_state = load_resume_state(out_dir) if run.trainer.resume else None
-            result = train(
-                run, saver if run.trainer.checkpoint_every_eval else None, resume_state=resume_state
-            )
     except ConfigError as error:  # a multirun job past MAX_CHECKED_JOBS is checked here
         fail(str(error))
+    # a resumed run keeps checkpointing: it was started with checkpoints on
+    run.trainer.checkpoint_every_eval |= run.trainer.resume
+    logger = start_run_logger(cfg, run.to_dict(), out_dir, run.trainer.resume)
+    try:
+        if run.trainer.workers > 1:
+            result = run_ddp(cfg, out_dir, run.trainer.checkpoint_every_eval)
+        else:
+            from sweeper.run_checkpoint import load_resume_state
+            from sweeper.train import train
+
+            resume_state = load_resume_state(out_dir) if run.trainer.resume else None
+            report = single_run_report(run, out_dir, logger)
+            result = train(run, report, resume_state=resume_state)
     except (Exception, KeyboardInterrupt) as error:
         # the run did not finish: its result.json says so (status=failed), so a script that
         # reads it never mistakes an old file or a missing one for this run's outcome
-        write_result(out_dir, {"status": "failed", "error": failure_text(error)})
-        if isinstance(error, KeyboardInterrupt):
+        failed = {"status": "failed", "error": failure_text(error)}
+        write_result(out_dir, failed)
+        interrupted = isinstance(error, KeyboardInterrupt)
+        end_logging(logger, "interrupted" if interrupted else "failed", failed)
+        if interrupted:
             print(
                 f"interrupted: status failed -> {out_dir}/result.json{resume_hint(out_dir)}",
                 file=sys.stderr,
             )
             sys.exit(130)
+        if isinstance(error, ConfigError):  # found inside the job (a multirun's late job)
+            fail(str(error))
         from sweeper.runtime import out_of_memory
 
         if asked := out_of_memory(error):  # a batch too big for the machine: not a bug
             exit_out_of_memory(cfg, asked, out_dir)
         raise
-    if cfg.trainer.workers == 1:  # a DDP run's rank 0 writes its own (distributed.py)
+    if run.trainer.workers == 1:  # a DDP run's rank 0 writes its own (distributed.py)
         write_result(out_dir, result)
     elif result.get("out_of_memory"):  # the ranks recorded it and returned quietly
+        end_logging(logger, "failed", result)
         exit_out_of_memory(cfg, result["out_of_memory"], out_dir)
     from sweeper.run_plot import PLOT_NAME, plot_run
 
     try:
-        drawn = plot_run(result, load_run_config(cfg), Path(out_dir) / PLOT_NAME)
+        drawn = plot_run(result, run, Path(out_dir) / PLOT_NAME)
     except Exception as error:  # a figure that cannot be drawn must not fail a finished run
         drawn = None
         print(f"note: {PLOT_NAME} not drawn: {failure_text(error)}", file=sys.stderr)
+    end_logging(logger, result["status"], result)
     memory = result.get("peak_memory_gib")
     print(
         f"{result['status']}: val_bpb {result['val_bpb']:.4f}"
@@ -120,6 +135,27 @@ def run_job(cfg) -> float | None:
         + (f", {PLOT_NAME}" if drawn else "")
     )
     return result["val_bpb"]
+
+
+def single_run_report(run, out_dir: str, logger):
+    """train()'s report hook in a single run: each evaluation to MLflow, and the training
+    state to the run dir's checkpoint where the run keeps one."""
+    from sweeper.run_checkpoint import checkpoint_saver
+
+    keep = checkpoint_saver(out_dir, run.to_dict()) if run.trainer.checkpoint_every_eval else None
+
+    def report(metrics: dict, state=None) -> None:
+        if logger is not None:
+            logger.report(metrics)
+        if keep is not None and state is not None:
+            keep(metrics, state)
+
+    return report
+
+
+def end_logging(logger, status: str, result: dict) -> None:
+    if logger is not None:
+        logger.finish(status, result)
 
 
 def resume_hint(out_dir: str) -> str:
@@ -431,19 +467,22 @@ def check_run_dir(run_dir: str) -> None:
 def check_single_run(cfg) -> None:
     """What a sweep checks is still checked in a single run: a user's function (run once,
     as a sweep's reproduce line does) must import and take (config, report), and a
-    tracking URI no MLflow store takes is wrong wherever it is written. Its server is not
-    probed: a single run logs nothing to MLflow."""
+    tracking URI no MLflow store takes is wrong wherever it is written. sweeper's own
+    training logs to MLflow as a sweep's trials do, so its store is probed as a sweep's
+    is (reachable, writable); a user's function run once is not tracked."""
     from sweeper.sweep.preflight import trainable_target
-    from sweeper.tracking.mlflow_store import check_database_driver, check_scheme
+    from sweeper.tracking.mlflow_store import check_config, check_database_driver, check_scheme
 
     if target := trainable_target(cfg):
         from sweeper.sweep.preflight import load_user_function
 
         load_user_function(target)
-    uri = (cfg.get("mlflow") or {}).get("tracking_uri")
-    if uri:
-        check_scheme(str(uri))
-        check_database_driver(str(uri))
+        uri = (cfg.get("mlflow") or {}).get("tracking_uri")
+        if uri:
+            check_scheme(str(uri))
+            check_database_driver(str(uri))
+    else:
+        check_config(cfg)
 
 
 def without_print_flags(args: list[str]) -> list[str]:

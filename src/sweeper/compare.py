@@ -53,6 +53,11 @@ def compare(sweep: str | None, tracking_uri: str | None, experiment: str | None)
     client, uri = _client(tracking_uri or recorded.get("tracking_uri"), named_by)
     experiments = _experiments(client, experiment)
     parent = _find_sweep(client, experiments, sweep, run_dir, recorded.get("run_id"))
+    if parent.data.tags.get("role") == "run":  # a single run has no trials to compare
+        raise ConfigError(
+            f"{sweep} is a single run (MLflow run {parent.info.run_id}), not a sweep: its "
+            "figures are in its MLflow run; compare it with others in the MLflow UI"
+        )
     children = _children(client, parent)
     return _render(parent, children, uri)
 

@@ -5,7 +5,9 @@
     tracker.log_baseline(baseline_dict)
     tracker.finish(summary, out_dir)             # parent run: artifacts, final status; closes all
 
-`NullTracker` does nothing (tracking off); `make_tracker` picks the real one.
+`NullTracker` does nothing (tracking off); `make_tracker` picks the real one. A single run
+(no sweep) has its own: `run_logger.start_run_logger`, which hands its events to a
+`run_tracker.RunTracker` in a process of its own.
 """
 
 from __future__ import annotations

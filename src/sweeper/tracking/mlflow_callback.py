@@ -60,10 +60,6 @@ def final_status(trial) -> str:
     return "interrupted" if status == "pruned" and not result.get("done") else status
 
 
-def trial_key(stage: str, trial) -> str:
-    return f"{stage}/{trial.trial_id}"
-
-
 def error_line(trial) -> str:
     try:
         error = trial.get_error()

@@ -22,7 +22,7 @@ import subprocess
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sweeper.activations import ACTIVATION_COLUMNS
 from sweeper.config import ConfigError
@@ -31,7 +31,6 @@ from sweeper.sweep.space import to_builtin
 from sweeper.sweep.spec import flatten, flatten_params
 from sweeper.sweep.state import STATE_NAME, write_json_atomic
 from sweeper.sweep.trainable import UPDATE_RATIO_COLUMNS, trial_config
-from sweeper.tracking.mlflow_callback import LIVE, MlflowCallback, final_status, trial_key
 from sweeper.tracking.mlflow_queue import OpQueue, short_error
 from sweeper.tracking.mlflow_store import (
     check_reachable,
@@ -42,6 +41,12 @@ from sweeper.tracking.mlflow_store import (
     resolve_tracking_uri,
     shown,
 )
+
+if TYPE_CHECKING:
+    from sweeper.tracking.mlflow_callback import MlflowCallback
+
+# The Tune callback (mlflow_callback, which imports Ray's Tune) is imported where a sweep
+# uses it: a single run shares this module's helpers (run_tracker) and imports no Ray.
 
 METRICS = (
     "train_loss",
@@ -112,6 +117,8 @@ class MlflowTracker:
         self.ended: dict[str, str] = {}  # run key -> the status it was ended with
         self.finished = False
         self.queue.start()
+        from sweeper.tracking.mlflow_callback import LIVE
+
         LIVE[str(self.out)] = self
         atexit.register(self._at_exit)
         self.announcement = (
@@ -127,6 +134,8 @@ class MlflowTracker:
 
     # --- the engine's interface --------------------------------------------------------
     def stage_callbacks(self, stage: str, base: dict, ctx: Any, search: str, scheduler: str):
+        from sweeper.tracking.mlflow_callback import MlflowCallback
+
         return [MlflowCallback(str(self.out), stage, base, ctx, search, scheduler)]
 
     def log_baseline(self, baseline: dict) -> None:
@@ -195,6 +204,8 @@ class MlflowTracker:
             }
         )
         left = self.queue.close()
+        from sweeper.tracking.mlflow_callback import LIVE
+
         LIVE.pop(str(self.out), None)
         stats = self.queue.stats()
         if left:
@@ -261,6 +272,8 @@ class MlflowTracker:
     def stage_ended(self, cb: MlflowCallback, trials) -> None:
         """Trials Tune left running, paused or pending (Ctrl+C) end as interrupted; a
         resumed stage reopens them."""
+        from sweeper.tracking.mlflow_callback import final_status
+
         for trial in trials:
             if trial_key(cb.stage, trial) in self.open:
                 self.trial_ended(cb, trial, final_status(trial))
@@ -351,6 +364,10 @@ def recorded_statuses(out: Path) -> dict[str, str]:
         for record in stage.get("records", [])
         if record.get("status") in RUN_STATUS
     }
+
+
+def trial_key(stage: str, trial) -> str:
+    return f"{stage}/{trial.trial_id}"
 
 
 def now_ms() -> int:
