@@ -85,6 +85,7 @@ class RunTracker:
             }
         )
         self.run_id = self.queue.run_id(RUN)
+        self.out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(
             self.out / RUN_FILE,
             {
