@@ -101,7 +101,13 @@ def check_new_run_dir(run_dir: str) -> None:
 def check_resumable_run(run_dir: str, run_config: dict) -> None:
     """`trainer.resume=true` into `run_dir`: it must hold a checkpoint of this same run
     that has not finished. Raises ConfigError naming what is wrong."""
-    from sweeper.sweep.state import ABSENT, as_json, at_schema_default, differences
+    from sweeper.sweep.state import (
+        ABSENT,
+        as_json,
+        at_schema_default,
+        changes_text,
+        differences,
+    )
 
     if not has_checkpoint(run_dir):
         raise ConfigError(
@@ -122,11 +128,9 @@ def check_resumable_run(run_dir: str, run_config: dict) -> None:
         if key not in RUN_SETTINGS and not (old == ABSENT and at_schema_default(key, new))
     ]
     if changed:
-        shown = "; ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changed[:3])
-        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
         raise ConfigError(
             f"trainer.resume=true: hydra.run.dir={run_dir} holds a run of another config: "
-            f"{shown}{more}; resume with the overrides that started it"
+            f"{changes_text(changed)}; resume with the overrides that started it"
         )
 
 

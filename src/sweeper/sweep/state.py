@@ -218,10 +218,14 @@ def check_resumable(state: SweepState, name: str, base: dict, definition: dict) 
         if not (a == ABSENT and at_schema_default(k, b))
     ]
     if changed:
-        shown = "; ".join(f"{key} {a!r} -> {b!r}" for key, a, b in changed[:3])
-        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
         raise ValueError(
             f"sweep.resume=true: run dir {state.out} holds a different sweep than this "
-            f"command's: {shown}{more}; resume with the overrides that started it, or give "
-            "this sweep a new hydra.run.dir"
+            f"command's: {changes_text(changed)}; resume with the overrides that started it, "
+            "or give this sweep a new hydra.run.dir"
         )
+
+
+def changes_text(changed: list[tuple[str, Any, Any]]) -> str:
+    """The first three of `differences`' changes, as `key old -> new; ...`."""
+    shown = "; ".join(f"{key} {a!r} -> {b!r}" for key, a, b in changed[:3])
+    return shown + (f" (and {len(changed) - 3} more)" if len(changed) > 3 else "")

@@ -102,16 +102,7 @@ class MlflowTracker:
         except Exception as error:
             raise ConfigError(f"MLflow store {shown(self.uri)}: {short_error(error)}") from None
         self.parent_id = self.queue.run_id(PARENT)
-        self.out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(
-            self.out / RUN_FILE,
-            {
-                "tracking_uri": self.uri,
-                "experiment": self.experiment,
-                "experiment_id": experiment_id,
-                "run_id": self.parent_id,
-            },
-        )
+        write_run_file(self.out, self.uri, self.experiment, experiment_id, self.parent_id)
         self.open: set[str] = set()
         self.retries: dict[str, int] = {}
         self.ended: dict[str, str] = {}  # run key -> the status it was ended with
@@ -364,6 +355,13 @@ def recorded_statuses(out: Path) -> dict[str, str]:
         for record in stage.get("records", [])
         if record.get("status") in RUN_STATUS
     }
+
+
+def write_run_file(out: Path, uri: str, experiment: str, experiment_id: str, run_id: str) -> None:
+    """mlflow_run.json: where the run dir's MLflow run is (sweeper.compare reads it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"tracking_uri": uri, "experiment": experiment, "experiment_id": experiment_id}
+    write_json_atomic(out / RUN_FILE, {**record, "run_id": run_id})
 
 
 def trial_key(stage: str, trial) -> str:

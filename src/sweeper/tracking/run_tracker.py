@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 from sweeper.sweep.spec import flatten
-from sweeper.sweep.state import write_json_atomic
 from sweeper.tracking.mlflow_queue import OpQueue, short_error
 from sweeper.tracking.mlflow_store import (
     get_or_create_experiment,
@@ -39,7 +38,6 @@ from sweeper.tracking.mlflow_store import (
 from sweeper.tracking.mlflow_tracker import (
     METRICS,
     PENDING_NAME,
-    RUN_FILE,
     RUN_STATUS,
     config_yaml,
     git_commit,
@@ -47,6 +45,7 @@ from sweeper.tracking.mlflow_tracker import (
     param_key,
     param_value,
     run_name,
+    write_run_file,
 )
 
 RUN = "run"  # the queue's key of this run
@@ -85,16 +84,7 @@ class RunTracker:
             }
         )
         self.run_id = self.queue.run_id(RUN)
-        self.out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(
-            self.out / RUN_FILE,
-            {
-                "tracking_uri": self.uri,
-                "experiment": self.experiment,
-                "experiment_id": experiment_id,
-                "run_id": self.run_id,
-            },
-        )
+        write_run_file(self.out, self.uri, self.experiment, experiment_id, self.run_id)
         self.finished, self.resumed = False, resume
         self.queue.start()
         atexit.register(self._at_exit)
