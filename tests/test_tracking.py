@@ -7,6 +7,7 @@ import collections
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -817,3 +818,46 @@ def test_a_store_the_logger_cannot_open_costs_the_run_its_tracking_not_its_train
     assert "note: this run is not logged to MLflow: " in proc.stderr
     assert "file is not a database" in proc.stderr and "Traceback" not in proc.stderr
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
+
+
+def test_compare_runs_lists_the_single_runs_best_first_with_what_differs(tmp_path):
+    runs = {
+        "low": ["optimizer.matrix_lr=0.005", "trainer.checkpoint_every_eval=true"],
+        "high": ["optimizer.matrix_lr=0.05"],
+    }
+    for name, extra in runs.items():
+        proc = run_cli([*SINGLE, *extra, f"hydra.run.dir={name}"], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    value = {
+        name: json.loads((tmp_path / name / "result.json").read_text())["val_bpb"] for name in runs
+    }
+    proc = run_cli(["--runs"], tmp_path, module="sweeper.compare")
+    assert proc.returncode == 0, proc.stderr
+    title, header, *rows = proc.stdout.strip().splitlines()
+    assert title.startswith("the latest 2 single runs, sorted by val_bpb")
+    # what differs: the LR; not the checkpointing, which says how a run ran, not what
+    assert header.split() == [
+        "run",
+        "started",
+        "commit",
+        "status",
+        "val_bpb",
+        "tokens",
+        "GiB",
+        "optimizer.matrix_lr",
+    ]
+    order = sorted(runs, key=value.get)
+    assert [row.split()[0] for row in rows] == [f"run-{name}" for name in order]
+    for row, name in zip(rows, order, strict=True):
+        cells = row.split()
+        assert (
+            cells[5] == f"{value[name]:.4f}" and cells[-1] == {"low": "0.005", "high": "0.05"}[name]
+        )
+        # cells 1-2: the date and time it started; 3: the commit, * where it had changes
+        assert cells[4] == "completed" and re.fullmatch(r"[0-9a-f]{7}\*?|unknown", cells[3])
+    # the latest one only; a sweep's name beside --runs is refused
+    latest = run_cli(["--runs", "--last", "1"], tmp_path, module="sweeper.compare")
+    assert latest.stdout.splitlines()[0].startswith("the latest 1 single runs")
+    assert len(latest.stdout.strip().splitlines()) == 3 and "run-high" in latest.stdout
+    refused = run_cli(["--runs", "smoke"], tmp_path, module="sweeper.compare")
+    assert refused.returncode == 2 and "--runs lists the single runs" in refused.stderr

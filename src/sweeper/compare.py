@@ -1,4 +1,7 @@
 """`python -m sweeper.compare [SWEEP]`: a sweep's trials as MLflow has them, best first.
+`python -m sweeper.compare --runs`: the single runs (`python -m sweeper` without a sweep),
+the latest `--last` of them, best first, each with the commit it ran (the experiment log
+practitioners keep by hand: commit, val_bpb, memory, status, what changed).
 
 SWEEP is a sweep name (its latest run), the MLflow run id of a sweep, or a sweep's run dir
 (default: the latest sweep in the store). The store is MLflow's default (sqlite:///mlflow.db
@@ -13,10 +16,12 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from sweeper.cli import OneLineParser, end_quietly_when_output_closes, fail
 from sweeper.config import ConfigError
+from sweeper.run_checkpoint import RUN_SETTINGS
 from sweeper.sweep.stages import float_text
 from sweeper.tracking.mlflow_store import shown
 
@@ -34,10 +39,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--tracking-uri", help="MLflow store (default: sqlite:///mlflow.db)")
     parser.add_argument("--experiment", help="only this MLflow experiment (default: all)")
+    parser.add_argument(
+        "--runs", action="store_true", help="the single runs instead of a sweep's trials"
+    )
+    parser.add_argument(
+        "--last", type=int, default=20, metavar="N", help="with --runs: the latest N (default 20)"
+    )
     args = parser.parse_args(argv)
     end_quietly_when_output_closes()
     try:
-        print(compare(args.sweep, args.tracking_uri, args.experiment))
+        if args.runs and args.sweep:
+            raise ConfigError(f"--runs lists the single runs: leave out '{args.sweep}'")
+        if args.last < 1:
+            raise ConfigError(f"--last must be >= 1, got {args.last}")
+        if args.runs:
+            print(compare_runs(args.tracking_uri, args.experiment, args.last))
+        else:
+            print(compare(args.sweep, args.tracking_uri, args.experiment))
     except ConfigError as error:
         fail(str(error))
     except Exception as error:  # the store's own failure (a file that is no database)
@@ -55,11 +73,29 @@ def compare(sweep: str | None, tracking_uri: str | None, experiment: str | None)
     parent = _find_sweep(client, experiments, sweep, run_dir, recorded.get("run_id"))
     if parent.data.tags.get("role") == "run":  # a single run has no trials to compare
         raise ConfigError(
-            f"{sweep} is a single run (MLflow run {parent.info.run_id}), not a sweep: its "
-            "figures are in its MLflow run; compare it with others in the MLflow UI"
+            f"{sweep} is a single run (MLflow run {parent.info.run_id}), not a sweep: "
+            "`python -m sweeper.compare --runs` lists it with the other single runs"
         )
     children = _children(client, parent)
     return _render(parent, children, uri)
+
+
+def compare_runs(tracking_uri: str | None, experiment: str | None, last: int) -> str:
+    """The latest `last` single runs, best val_bpb first."""
+    client, uri = _client(tracking_uri)
+    experiments = _experiments(client, experiment)
+    try:
+        runs = client.search_runs(
+            experiments,
+            "tags.role = 'run'",
+            order_by=["attributes.start_time DESC"],
+            max_results=last,
+        )
+    except Exception as error:
+        raise ConfigError(f"cannot read the MLflow store: {_line(error)}") from None
+    if not runs:
+        raise ConfigError("no single runs in the MLflow store (python -m sweeper logs one)")
+    return _render_runs(runs, uri)
 
 
 def _recorded(run_dir: Path) -> dict:
@@ -91,7 +127,7 @@ def _client(tracking_uri: str | None, named_by: Path | None = None):
                 "logged: pass --tracking-uri if it has moved"
             )
         raise ConfigError(
-            f"no MLflow store at {path}: run a sweep in this directory first, "
+            f"no MLflow store at {path}: run a sweep or a run in this directory first, "
             "or pass --tracking-uri"
         )
     check_reachable(uri, hint="is it running? (or pass another --tracking-uri)")
@@ -199,6 +235,50 @@ def _render(parent, children: list, uri: str) -> str:
     for run in baselines:
         value = _number(run.data.metrics.get(metric), ".4f")
         lines.append(f"baseline (unmodified config): {metric} {value}")
+    return "\n".join(lines)
+
+
+def _render_runs(runs: list, uri: str) -> str:
+    metric = "val_bpb"
+
+    def order(run):
+        value = run.data.metrics.get(metric)
+        return (value is None, 0.0 if value is None else value)
+
+    keys = sorted({k for r in runs for k in r.data.params})
+    # what differs between the runs, less what only says how a run ran
+    varied = [
+        k
+        for k in keys
+        if len({_param(r.data.params.get(k)) for r in runs}) > 1 and k not in RUN_SETTINGS
+    ]
+    header = ["run", "started", "commit", "status", metric, "tokens", "GiB", *varied]
+    rows = []
+    for r in sorted(runs, key=order):
+        tags = r.data.tags
+        commit = tags.get("git_commit", "unknown")[:7] + (
+            "*" if tags.get("git_dirty") == "True" else ""
+        )
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000))
+        rows.append(
+            [
+                r.info.run_name,
+                started,
+                commit,
+                tags.get("status", r.info.status.lower()),
+                _number(r.data.metrics.get(metric), ".4f"),
+                _number(r.data.metrics.get("tokens"), ",.0f"),
+                _number(r.data.metrics.get(MEMORY), ".2f"),
+                *(_param(r.data.params.get(k)) for k in varied),
+            ]
+        )
+    lines = [
+        f"the latest {len(runs)} single runs, sorted by {metric}; "
+        f"commit * = uncommitted changes | {shown(uri)}"
+    ]
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        lines.append("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
     return "\n".join(lines)
 
 
