@@ -46,12 +46,17 @@ def _worker_loop(config: dict) -> None:
     keep = checkpoint_saver(run_dir, load_run_config(config["run"]).to_dict()) if run_dir else None
 
     def report(metrics: dict, state=None) -> None:
+        if run_dir:
+            # A single run: nobody reads what Ray Train is told (rank 0 prints and writes
+            # result.json itself), and each ray.train.report cost ~2 s here (200 steps of
+            # the tiny model with 40 reports: 101 s, with 4: 29 s). Rank 0 keeps the
+            # checkpoint in the run dir; the other ranks wait for it at the next all-reduce.
+            if state is not None and rank == 0:
+                keep(metrics, state)
+            return
         metrics, diverged = penalise(metrics) if penalise else (metrics, False)
         # every rank reports (Ray Train synchronises on it); only rank 0 checkpoints
         if state is None or rank != 0 or diverged:
-            ray.train.report(metrics)
-        elif keep is not None:  # a single run: into its run dir, not Ray's storage
-            keep(metrics, state)
             ray.train.report(metrics)
         else:
             with tempfile.TemporaryDirectory() as folder:
