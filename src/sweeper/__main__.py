@@ -94,6 +94,9 @@ def run_single(cfg, out_dir: str) -> float | None:
             resume_state = load_resume_state(out_dir) if run.trainer.resume else None
             report = single_run_report(run, out_dir, logger)
             result = train(run, report, resume_state=resume_state)
+    except ConfigError as error:  # found inside the job (a multirun's late job): bad input
+        end_logging(logger, "failed", {"error": str(error)})
+        fail(str(error))
     except (Exception, KeyboardInterrupt) as error:
         # the run did not finish: its result.json says so (status=failed), so a script that
         # reads it never mistakes an old file or a missing one for this run's outcome
@@ -107,8 +110,6 @@ def run_single(cfg, out_dir: str) -> float | None:
                 file=sys.stderr,
             )
             sys.exit(130)
-        if isinstance(error, ConfigError):  # found inside the job (a multirun's late job)
-            fail(str(error))
         from sweeper.runtime import out_of_memory
 
         if asked := out_of_memory(error):  # a batch too big for the machine: not a bug
