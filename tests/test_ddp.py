@@ -187,7 +187,7 @@ def test_a_two_rank_run_from_the_command_line_shows_its_progress_once(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("completed: val_bpb ") and ", peak memory " in last, last
     assert last.endswith(", curves.png") and (tmp_path / "run" / "curves.png").is_file()
-    # rank 0's evaluations reach MLflow with the result (the driver's one MLflow run)
+    # rank 0's evaluations reach the driver's one MLflow run
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
@@ -237,6 +237,16 @@ def test_an_interrupted_two_rank_run_goes_on_from_rank_0s_checkpoint(tmp_path):
     step = json.loads((tmp_path / "run" / "checkpoint" / "checkpoint.json").read_text())["step"]
     assert "; continue from step" in err and 5 <= step < 200
     assert not list((tmp_path / "run").glob("ray/**/checkpoint_*"))
+    # rank 0's evaluations reached MLflow as they were taken: the interrupted run has
+    # every one up to its checkpoint's (it sends an evaluation before saving)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = json.loads((tmp_path / "run" / "mlflow_run.json").read_text())["run_id"]
+    stopped = client.get_run(run_id)
+    assert (stopped.info.status, stopped.data.tags["status"]) == ("KILLED", "interrupted")
+    before = [m.step for m in client.get_metric_history(run_id, "val_bpb")]
+    assert before[: step // 5] == list(range(5, step + 1, 5)), (before, step)
 
     proc = run_cli([*args, "hydra.run.dir=run", "trainer.resume=true"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -247,3 +257,7 @@ def test_an_interrupted_two_rank_run_goes_on_from_rank_0s_checkpoint(tmp_path):
     straight = train(load_run_config(one_rank), verbose=False)
     assert resumed["loss_trace"] == pytest.approx(straight["loss_trace"], rel=1e-4)
     assert resumed["val_bpb"] == pytest.approx(straight["val_bpb"], rel=1e-4)
+    # the same MLflow run goes on, every evaluation once
+    assert client.get_run(run_id).info.status == "FINISHED"
+    logged = sorted(m.step for m in client.get_metric_history(run_id, "val_bpb"))
+    assert logged == [h["step"] for h in resumed["history"]] == list(range(5, 201, 5))

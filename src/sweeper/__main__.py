@@ -86,7 +86,7 @@ def run_single(cfg, out_dir: str) -> float | None:
     logger = start_run_logger(cfg, run.to_dict(), out_dir, run.trainer.resume)
     try:
         if run.trainer.workers > 1:
-            result = run_ddp(cfg, out_dir, run.trainer.checkpoint_every_eval)
+            result = run_ddp(cfg, out_dir, run.trainer.checkpoint_every_eval, logger)
         else:
             from sweeper.run_checkpoint import load_resume_state
             from sweeper.train import train
@@ -236,15 +236,30 @@ def write_result(out_dir: str, result: dict) -> None:
         json.dump(result, f, indent=2)
 
 
-def run_ddp(cfg, out_dir: str, checkpointing: bool) -> dict:
+def run_ddp(cfg, out_dir: str, checkpointing: bool, logger) -> dict:
     """One run on `trainer.workers` DDP ranks: a Ray Train TorchTrainer on Ray. Rank 0
-    keeps the checkpoint in the run dir, as a one-process run does."""
+    keeps the checkpoint in the run dir, as a one-process run does, and sends each
+    evaluation through a Ray queue to this process, which hands it to the MLflow logger."""
     from omegaconf import OmegaConf
+    from ray.util.queue import Queue
 
     from sweeper.distributed import train_ddp
     from sweeper.sweep.ray_cluster import start_ray
 
     start_ray(cfg.ray, log_to_driver=True)
+    # Why a queue actor: rank 0 may run on another node, and Ray Train passes a report to
+    # the driver only through Tune. No CPU: the ranks hold all of a small machine's.
+    reports = Queue(actor_options={"num_cpus": 0}) if logger is not None else None
+
+    def forward_reports() -> None:
+        nonlocal reports
+        try:
+            if reports is not None and (waiting := reports.qsize()):
+                for metrics in reports.get_nowait_batch(waiting):
+                    logger.report(metrics)
+        except Exception:  # the queue is gone with the cluster: the result has the history
+            reports = None
+
     run_cfg = OmegaConf.to_container(cfg, resolve=True)
     run_cfg["trainer"]["checkpoint_every_eval"] = checkpointing
     threads = run_cfg["trainer"]["threads"] or 1
@@ -257,16 +272,19 @@ def run_ddp(cfg, out_dir: str, checkpointing: bool) -> dict:
         inside_tune=False,
         result_path=f"{out_dir}/result.json",
         run_dir=out_dir,
+        reports=reports,
         verbose=True,
     )
-    interruptible(fit)
+    interruptible(fit, forward_reports)
     with open(f"{out_dir}/result.json") as f:
         return json.load(f)
 
 
-def interruptible(fit) -> None:
+def interruptible(fit, tick) -> None:
     """Runs a TorchTrainer's fit() so that Ctrl+C (or SIGTERM) ends it as it ends a
-    one-process run: KeyboardInterrupt here, and a failed result.json.
+    one-process run: KeyboardInterrupt here, and a failed result.json. `tick()` runs
+    every half second while it trains, once more at the end and before an interrupt
+    takes the cluster down.
 
     Why a thread: called from the main thread, Ray Train puts its own SIGINT handler in
     place, which aborts the run and exits with code 1, without a word and before the
@@ -286,9 +304,12 @@ def interruptible(fit) -> None:
     try:
         while thread.is_alive():
             thread.join(timeout=0.5)
+            tick()
     except KeyboardInterrupt:
+        tick()  # what rank 0 sent before the interrupt
         ray.shutdown()  # the ranks stop with the cluster; rank 0's checkpoint is whole
         raise
+    tick()
     if "error" in outcome:
         raise outcome["error"]
 

@@ -45,14 +45,20 @@ def _worker_loop(config: dict) -> None:
     penalise = config.get("penalise")
     keep = checkpoint_saver(run_dir, load_run_config(config["run"]).to_dict()) if run_dir else None
 
+    reports = config.get("reports")  # a single run's queue to the driver's MLflow logger
+
     def report(metrics: dict, state=None) -> None:
         if run_dir:
             # A single run: nobody reads what Ray Train is told (rank 0 prints and writes
             # result.json itself), and each ray.train.report cost ~2 s here (200 steps of
-            # the tiny model with 40 reports: 101 s, with 4: 29 s). Rank 0 keeps the
-            # checkpoint in the run dir; the other ranks wait for it at the next all-reduce.
-            if state is not None and rank == 0:
-                keep(metrics, state)
+            # the tiny model with 40 reports: 101 s, with 4: 29 s). Rank 0 sends each
+            # evaluation to the driver, then keeps the checkpoint in the run dir (so a
+            # checkpoint's step is in MLflow); the other ranks wait at the next all-reduce.
+            if rank == 0:
+                if reports is not None:
+                    reports.put_nowait(dict(metrics))
+                if state is not None:
+                    keep(metrics, state)
             return
         metrics, diverged = penalise(metrics) if penalise else (metrics, False)
         # every rank reports (Ray Train synchronises on it); only rank 0 checkpoints
@@ -160,11 +166,13 @@ def train_ddp(
     penalise=None,
     result_path: str | None = None,
     run_dir: str | None = None,
+    reports=None,
     verbose: bool = False,
     loop=_worker_loop,
 ) -> Any:
     """Fit a TorchTrainer with `trainer.workers` ranks; returns Ray Train's Result.
-    `run_dir`: a single run's, where rank 0 keeps its checkpoint (run_checkpoint.py)."""
+    `run_dir`: a single run's, where rank 0 keeps its checkpoint (run_checkpoint.py).
+    `reports`: a single run's `ray.util.queue.Queue`, where rank 0 puts each evaluation."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -201,6 +209,7 @@ def train_ddp(
             "penalise": penalise,
             "result_path": result_path,
             "run_dir": run_dir,
+            "reports": reports,
             "verbose": verbose,
         },
         # a short process-group timeout: a hung rank fails the run within a minute,

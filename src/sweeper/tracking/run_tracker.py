@@ -13,8 +13,8 @@ twice.
 
 The calls go through the sweeps' background queue (`mlflow_queue`): a slow or dead
 tracking server never holds up the logger's reading, and what cannot be sent waits in
-`mlflow_pending.jsonl` for the next resume in that run dir. A DDP run's metrics reach the
-driver only with its result, so they are logged when it ends.
+`mlflow_pending.jsonl` for the next resume in that run dir. A DDP run's rank 0 sends its
+evaluations to the training driver through a Ray queue, and the driver passes them on here.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class RunTracker:
 
     def finish(self, status: str, result: dict | None = None) -> None:
         """Ends the run with `status` (completed, diverged, failed, interrupted): the
-        evaluations not logged yet (a DDP run's), its files, then the status."""
+        evaluations not logged yet (any a DDP run's queue lost), its files, then the status."""
         if self.finished:
             return
         self.finished = True
