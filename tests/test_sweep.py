@@ -864,9 +864,11 @@ def test_a_stage_worse_than_its_start_freezes_nothing(ray_cluster, tmp_path, cap
     assert "trainer.total_batch_size=512, stage 'lr'): that config is kept" in out
     # the reproduce line runs the function once on the best config: the same value
     again = tmp_path / "again"
-    proc = run_cli([*overrides, f"hydra.run.dir={again}"], cwd=REPO)
+    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}  # not the checkout's
+    proc = run_cli([*overrides, f"hydra.run.dir={again}"], cwd=REPO, env=store)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "report 4: val_bpb=" in proc.stdout
+    assert "[mlflow] run " in proc.stdout  # it is tracked, as the sweep's trials were
     result = json.loads((again / "result.json").read_text())
     assert result["status"] == "completed" and result["val_bpb"] == summary["best"]["value"]
 

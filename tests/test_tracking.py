@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import csv
 import json
+import math
 import os
 import re
 import signal
@@ -798,6 +799,69 @@ def test_a_single_run_killed_outright_is_failed_in_mlflow(tmp_path):
         time.sleep(0.2)
     assert run.info.status == "FAILED" and run.data.tags["status"] == "failed"
     assert "killed" in run.data.tags["error"]
+
+
+def test_a_users_function_run_once_is_an_mlflow_run_with_every_number_it_reports(tmp_path):
+    """A sweep's reproduce line of a user's function: the tree it is given as params,
+    what it reports as metrics (at its `step`, or its report's count), tag `trainable`;
+    one that raises is FAILED with its error."""
+    from mlflow import MlflowClient
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src")]))
+    runs = {
+        "curve": ["trainable._target_=tests.tracking_functions.curve", "+probe.reports=3"],
+        "raises": ["trainable._target_=tests.user_functions.explodes"],
+        "no_steps": ["trainable._target_=tests.tracking_functions.without_steps"],
+    }
+    for name, args in runs.items():
+        proc = subprocess.run(
+            [sys.executable, "-m", "sweeper", *args, f"hydra.run.dir={name}"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == (1 if name == "raises" else 0), proc.stderr[-2000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")  # the default store, in the cwd
+    run = single_run(client, tmp_path / "curve")
+    assert run.info.status == "FINISHED" and run.data.tags["status"] == "completed"
+    assert run.data.tags["trainable"] == "tests.tracking_functions.curve"
+    assert (
+        run.data.params["optimizer.matrix_lr"] == "0.02" and run.data.params["probe.reports"] == "3"
+    )
+    assert "mlflow.enabled" not in run.data.params  # the platform's sections are not its tree
+    metrics = {
+        name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+        for name in ("val_bpb", "tokens", "lr")
+    }
+    curve = [1.0 + (math.log10(0.02) + 2.0) ** 2 + 1.0 / k for k in (1, 2, 3)]
+    assert metrics["val_bpb"] == [(10 * k, pytest.approx(v)) for k, v in zip((1, 2, 3), curve)]
+    assert metrics["tokens"] == [(10, 100), (20, 200), (30, 300)]
+    assert metrics["lr"] == [(10, 0.02), (20, 0.02), (30, 0.02)]
+    assert "result.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    failed = single_run(client, tmp_path / "raises")
+    assert failed.info.status == "FAILED" and failed.data.tags["status"] == "failed"
+    assert failed.data.tags["error"].startswith("AssertionError: a diverged trial must be ended")
+    # its one report held a NaN and no other number: nothing to plot, nothing logged
+    assert client.get_metric_history(failed.info.run_id, "val_bpb") == []
+    counted = single_run(client, tmp_path / "no_steps")
+    mine = client.get_metric_history(counted.info.run_id, "my_loss")
+    assert sorted((m.step, m.value) for m in mine) == [(1, 4.0), (2, 2.0), (3, 4.0 / 3)]
+    assert set(counted.data.metrics) == {"my_loss"}
+    # compare --runs names the function each ran; the ones with no val_bpb last
+    proc = run_cli(["--runs"], tmp_path, module="sweeper.compare")
+    assert proc.returncode == 0, proc.stderr
+    header, *rows = proc.stdout.strip().splitlines()[1:]
+    assert header.split()[:8] == [
+        *("run", "started", "commit", "status", "val_bpb", "tokens", "GiB", "trainable")
+    ]
+    cells = {row.split()[0]: row.split() for row in rows}
+    assert rows[0].split()[0] == "run-curve" and set(cells) == {
+        *("run-curve", "run-raises", "run-no_steps")
+    }
+    assert cells["run-curve"][8] == "tests.tracking_functions.curve"
+    assert cells["run-raises"][4:9] == ["failed", "-", "-", "-", "tests.user_functions.explodes"]
 
 
 def test_a_single_run_with_tracking_off_writes_no_mlflow_files(tmp_path):

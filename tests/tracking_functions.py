@@ -42,3 +42,9 @@ def fails_once(config: dict, report) -> None:
         report({"val_bpb": 2.0 + lr + 1.0 / step, "step": step, "tokens": step * 100})
         if first and step == 2:
             raise RuntimeError("a failure on the first attempt (a test of retries)")
+
+
+def without_steps(config: dict, report) -> None:
+    """Reports a figure of its own name and no step, three times."""
+    for count in range(1, 4):
+        report({"my_loss": 4.0 / count, "note": "text is not a metric"})

@@ -177,11 +177,14 @@ def resume_hint(out_dir: str) -> str:
 
 def run_user_function(cfg, target: str, out_dir: str) -> float | None:
     """A user's function run once, on the tree a sweep's trial of it is given, each
-    report printed: what the reproduce line of a sweep of that function runs. Its last
-    report goes to result.json."""
+    report printed and sent to MLflow: what the reproduce line of a sweep of that function
+    runs. Its last report goes to result.json."""
     from sweeper.sweep.preflight import load_user_function, user_function_config
+    from sweeper.tracking.run_logger import start_run_logger
 
     reports: list[dict] = []
+    config = user_function_config(cfg)
+    logger = start_run_logger(cfg, config, out_dir, resume=False, trainable=target)
 
     def report(metrics: dict, state=None) -> None:  # `state`: a checkpoint, not kept here
         reports.append(dict(metrics))
@@ -189,17 +192,23 @@ def run_user_function(cfg, target: str, out_dir: str) -> float | None:
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
         )
         print(f"report {len(reports)}: {shown}", flush=True)
+        if logger is not None:
+            logger.report(metrics)
 
     try:
-        load_user_function(target)(user_function_config(cfg), report)
+        load_user_function(target)(config, report)
     except BaseException as error:
-        write_result(out_dir, {"status": "failed", "error": failure_text(error)})
-        if isinstance(error, KeyboardInterrupt):
+        failed = {"status": "failed", "error": failure_text(error)}
+        write_result(out_dir, failed)
+        interrupted = isinstance(error, KeyboardInterrupt)
+        end_logging(logger, "interrupted" if interrupted else "failed", failed)
+        if interrupted:
             print(f"interrupted: status failed -> {out_dir}/result.json", file=sys.stderr)
             sys.exit(130)
         raise
     last = reports[-1] if reports else {}
     write_result(out_dir, {"status": "completed", "reports": len(reports), **last})
+    end_logging(logger, "completed", last)
     value = last.get("val_bpb")
     shown = f"val_bpb {value:.4f} " if isinstance(value, float) else ""
     print(f"completed: {shown}after {len(reports)} reports -> {out_dir}/result.json")
@@ -489,22 +498,15 @@ def check_run_dir(run_dir: str) -> None:
 def check_single_run(cfg) -> None:
     """What a sweep checks is still checked in a single run: a user's function (run once,
     as a sweep's reproduce line does) must import and take (config, report), and a
-    tracking URI no MLflow store takes is wrong wherever it is written. sweeper's own
-    training logs to MLflow as a sweep's trials do, so its store is probed as a sweep's
-    is (reachable, writable); a user's function run once is not tracked."""
-    from sweeper.sweep.preflight import trainable_target
-    from sweeper.tracking.mlflow_store import check_config, check_database_driver, check_scheme
+    tracking URI no MLflow store takes is wrong wherever it is written. A single run logs
+    to MLflow as a sweep's trials do, so its store is probed as a sweep's is (reachable,
+    writable)."""
+    from sweeper.sweep.preflight import load_user_function, trainable_target
+    from sweeper.tracking.mlflow_store import check_config
 
     if target := trainable_target(cfg):
-        from sweeper.sweep.preflight import load_user_function
-
         load_user_function(target)
-        uri = (cfg.get("mlflow") or {}).get("tracking_uri")
-        if uri:
-            check_scheme(str(uri))
-            check_database_driver(str(uri))
-    else:
-        check_config(cfg)
+    check_config(cfg)
 
 
 def without_print_flags(args: list[str]) -> list[str]:

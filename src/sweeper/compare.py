@@ -252,7 +252,10 @@ def _render_runs(runs: list, uri: str) -> str:
         for k in keys
         if len({_param(r.data.params.get(k)) for r in runs}) > 1 and k not in RUN_SETTINGS
     ]
-    header = ["run", "started", "commit", "status", metric, "tokens", "GiB", *varied]
+    # runs of users' functions (a sweep's reproduce line) beside sweeper's own training
+    trainables = {r.data.tags.get("trainable", "sweeper") for r in runs}
+    ran = ["trainable"] if len(trainables) > 1 else []
+    header = ["run", "started", "commit", "status", metric, "tokens", "GiB", *ran, *varied]
     rows = []
     for r in sorted(runs, key=order):
         tags = r.data.tags
@@ -269,6 +272,7 @@ def _render_runs(runs: list, uri: str) -> str:
                 _number(r.data.metrics.get(metric), ".4f"),
                 _number(r.data.metrics.get("tokens"), ",.0f"),
                 _number(r.data.metrics.get(MEMORY), ".2f"),
+                *(r.data.tags.get("trainable", "sweeper") for _ in ran),
                 *(_param(r.data.params.get(k)) for k in varied),
             ]
         )

@@ -27,7 +27,14 @@ FINISH_TIMEOUT_S = 150.0  # the queue's own close gives a dead server ~2 tries i
 
 
 class RunLogger:
-    def __init__(self, mlflow_cfg: dict, run_config: dict, out_dir: str, resume: bool):
+    def __init__(
+        self,
+        mlflow_cfg: dict,
+        run_config: dict,
+        out_dir: str,
+        resume: bool,
+        trainable: str | None = None,
+    ):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sweeper.tracking.run_tracker"],
             stdin=subprocess.PIPE,
@@ -36,7 +43,7 @@ class RunLogger:
         )
         self.alive = True
         start = {"mlflow": mlflow_cfg, "run_config": run_config, "out_dir": str(out_dir)}
-        self._send({"start": {**start, "resume": resume}})
+        self._send({"start": {**start, "resume": resume, "trainable": trainable}})
 
     def report(self, metrics: dict) -> None:
         """One evaluation's figures (the numbers; NaN and inf are left out)."""
@@ -74,8 +81,11 @@ class RunLogger:
             self.alive = False
 
 
-def start_run_logger(cfg, run_config: dict, out_dir: str, resume: bool) -> RunLogger | None:
-    """The logger of a single run, or None with `mlflow.enabled=false`."""
+def start_run_logger(
+    cfg, run_config: dict, out_dir: str, resume: bool, trainable: str | None = None
+) -> RunLogger | None:
+    """The logger of a single run, or None with `mlflow.enabled=false`. `trainable`: the
+    user's function that the run calls instead of sweeper's training."""
     from omegaconf import OmegaConf
 
     mlflow_cfg = cfg.get("mlflow") or {}
@@ -83,4 +93,4 @@ def start_run_logger(cfg, run_config: dict, out_dir: str, resume: bool) -> RunLo
         return None
     if OmegaConf.is_config(mlflow_cfg):
         mlflow_cfg = OmegaConf.to_container(mlflow_cfg, resolve=True)
-    return RunLogger(dict(mlflow_cfg), run_config, out_dir, resume)
+    return RunLogger(dict(mlflow_cfg), run_config, out_dir, resume, trainable)

@@ -9,7 +9,9 @@ the run config, flattened; its metrics the figures of each evaluation, at the st
 were taken; at the end it gets result.json and curves.png, and the status the run ended
 with (completed -> FINISHED, diverged and failed -> FAILED, interrupted -> KILLED).
 `trainer.resume=true` goes on in the same MLflow run; steps it already has are not logged
-twice.
+twice. A user's function run once (`trainable._target_=...`, a sweep's reproduce line) is
+tracked the same way: the tree it is given as params, every number it reports as metrics,
+tag `trainable`.
 
 The calls go through the sweeps' background queue (`mlflow_queue`): a slow or dead
 tracking server never holds up the logger's reading, and what cannot be sent waits in
@@ -53,7 +55,9 @@ RUN_FILES = ("result.json", "curves.png")
 
 
 class RunTracker:
-    def __init__(self, mlflow_cfg, run_config: dict, out_dir, resume: bool):
+    def __init__(
+        self, mlflow_cfg, run_config: dict, out_dir, resume: bool, trainable: str | None = None
+    ):
         from mlflow import MlflowClient
 
         self.uri = resolve_tracking_uri(mlflow_cfg.get("tracking_uri"))
@@ -64,6 +68,11 @@ class RunTracker:
         commit, dirty = git_commit()
         match = {"role": "run", "run_dir": str(self.out)}
         tags = {**match, "git_commit": commit, "git_dirty": str(dirty), "status": "running"}
+        if trainable:
+            tags["trainable"] = trainable
+        # sweeper's training reports its own figures at their step; a user's function
+        # reports what it likes, with or without a step (its report's count, then)
+        self.users_function, self.reports = bool(trainable), 0
         if commit != "unknown":
             tags["mlflow.source.git.commit"] = commit
         client = MlflowClient(self.uri)  # a fresh SQLite file is migrated here, once
@@ -90,14 +99,18 @@ class RunTracker:
         atexit.register(self._at_exit)
 
     def report(self, metrics: dict) -> None:
-        """One evaluation's figures, at its optimizer step."""
+        """One evaluation's figures, at its optimizer step; a user's function's numbers, at
+        its `step` or its report's count."""
+        self.reports += 1
+        step = metrics.get("step")
+        if not is_number(step):
+            step = self.reports
+        names = [k for k in metrics if k != "step"] if self.users_function else METRICS
         rows = []
-        for name in METRICS:
+        for name in names:
             value = metrics.get(name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            if math.isfinite(value):  # NaN/inf (a diverged run) would not plot anyway
-                rows.append([name, float(value), int(metrics["step"]), now_ms()])
+            if is_number(value) and math.isfinite(value):  # NaN/inf would not plot anyway
+                rows.append([name, float(value), int(step), now_ms()])
         if rows:
             self.queue.put({"op": "metrics", "run": RUN, "metrics": rows})
 
@@ -138,13 +151,21 @@ class RunTracker:
             self.finish("failed")
 
 
+def is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def main() -> None:
     """The logger process of one run: a `start` line, `report` lines, a `finish` line."""
     lines = iter(sys.stdin)
     try:
         start = json.loads(next(lines))["start"]
         tracker = RunTracker(
-            start["mlflow"], start["run_config"], start["out_dir"], start["resume"]
+            start["mlflow"],
+            start["run_config"],
+            start["out_dir"],
+            start["resume"],
+            start.get("trainable"),
         )
     except Exception as error:  # the run trains on untracked; its writes to us are dropped
         print(f"note: this run is not logged to MLflow: {short_error(error)}", file=sys.stderr)
