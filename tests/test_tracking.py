@@ -864,6 +864,39 @@ def test_a_users_function_run_once_is_an_mlflow_run_with_every_number_it_reports
     assert cells["run-raises"][4:9] == ["failed", "-", "-", "-", "tests.user_functions.explodes"]
 
 
+def test_a_single_runs_store_is_checked_without_importing_mlflow_where_it_trains(tmp_path):
+    """MLflow's store registry, imported to check a tracking URI, would stay resident in
+    the training process and count in a CPU run's peak memory: the check runs apart."""
+    script = f"""
+import sys
+from sweeper.config import ConfigError
+from sweeper.tracking.mlflow_store import check_config_in_a_process
+
+check_config_in_a_process({{"mlflow": {{"tracking_uri": "sqlite:///{tmp_path}/ok.db"}}}})
+for uri in ("foo://bar", "sqlite:///{tmp_path}/a_file/x.db"):
+    try:
+        check_config_in_a_process({{"mlflow": {{"tracking_uri": uri}}}})
+        print("accepted", uri)
+    except ConfigError as error:
+        print(error)
+print("mlflow imported:", "mlflow" in sys.modules)
+"""
+    (tmp_path / "a_file").write_text("")
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=dict(os.environ, PYTHONPATH=str(REPO / "src")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    scheme, directory, imported = proc.stdout.strip().splitlines()
+    assert scheme.startswith("mlflow.tracking_uri=foo://bar: MLflow has no store for this URI")
+    assert directory.startswith(f"mlflow.tracking_uri=sqlite:///{tmp_path}/a_file/x.db: ")
+    assert imported == "mlflow imported: False"
+    assert not (tmp_path / "ok.db").exists()  # checked, not made: the logger makes it
+
+
 def test_a_single_run_with_tracking_off_writes_no_mlflow_files(tmp_path):
     proc = run_cli([*SINGLE, "mlflow.enabled=false", "hydra.run.dir=run"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]

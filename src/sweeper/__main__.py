@@ -502,11 +502,11 @@ def check_single_run(cfg) -> None:
     to MLflow as a sweep's trials do, so its store is probed as a sweep's is (reachable,
     writable)."""
     from sweeper.sweep.preflight import load_user_function, trainable_target
-    from sweeper.tracking.mlflow_store import check_config
+    from sweeper.tracking.mlflow_store import check_config_in_a_process
 
     if target := trainable_target(cfg):
         load_user_function(target)
-    check_config(cfg)
+    check_config_in_a_process(cfg)
 
 
 def without_print_flags(args: list[str]) -> list[str]:
