@@ -897,6 +897,23 @@ print("mlflow imported:", "mlflow" in sys.modules)
     assert not (tmp_path / "ok.db").exists()  # checked, not made: the logger makes it
 
 
+@pytest.mark.parametrize(
+    "run_dir, name",
+    [
+        ("outputs/2026-11-22/04-25-12", "run-2026-11-22_04-25-12"),  # Hydra's run dir
+        # a --multirun's jobs: every multirun has a job 0, so its time names it too
+        ("multirun/2026-11-28/15-49-37/0", "run-2026-11-28_15-49-37-0"),
+        ("multirun/2026-11-28/15-49-37/12", "run-2026-11-28_15-49-37-12"),
+        ("runs/lr_high", "run-lr_high"),  # hydra.run.dir as the user named it
+        ("runs/7", "run-7"),
+    ],
+)
+def test_a_single_runs_mlflow_name_comes_from_its_run_dir(run_dir, name):
+    from sweeper.tracking.mlflow_tracker import run_name
+
+    assert run_name("run", Path(run_dir)) == name
+
+
 def test_a_single_run_with_tracking_off_writes_no_mlflow_files(tmp_path):
     proc = run_cli([*SINGLE, "mlflow.enabled=false", "hydra.run.dir=run"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]

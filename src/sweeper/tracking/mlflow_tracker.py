@@ -391,9 +391,13 @@ def config_yaml(config: dict) -> str:
 
 
 def run_name(sweep: str, out: Path) -> str:
-    """smoke-2026-11-22_04-25-12 for Hydra's dated run dirs, smoke-my_sweep otherwise."""
-    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", out.parent.name):
+    """smoke-2026-11-22_04-25-12 for Hydra's dated run dirs, run-2026-11-22_04-25-12-3 for
+    job 3 of a dated `--multirun` (every multirun has a job 0), smoke-my_sweep otherwise."""
+    date = r"\d{4}-\d{2}-\d{2}"
+    if re.fullmatch(date, out.parent.name):
         return f"{sweep}-{out.parent.name}_{out.name}"
+    if out.name.isdigit() and re.fullmatch(date, out.parent.parent.name):
+        return f"{sweep}-{out.parent.parent.name}_{out.parent.name}-{out.name}"
     return f"{sweep}-{out.name}"
 
 
