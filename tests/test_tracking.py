@@ -934,6 +934,35 @@ def test_a_store_the_logger_cannot_open_costs_the_run_its_tracking_not_its_train
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "completed"
 
 
+def test_runs_curves_are_by_tokens_only_where_every_run_logged_them(tmp_path):
+    """A user's function may log no tokens: the curves then share the step axis; a run
+    with no finite val_bpb has no curve."""
+    from mlflow import MlflowClient
+
+    from sweeper.runs_plot import plot_runs, run_curves
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("plots")
+    runs = {}
+    for name, logged in {
+        "own": {"val_bpb": [3.0, 2.5], "tokens": [1000, 2000]},
+        "users": {"val_bpb": [4.0, float("nan")]},
+        "none": {"lr": [0.1, 0.1]},
+    }.items():
+        run_id = client.create_run(experiment, run_name=name).info.run_id
+        for metric, values in logged.items():
+            for step, value in enumerate(values, start=1):
+                client.log_metric(run_id, metric, value, step=step)
+        runs[name] = client.get_run(run_id)
+    axis, curves = run_curves(client, [runs["own"], runs["users"], runs["none"]])
+    assert axis == "step" and curves == {"own": [(1, 3.0), (2, 2.5)], "users": [(1, 4.0)]}
+    assert run_curves(client, [runs["own"]]) == ("tokens", {"own": [(1000, 3.0), (2000, 2.5)]})
+    drawn = plot_runs(
+        client, list(runs.values()), {"own": {"optimizer.lr": "0.1"}}, tmp_path / "p.png"
+    )
+    assert drawn == 2 and (tmp_path / "p.png").stat().st_size > 10_000
+
+
 def test_compare_runs_lists_the_single_runs_best_first_with_what_differs(tmp_path):
     runs = {
         "low": ["optimizer.matrix_lr=0.005", "trainer.checkpoint_every_eval=true"],
@@ -975,3 +1004,28 @@ def test_compare_runs_lists_the_single_runs_best_first_with_what_differs(tmp_pat
     assert len(latest.stdout.strip().splitlines()) == 3 and "run-high" in latest.stdout
     refused = run_cli(["--runs", "smoke"], tmp_path, module="sweeper.compare")
     assert refused.returncode == 2 and "--runs lists the single runs" in refused.stderr
+    # --plot: their val_bpb curves on one axis, the points each run's history has
+    plotted = run_cli(["--runs", "--plot", "runs.png"], tmp_path, module="sweeper.compare")
+    assert plotted.returncode == 0, plotted.stderr
+    assert plotted.stdout.strip().splitlines()[-1] == "val_bpb curves of 2 of them -> runs.png"
+    assert (tmp_path / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from mlflow import MlflowClient
+
+    from sweeper.runs_plot import run_curves
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    axis, curves = run_curves(client, [single_run(client, tmp_path / name) for name in runs])
+    assert axis == "tokens"
+    for name in runs:
+        history = json.loads((tmp_path / name / "result.json").read_text())["history"]
+        assert curves[f"run-{name}"] == [
+            (h["tokens"], pytest.approx(h["val_bpb"])) for h in history
+        ]
+    for args, said in [
+        (["--plot", "runs.png"], "--plot runs.png draws the single runs' curves: add --runs"),
+        (["--runs", "--plot", "runs.svg"], "--plot runs.svg: name a .png file"),
+        (["--runs", "--plot", "no/such/dir/r.png"], "--plot no/such/dir/r.png: cannot be written"),
+    ]:
+        proc = run_cli(args, tmp_path, module="sweeper.compare")
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {said}"), proc.stderr
+        assert len(proc.stderr.splitlines()) == 1

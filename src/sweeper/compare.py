@@ -1,7 +1,8 @@
 """`python -m sweeper.compare [SWEEP]`: a sweep's trials as MLflow has them, best first.
 `python -m sweeper.compare --runs`: the single runs (`python -m sweeper` without a sweep),
 the latest `--last` of them, best first, each with the commit it ran (the experiment log
-practitioners keep by hand: commit, val_bpb, memory, status, what changed).
+practitioners keep by hand: commit, val_bpb, memory, status, what changed); with
+`--plot FILE.png`, their val_bpb curves on one axis (runs_plot.py).
 
 SWEEP is a sweep name (its latest run), the MLflow run id of a sweep, or a sweep's run dir
 (default: the latest sweep in the store). The store is MLflow's default (sqlite:///mlflow.db
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--last", type=int, default=20, metavar="N", help="with --runs: the latest N (default 20)"
     )
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="with --runs: their val_bpb curves on one axis, in FILE"
+    )
     args = parser.parse_args(argv)
     end_quietly_when_output_closes()
     try:
@@ -52,8 +56,10 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"--runs lists the single runs: leave out '{args.sweep}'")
         if args.last < 1:
             raise ConfigError(f"--last must be >= 1, got {args.last}")
+        if args.plot is not None:
+            check_plot_path(args.plot, args.runs)
         if args.runs:
-            print(compare_runs(args.tracking_uri, args.experiment, args.last))
+            print(compare_runs(args.tracking_uri, args.experiment, args.last, args.plot))
         else:
             print(compare(args.sweep, args.tracking_uri, args.experiment))
     except ConfigError as error:
@@ -80,8 +86,27 @@ def compare(sweep: str | None, tracking_uri: str | None, experiment: str | None)
     return _render(parent, children, uri)
 
 
-def compare_runs(tracking_uri: str | None, experiment: str | None, last: int) -> str:
-    """The latest `last` single runs, best val_bpb first."""
+def check_plot_path(plot: str, runs: bool) -> None:
+    """--plot names a PNG that can be written, and goes with --runs (a sweep draws its own
+    learning_curves.png)."""
+    if not runs:
+        raise ConfigError(
+            f"--plot {plot} draws the single runs' curves: add --runs (a sweep's run dir "
+            "has its trials' curves in learning_curves.png)"
+        )
+    path = Path(plot)
+    if path.suffix.lower() != ".png":
+        raise ConfigError(f"--plot {plot}: name a .png file")
+    folder = path.parent.resolve()
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        where = "is a directory" if path.is_dir() else f"cannot be written in {folder}"
+        raise ConfigError(f"--plot {plot}: {where}")
+
+
+def compare_runs(
+    tracking_uri: str | None, experiment: str | None, last: int, plot: str | None = None
+) -> str:
+    """The latest `last` single runs, best val_bpb first; with `plot`, their curves there."""
     client, uri = _client(tracking_uri)
     experiments = _experiments(client, experiment)
     try:
@@ -95,7 +120,15 @@ def compare_runs(tracking_uri: str | None, experiment: str | None, last: int) ->
         raise ConfigError(f"cannot read the MLflow store: {_line(error)}") from None
     if not runs:
         raise ConfigError("no single runs in the MLflow store (python -m sweeper logs one)")
-    return _render_runs(runs, uri)
+    table = _render_runs(runs, uri)
+    if plot is None:
+        return table
+    from sweeper.runs_plot import plot_runs
+
+    varied = _varied_keys(runs)
+    values = {r.info.run_name: {k: _param(r.data.params.get(k)) for k in varied} for r in runs}
+    drawn = plot_runs(client, runs, values, Path(plot))
+    return f"{table}\nval_bpb curves of {drawn} of them -> {plot}"
 
 
 def _recorded(run_dir: Path) -> dict:
@@ -245,13 +278,7 @@ def _render_runs(runs: list, uri: str) -> str:
         value = run.data.metrics.get(metric)
         return (value is None, 0.0 if value is None else value)
 
-    keys = sorted({k for r in runs for k in r.data.params})
-    # what differs between the runs, less what only says how a run ran
-    varied = [
-        k
-        for k in keys
-        if len({_param(r.data.params.get(k)) for r in runs}) > 1 and k not in RUN_SETTINGS
-    ]
+    varied = _varied_keys(runs)
     # runs of users' functions (a sweep's reproduce line) beside sweeper's own training
     trainables = {r.data.tags.get("trainable", "sweeper") for r in runs}
     ran = ["trainable"] if len(trainables) > 1 else []
@@ -284,6 +311,17 @@ def _render_runs(runs: list, uri: str) -> str:
     for row in [header, *rows]:
         lines.append("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
     return "\n".join(lines)
+
+
+def _varied_keys(runs: list) -> list[str]:
+    """The config keys whose values differ between the runs, less what only says how a
+    run ran (threads, checkpointing)."""
+    keys = sorted({k for r in runs for k in r.data.params})
+    return [
+        k
+        for k in keys
+        if len({_param(r.data.params.get(k)) for r in runs}) > 1 and k not in RUN_SETTINGS
+    ]
 
 
 def _number(value, spec: str) -> str:

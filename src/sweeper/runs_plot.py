@@ -1,0 +1,83 @@
+"""The validation curves of several single runs on one axis, from MLflow:
+`python -m sweeper.compare --runs --plot runs.png`. The table says which run is best; the
+curves say when it pulled ahead and whether the others were still falling.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+METRIC = "val_bpb"
+MAX_LABEL = 70  # characters of a legend entry: the run's name, its value, what differs
+
+
+def run_curves(client, runs: list) -> tuple[str, dict[str, list[tuple[float, float]]]]:
+    """Each run's (x, val_bpb) points from its MLflow history, and the x axis's name:
+    tokens where every run logged them at its evaluations (sweeper's training does),
+    else the step (a user's function may report neither tokens nor steps)."""
+    values, tokens = {}, {}
+    for run in runs:
+        history = client.get_metric_history(run.info.run_id, METRIC)
+        points = sorted((m.step, m.value) for m in history if math.isfinite(m.value))
+        if points:
+            values[run.info.run_name] = points
+            logged = client.get_metric_history(run.info.run_id, "tokens")
+            tokens[run.info.run_name] = {m.step: m.value for m in logged}
+    by_tokens = all(
+        all(step in tokens[name] for step, _ in points) for name, points in values.items()
+    )
+    axis = "tokens" if by_tokens else "step"
+    curves = {
+        name: [(tokens[name][step] if by_tokens else step, value) for step, value in points]
+        for name, points in values.items()
+    }
+    return axis, curves
+
+
+def plot_runs(client, runs: list, varied: dict[str, dict[str, str]], path: Path) -> int:
+    """Draws the runs' curves (best first, the best thickest) into `path`; `varied`: each
+    run's values of the config keys that differ between the runs, for the legend. Returns
+    how many runs had a curve to draw."""
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
+
+    axis, curves = run_curves(client, runs)
+    ranked = sorted(curves, key=lambda name: curves[name][-1][1])
+    fig = Figure(figsize=(10, 5.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    colours = colormaps["viridis"]
+    keys = {k for values in varied.values() for k in values}
+    tails = [k.rsplit(".", 1)[-1] for k in keys]
+    # optimizer.matrix_lr as matrix_lr, unless another key ends the same way
+    short = {k: k.rsplit(".", 1)[-1] if tails.count(k.rsplit(".", 1)[-1]) == 1 else k for k in keys}
+    for rank, name in enumerate(ranked):
+        xs, ys = zip(*curves[name], strict=True)
+        shown = ", ".join(f"{short[k]}={v}" for k, v in (varied.get(name) or {}).items())
+        label = f"{name}  {ys[-1]:.4f}" + (f"  {shown}" if shown else "")
+        if len(label) > MAX_LABEL:
+            label = label[: MAX_LABEL - 3] + "..."
+        ax.plot(
+            xs,
+            ys,
+            "o-" if len(xs) < 30 else "-",
+            ms=3,
+            lw=2.4 if rank == 0 else 1.3,
+            color=colours(rank / max(1, len(ranked) - 1) * 0.9),
+            label=label,
+        )
+    if axis == "tokens":
+        ax.xaxis.set_major_formatter(EngFormatter())
+    ax.set(
+        xlabel=axis,
+        ylabel=METRIC,
+        title=f"{METRIC} of {len(ranked)} single runs, best first (its last value)",
+    )
+    ax.grid(alpha=0.3)
+    if ranked:
+        ax.legend(fontsize=8, loc="upper right")
+    fig.savefig(path, dpi=110)
+    return len(ranked)
