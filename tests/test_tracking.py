@@ -946,21 +946,31 @@ def test_runs_curves_are_by_tokens_only_where_every_run_logged_them(tmp_path):
     runs = {}
     for name, logged in {
         "own": {"val_bpb": [3.0, 2.5], "tokens": [1000, 2000]},
+        "again": {"val_bpb": [3.5, 3.1], "tokens": [1000, 2000]},  # its run dir used again
         "users": {"val_bpb": [4.0, float("nan")]},
         "none": {"lr": [0.1, 0.1]},
     }.items():
-        run_id = client.create_run(experiment, run_name=name).info.run_id
+        run_name = "run-x" if name in ("own", "again") else name
+        run_id = client.create_run(experiment, run_name=run_name).info.run_id
         for metric, values in logged.items():
             for step, value in enumerate(values, start=1):
                 client.log_metric(run_id, metric, value, step=step)
         runs[name] = client.get_run(run_id)
-    axis, curves = run_curves(client, [runs["own"], runs["users"], runs["none"]])
-    assert axis == "step" and curves == {"own": [(1, 3.0), (2, 2.5)], "users": [(1, 4.0)]}
-    assert run_curves(client, [runs["own"]]) == ("tokens", {"own": [(1000, 3.0), (2000, 2.5)]})
-    drawn = plot_runs(
-        client, list(runs.values()), {"own": {"optimizer.lr": "0.1"}}, tmp_path / "p.png"
+    ids = {name: run.info.run_id for name, run in runs.items()}
+    axis, curves = run_curves(client, list(runs.values()))
+    assert axis == "step" and curves == {
+        ids["own"]: [(1, 3.0), (2, 2.5)],
+        ids["again"]: [(1, 3.5), (2, 3.1)],
+        ids["users"]: [(1, 4.0)],
+    }
+    by_tokens = run_curves(client, [runs["own"], runs["again"]])
+    assert by_tokens == (
+        "tokens",
+        {ids["own"]: [(1000, 3.0), (2000, 2.5)], ids["again"]: [(1000, 3.5), (2000, 3.1)]},
     )
-    assert drawn == 2 and (tmp_path / "p.png").stat().st_size > 10_000
+    varied = {ids["own"]: {"optimizer.lr": "0.1"}}
+    drawn = plot_runs(client, list(runs.values()), varied, tmp_path / "p.png")
+    assert drawn == 3 and (tmp_path / "p.png").stat().st_size > 10_000
 
 
 def test_compare_runs_lists_the_single_runs_best_first_with_what_differs(tmp_path):
@@ -1014,11 +1024,12 @@ def test_compare_runs_lists_the_single_runs_best_first_with_what_differs(tmp_pat
     from sweeper.runs_plot import run_curves
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    axis, curves = run_curves(client, [single_run(client, tmp_path / name) for name in runs])
+    logged = {name: single_run(client, tmp_path / name) for name in runs}
+    axis, curves = run_curves(client, list(logged.values()))
     assert axis == "tokens"
     for name in runs:
         history = json.loads((tmp_path / name / "result.json").read_text())["history"]
-        assert curves[f"run-{name}"] == [
+        assert curves[logged[name].info.run_id] == [
             (h["tokens"], pytest.approx(h["val_bpb"])) for h in history
         ]
     for args, said in [

@@ -126,7 +126,7 @@ def compare_runs(
     from sweeper.runs_plot import plot_runs
 
     varied = _varied_keys(runs)
-    values = {r.info.run_name: {k: _param(r.data.params.get(k)) for k in varied} for r in runs}
+    values = {r.info.run_id: {k: _param(r.data.params.get(k)) for k in varied} for r in runs}
     drawn = plot_runs(client, runs, values, Path(plot))
     return f"{table}\nval_bpb curves of {drawn} of them -> {plot}"
 

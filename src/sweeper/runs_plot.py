@@ -13,7 +13,8 @@ MAX_LABEL = 70  # characters of a legend entry: the run's name, its value, what 
 
 
 def run_curves(client, runs: list) -> tuple[str, dict[str, list[tuple[float, float]]]]:
-    """Each run's (x, val_bpb) points from its MLflow history, and the x axis's name:
+    """Each run's (x, val_bpb) points from its MLflow history, by run id (a run dir used
+    twice gives two runs of one name), and the x axis's name:
     tokens where every run logged them at its evaluations (sweeper's training does),
     else the step (a user's function may report neither tokens nor steps)."""
     values, tokens = {}, {}
@@ -21,23 +22,23 @@ def run_curves(client, runs: list) -> tuple[str, dict[str, list[tuple[float, flo
         history = client.get_metric_history(run.info.run_id, METRIC)
         points = sorted((m.step, m.value) for m in history if math.isfinite(m.value))
         if points:
-            values[run.info.run_name] = points
+            values[run.info.run_id] = points
             logged = client.get_metric_history(run.info.run_id, "tokens")
-            tokens[run.info.run_name] = {m.step: m.value for m in logged}
+            tokens[run.info.run_id] = {m.step: m.value for m in logged}
     by_tokens = all(
-        all(step in tokens[name] for step, _ in points) for name, points in values.items()
+        all(step in tokens[run_id] for step, _ in points) for run_id, points in values.items()
     )
     axis = "tokens" if by_tokens else "step"
     curves = {
-        name: [(tokens[name][step] if by_tokens else step, value) for step, value in points]
-        for name, points in values.items()
+        run_id: [(tokens[run_id][step] if by_tokens else step, value) for step, value in points]
+        for run_id, points in values.items()
     }
     return axis, curves
 
 
 def plot_runs(client, runs: list, varied: dict[str, dict[str, str]], path: Path) -> int:
     """Draws the runs' curves (best first, the best thickest) into `path`; `varied`: each
-    run's values of the config keys that differ between the runs, for the legend. Returns
+    run's values (by run id) of the config keys that differ between the runs. Returns
     how many runs had a curve to draw."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -45,7 +46,8 @@ def plot_runs(client, runs: list, varied: dict[str, dict[str, str]], path: Path)
     from matplotlib.ticker import EngFormatter
 
     axis, curves = run_curves(client, runs)
-    ranked = sorted(curves, key=lambda name: curves[name][-1][1])
+    names = {run.info.run_id: run.info.run_name for run in runs}
+    ranked = sorted(curves, key=lambda run_id: curves[run_id][-1][1])
     fig = Figure(figsize=(10, 5.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
@@ -54,10 +56,10 @@ def plot_runs(client, runs: list, varied: dict[str, dict[str, str]], path: Path)
     tails = [k.rsplit(".", 1)[-1] for k in keys]
     # optimizer.matrix_lr as matrix_lr, unless another key ends the same way
     short = {k: k.rsplit(".", 1)[-1] if tails.count(k.rsplit(".", 1)[-1]) == 1 else k for k in keys}
-    for rank, name in enumerate(ranked):
-        xs, ys = zip(*curves[name], strict=True)
-        shown = ", ".join(f"{short[k]}={v}" for k, v in (varied.get(name) or {}).items())
-        label = f"{name}  {ys[-1]:.4f}" + (f"  {shown}" if shown else "")
+    for rank, run_id in enumerate(ranked):
+        xs, ys = zip(*curves[run_id], strict=True)
+        shown = ", ".join(f"{short[k]}={v}" for k, v in (varied.get(run_id) or {}).items())
+        label = f"{names[run_id]}  {ys[-1]:.4f}" + (f"  {shown}" if shown else "")
         if len(label) > MAX_LABEL:
             label = label[: MAX_LABEL - 3] + "..."
         ax.plot(
