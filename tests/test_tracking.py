@@ -258,6 +258,14 @@ def test_concurrent_trials_lose_no_metric_step(ray_cluster, mlflow_server, tmp_p
     )
     assert_store_holds_the_sweep(mlflow_server, run_dir, 5)
     assert all(len(v) == 40 for v in reported(run_dir).values())
+    # a user's function's trials log every number it reports, and nothing Tune adds
+    client, _, children = logged(mlflow_server, run_dir)
+    for child in (c for c in children if c.data.tags.get("role") == "trial"):
+        assert set(child.data.metrics) == {"val_bpb", "tokens", "lr", "acc"}, child.data.metrics
+        accuracy = client.get_metric_history(child.info.run_id, "acc")
+        assert sorted((m.step, m.value) for m in accuracy) == [
+            (10 * k, pytest.approx(1 - 1 / (k + 1))) for k in range(1, 41)
+        ]
 
 
 @pytest.mark.slow

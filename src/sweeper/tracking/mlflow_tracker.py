@@ -30,7 +30,7 @@ from sweeper.paths import PACKAGE_DIR
 from sweeper.sweep.space import to_builtin
 from sweeper.sweep.spec import flatten, flatten_params
 from sweeper.sweep.state import STATE_NAME, write_json_atomic
-from sweeper.sweep.trainable import UPDATE_RATIO_COLUMNS, trial_config
+from sweeper.sweep.trainable import RUNG_METRIC, UPDATE_RATIO_COLUMNS, trial_config
 from sweeper.tracking.mlflow_queue import OpQueue, short_error
 from sweeper.tracking.mlflow_store import (
     check_reachable,
@@ -62,6 +62,9 @@ METRICS = (
     "mfu",
     "peak_memory_gib",
 )
+# what sweeper's trial wrapper adds to a report (trainable.run_trial, ASHA's rung forks):
+# not a user's function's own numbers
+TRIAL_KEYS = ("wall_time", RUNG_METRIC)
 RUN_STATUS = {
     "completed": "FINISHED",
     "pruned": "KILLED",
@@ -88,6 +91,7 @@ class MlflowTracker:
         quiet_store_creation()
         self.spec, self.out = spec, Path(out_dir).resolve()
         self.base = base_config(cfg, spec, trainable_target(cfg))
+        self.users_function = trainable_target(cfg) is not None
         self.commit, dirty = git_commit()
         self.common = {"sweep": spec.name, "run_dir": str(self.out), "git_commit": self.commit}
         self.experiment = str(mlflow_cfg.get("experiment") or "sweeper")
@@ -283,9 +287,17 @@ class MlflowTracker:
         }
 
     def _metrics(self, key: str, values: dict, step: int) -> None:
-        """A trial run gets the training metrics; the sweep and baseline runs every number
-        they are given."""
-        names = values if key in (PARENT, "baseline") else (self.spec.metric, *METRICS)
+        """A trial run gets the training metrics, or every number a user's function
+        reported; the sweep and baseline runs every number they are given."""
+        if key in (PARENT, "baseline"):
+            names = values
+        elif self.users_function:
+            from ray.tune.result import AUTO_RESULT_KEYS  # the trial's driver runs Tune
+
+            added = {*AUTO_RESULT_KEYS, *TRIAL_KEYS, "step"}
+            names = (self.spec.metric, *(k for k in values if k not in added))
+        else:
+            names = (self.spec.metric, *METRICS)
         rows = []
         for name in dict.fromkeys(names):
             value = values.get(name)
