@@ -23,9 +23,8 @@ def curve(config: dict, report) -> None:
         time.sleep(float(probe["sleep"]))
         value = 1.0 + (math.log10(lr) + 2.0) ** 2 + 1.0 / step
         accuracy = 1.0 - 1.0 / (step + 1)  # a number of the user's own
-        report(
-            {"val_bpb": value, "step": step * 10, "tokens": step * 100, "lr": lr, "acc": accuracy}
-        )
+        metrics = {"val_bpb": value, "step": step * 10, "tokens": step * 100, "lr": lr}
+        report({**metrics, "acc": accuracy, "acc@1": accuracy})  # MLflow refuses the last name
         if probe["dir"] and step == 1:
             open(os.path.join(probe["dir"], "started"), "a").close()
 
@@ -48,6 +47,7 @@ def fails_once(config: dict, report) -> None:
 
 
 def without_steps(config: dict, report) -> None:
-    """Reports a figure of its own name and no step, three times."""
+    """Reports a figure of its own name and no step, three times; and one whose name MLflow
+    refuses."""
     for count in range(1, 4):
-        report({"my_loss": 4.0 / count, "note": "text is not a metric"})
+        report({"my_loss": 4.0 / count, "note": "text is not a metric", "acc@1": 0.5})

@@ -303,7 +303,7 @@ class MlflowTracker:
             value = values.get(name)
             if isinstance(value, bool) or not isinstance(value, int | float) or name == "value":
                 continue
-            if math.isfinite(value):  # NaN/inf (a diverged run) would not plot anyway
+            if math.isfinite(value) and metric_name_taken(name):  # NaN/inf would not plot
                 rows.append([name, float(value), step, now_ms()])
         if rows:
             self.queue.put({"op": "metrics", "run": key, "metrics": rows})
@@ -400,6 +400,32 @@ def config_yaml(config: dict) -> str:
         return yaml.safe_dump(to_builtin(config), sort_keys=False, default_flow_style=False)
     except yaml.YAMLError:
         return json.dumps(config, indent=2, default=str)
+
+
+TAKEN_NAMES: set[str] = set()
+REFUSED_NAMES: set[str] = set()  # said once each
+
+
+def metric_name_taken(name: str) -> bool:
+    """Whether MLflow takes `name` as a metric's name (a user's function may report
+    `acc@1`): a batch with one name it refuses is refused whole, the run's val_bpb with it.
+    MLflow's own check decides; it is not public API, so where it has moved the store does."""
+    if name in TAKEN_NAMES:
+        return True
+    try:
+        from mlflow.exceptions import MlflowException
+        from mlflow.utils.validation import _validate_metric_name
+    except ImportError:
+        return True
+    try:
+        _validate_metric_name(name)
+        TAKEN_NAMES.add(name)
+        return True
+    except MlflowException as error:
+        if name not in REFUSED_NAMES:
+            REFUSED_NAMES.add(name)
+            print(f"[mlflow] metric {name!r} is not logged: {short_error(error)}", flush=True)
+        return False
 
 
 def run_name(sweep: str, out: Path) -> str:

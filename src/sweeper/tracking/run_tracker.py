@@ -43,6 +43,7 @@ from sweeper.tracking.mlflow_tracker import (
     RUN_STATUS,
     config_yaml,
     git_commit,
+    metric_name_taken,
     now_ms,
     param_key,
     param_value,
@@ -109,8 +110,8 @@ class RunTracker:
         rows = []
         for name in names:
             value = metrics.get(name)
-            if is_number(value) and math.isfinite(value):  # NaN/inf would not plot anyway
-                rows.append([name, float(value), int(step), now_ms()])
+            if is_number(value) and math.isfinite(value) and metric_name_taken(name):
+                rows.append([name, float(value), int(step), now_ms()])  # NaN/inf: no plot
         if rows:
             self.queue.put({"op": "metrics", "run": RUN, "metrics": rows})
 
