@@ -137,3 +137,30 @@ def test_a_metric_the_params_do_not_move_and_values_off_the_space_are_no_points(
     result = stage_importance([LR, EMBEDDING_LR], trials[2:])
     low, high = result["intervals"][LR.name]
     assert 0 <= low <= high <= 1
+
+
+def test_a_large_stages_resamples_cost_what_a_20_trial_stages_do_and_agree_with_it():
+    """Optuna's forest costs trees x trials: past 20 trials a resample's forest has fewer
+    trees (64 x 20 / trials, at least 16). The shares come from the full forest; the
+    intervals still bracket them, and are close to those of full forests."""
+    from sweeper.sweep import importance
+
+    assert [importance.resample_trees(n) for n in (5, 20, 40, 80, 100, 1000)] == [
+        *(64, 64, 32, 16, 16, 16)
+    ]
+
+    def metric(lr, emb, batch):
+        return 3 + (math.log10(lr) + 1.5) ** 2 + 0.2 * (math.log10(emb) + 0.5) ** 2
+
+    trials = records(metric, n=60, seed=3)
+    fewer = stage_importance([LR, EMBEDDING_LR], trials)
+    for name, share in fewer["params"].items():
+        low, high = fewer["intervals"][name]
+        assert low <= share <= high, (name, share, low, high)
+    full_forests = pytest.MonkeyPatch.context()
+    with full_forests as patch:
+        patch.setattr(importance, "FULL_FORESTS_UP_TO", 1000)
+        full = stage_importance([LR, EMBEDDING_LR], trials)
+    assert fewer["params"] == full["params"]  # the same full forest
+    for name in full["params"]:
+        assert fewer["intervals"][name] == pytest.approx(full["intervals"][name], abs=0.02)
