@@ -27,7 +27,7 @@ MIN_TRIALS = 5
 # resamples of the trials behind each interval: ~60 ms each for a stage's 5-20 trials
 BOOTSTRAPS = 40
 # Optuna's forest (64 trees) costs in proportion to trees x trials: 0.43 s for 100 trials
-# here, so 40 resamples of a 100-trial stage took 17 s of the sweep's end. Past
+# here, so a 100-trial stage's 40 resamples took 12 s of the sweep's end. Past
 # FULL_FORESTS_UP_TO trials a resample's forest has fewer trees, at least MIN_TREES
 # (its shares a little noisier, the interval a little wider); the shares themselves
 # always come from the full forest.

@@ -90,8 +90,9 @@ class MlflowTracker:
         quick_http_calls()
         quiet_store_creation()
         self.spec, self.out = spec, Path(out_dir).resolve()
-        self.base = base_config(cfg, spec, trainable_target(cfg))
-        self.users_function = trainable_target(cfg) is not None
+        target = trainable_target(cfg)
+        self.base = base_config(cfg, spec, target)
+        self.users_function = target is not None
         self.commit, dirty = git_commit()
         self.common = {"sweep": spec.name, "run_dir": str(self.out), "git_commit": self.commit}
         self.experiment = str(mlflow_cfg.get("experiment") or "sweeper")
