@@ -323,9 +323,10 @@ def interruptible(fit, tick) -> None:
         raise outcome["error"]
 
 
-def validate(overrides: list[str], printing: bool = False) -> None:
-    """Every check of a run or sweep before Hydra starts it. printing: `--cfg` prints the
-    config and runs nothing, so what only matters to a run dir is not checked."""
+def validate(overrides: list[str], printing: bool = False):
+    """Every check of a run or sweep before Hydra starts it; returns the composed config.
+    printing: `--cfg` prints the config and runs nothing, so what only matters to a run
+    dir is not checked."""
     from omegaconf import OmegaConf
 
     cfg = compose(overrides)
@@ -446,6 +447,36 @@ def validate(overrides: list[str], printing: bool = False) -> None:
                     f"sweep.resume=true: hydra.run.dir={run_dir} holds a single run "
                     "(result.json), not a sweep; name the interrupted sweep's dir"
                 )
+    return cfg
+
+
+def print_plan(cfg, overrides: list[str]) -> None:
+    """`sweep.dry_run=true`: the sweep's plan (sweep/plan.py), with nothing started."""
+    from pathlib import Path
+
+    from sweeper.sweep.plan import plan_text
+    from sweeper.sweep.preflight import base_config, slots_for, trainable_target, validate_sweep
+    from sweeper.sweep.ray_cluster import local_cluster_size
+
+    spec = validate_sweep(cfg)
+    target = trainable_target(cfg)
+    base = base_config(cfg, spec, target)
+    slots = None
+    if not cfg.get("ray", {}).get("address"):
+        workers = 1 if target else int(cfg.trainer.workers)
+        slots = slots_for(spec, workers, *local_cluster_size(cfg.ray))
+    state, out = None, None
+    if run_dir := hydra_run_dir(overrides):
+        out = Path(run_dir).resolve()
+        if spec.resume:
+            from sweeper.sweep.preflight import resumable_state
+
+            state = resumable_state(out, spec, base)
+    print(plan_text(spec, base, target, slots, state, out))
+
+
+def is_dry_run(cfg) -> bool:
+    return "sweep" in cfg and bool(cfg.sweep.get("dry_run"))
 
 
 def check_single_run_resume(cfg, run, run_dir: str | None, printing: bool) -> None:
@@ -582,8 +613,22 @@ def main() -> None:
         try:
             # a multirun's jobs are checked before Hydra makes its multirun dir; the first
             # MAX_CHECKED_JOBS of a huge product, the rest as each job starts (run_job)
-            for job in multirun_jobs(overrides)[:MAX_CHECKED_JOBS] if multirun else [overrides]:
-                validate(job, printing)
+            jobs = multirun_jobs(overrides) if multirun else [overrides]
+            checked = [(job, validate(job, printing)) for job in jobs[:MAX_CHECKED_JOBS]]
+            if not printing and any(is_dry_run(cfg) for _, cfg in checked):
+                if len(jobs) > MAX_CHECKED_JOBS:
+                    raise ConfigError(
+                        f"sweep.dry_run=true: {len(jobs)} multirun jobs; plan at most "
+                        f"{MAX_CHECKED_JOBS} at once"
+                    )
+                for number, (job, cfg) in enumerate(checked):
+                    if multirun:
+                        print(f"{'' if number == 0 else chr(10)}job {number}: {' '.join(job)}")
+                    if is_dry_run(cfg):
+                        print_plan(cfg, job)
+                    else:
+                        print("  a single run (sweep.dry_run plans sweeps)")
+                return
         except ConfigError as error:
             fail(str(error))
     import hydra

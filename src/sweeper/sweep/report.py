@@ -227,8 +227,9 @@ def _launch_overrides(out: Path) -> list[str] | None:
 
 
 def flops_text(flops: float) -> str:
-    """2.9e13, as the configs write FLOPs (not Python's 2.9e+13)."""
-    return f"{flops:.3g}".replace("e+", "e")
+    """2.9e13, as the configs write FLOPs (not Python's 2.9e+13; 2.2e7, not 2.2e+07)."""
+    mantissa, _, exponent = f"{flops:.3g}".partition("e")
+    return f"{mantissa}e{int(exponent)}" if exponent else mantissa
 
 
 def duration_text(seconds: float | None) -> str:

@@ -95,6 +95,7 @@ class SweepSpec:
     confirm_seeds: int = 0
     max_failures: int = 1
     resume: bool = False
+    dry_run: bool = False  # print the plan (stages, trials, FLOPs) and start nothing
     lr_keys: list[str] = field(default_factory=list)
 
     @property

@@ -143,6 +143,7 @@ def spent_flops(records: list[dict]) -> float:
 OPERATIONAL_KEYS = frozenset(
     {
         "resume",
+        "dry_run",
         "confirm_seeds",  # runs after the stages, on top of them: a finished sweep can add it
         "concurrency",
         "max_failures",

@@ -1,0 +1,249 @@
+"""`sweep.dry_run=true`: what a sweep would run, printed before anything starts.
+
+A sweep's cost is a product of several settings spread over files and overrides (stages,
+num_samples, grids, the budget, the model's FLOPs per token, the scheduler's rungs, rung
+forks, the baseline, extra rounds past a range's end, confirmation seeds), and the
+answer only shows once the trials run. The plan is computed from the same validated spec
+and base config a sweep starts from, with nothing started or written: per stage, the
+trials, what they search, the FLOPs of one trial and the most the stage can take (every
+trial to its end); then the whole sweep's at-most figures and how many trials run at
+once. A later stage starts from the earlier stages' best, which only the sweep can know:
+its plan is taken from the base config (with a token budget its FLOPs do not depend on
+the frozen values; a stage that searches the model's size or budget shows its range).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from sweeper.sweep.spec import SweepSpec, stage_space
+from sweeper.sweep.stages import get_dotted, hydra_value, sweep_run
+
+# value combinations of a stage whose FLOPs are computed one by one; past this, each
+# param's values are taken alone (the extremes then bound the trial's FLOPs all the same
+# whenever FLOPs grow or shrink with each value, as depth, width, batch and budget do)
+MAX_COMBINATIONS = 512
+
+
+@dataclass
+class StagePlan:
+    name: str
+    search: str
+    scheduler: str
+    trials: int
+    searched: list[str]  # "key kind [values]" per param
+    trial_flops: tuple[float, float] | None  # (least, most) FLOPs of one trial
+    most_flops: float | None  # every trial to its end, and every fork at every rung
+    rungs: tuple[float, ...]  # where the scheduler may stop a trial, as budget fractions
+    extend_trials: int
+    lr_rule: str
+    finished: bool = False
+
+
+def param_text(param) -> str:
+    """optimizer.matrix_lr log_uniform [0.004, 0.1], as the sweep file writes it."""
+    values = param.values if param.values else (param.low, param.high)
+    return f"{param.name} {param.kind} [{', '.join(hydra_value(v) for v in values)}]"
+
+
+def value_options(param) -> list:
+    """The values of a param that bound a trial's cost: every value of a list, else the
+    two ends of a range (integers as integers)."""
+    if param.values:
+        return list(param.values)
+    return [int(v) if param.integer else v for v in (param.low, param.high)]
+
+
+def trials_flops(base: dict, space, trials: int, grid: bool) -> tuple[tuple, float] | None:
+    """((least, most) FLOPs of one trial, the most the stage's trials take), from the run
+    each combination of the params' bounding values makes. A pure grid runs exactly its
+    combinations, so its total is their sum; sampled trials are counted at the most."""
+    from sweeper.budget import planned_flops
+    from sweeper.config import load_run_config
+
+    options = {p.name: value_options(p) for p in space.params}
+    if math.prod(map(len, options.values())) <= MAX_COMBINATIONS:
+        combos = [dict(zip(options, c)) for c in itertools.product(*options.values())]
+    else:
+        combos = [{key: value} for key, values in options.items() for value in values]
+    flops = [
+        planned_flops(load_run_config(sweep_run(base, {**space.fixed, **combo})))
+        for combo in combos or [{}]
+    ]
+    if grid and len(flops) == trials:
+        return (min(flops), max(flops)), sum(flops)
+    return (min(flops), max(flops)), trials * max(flops)
+
+
+def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> list[StagePlan]:
+    """Each stage's plan from `base`; `done`: names of stages a resume skips (`base` is
+    then the config they left)."""
+    from sweeper.sweep.engine import planned_trials, rung_fractions
+    from sweeper.sweep.space import is_pure_grid
+
+    frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
+    frozen = {key: value for key, value in frozen.items() if value is not None}
+    plans = []
+    for stage in spec.stages:
+        space = stage_space(spec, stage, frozen)
+        trials = planned_trials(spec, stage, base)
+        grid = spec.stage_search(stage) == "grid" or is_pure_grid(space)
+        rungs = rung_fractions(spec, stage, target)
+        trial_flops = most = None
+        if not target:  # a user's function's cost is its own business
+            trial_flops, most = trials_flops(base, space, trials, grid)
+            # a fork at a rung trains rung_cooldown of the steps the trial took to get there
+            most *= 1 + spec.rung_cooldown * sum(rungs)
+        plans.append(
+            StagePlan(
+                name=stage.name,
+                search=spec.stage_search(stage),
+                scheduler=spec.stage_scheduler(stage),
+                trials=trials,
+                searched=[param_text(p) for p in space.params]
+                + [f"{k}={hydra_value(v)} (fixed)" for k, v in space.fixed.items()],
+                trial_flops=trial_flops,
+                most_flops=most,
+                rungs=rungs,
+                extend_trials=stage.extend_trials,
+                lr_rule=stage.lr_rule,
+                finished=stage.name in done,
+            )
+        )
+    return plans
+
+
+def fraction_text(fraction: float) -> str:
+    """1/4, 3/4, 1/9: the rungs' fractions of a budget as people say them."""
+    for denominator in range(2, 100):
+        numerator = round(fraction * denominator)
+        if numerator and abs(numerator / denominator - fraction) < 1e-9:
+            return f"{numerator}/{denominator}"
+    return f"{fraction:.3g}"
+
+
+def plan_text(
+    spec: SweepSpec,
+    base: dict,
+    target: str | None,
+    slots: int | None,
+    state=None,
+    out: Path | None = None,
+) -> str:
+    """The plan as printed: a block per stage, then the sweep's totals. `state`: the sweep
+    state a resume continues (its finished stages are skipped, and the rest start from the
+    config they left)."""
+    from sweeper.sweep.report import flops_text
+
+    done = [s.name for s in spec.stages if state is not None and state.stage_done(s.name)]
+    start = (state.base_after_finished_stages() if state is not None else None) or base
+    plans = stage_plans(spec, start, target, done)
+    unit = _unit(spec)
+    lines = [f"sweep '{spec.name}': the plan (sweep.dry_run=true: nothing is trained or written)"]
+    if not target:
+        from sweeper.budget import model_counts
+        from sweeper.config import load_run_config
+
+        params, per_token = model_counts(load_run_config(sweep_run(base, {})))
+        lines.append(
+            f"  model: {params / 1e6:.3g}M params, {flops_text(per_token)} training FLOPs a "
+            f"token; each trial {unit}"
+        )
+    else:
+        lines.append(f"  trainable: {target} (its budget is its own)")
+    width = max(len(p.name) for p in plans) if plans else 0
+    for plan in plans:
+        head = f"  stage {plan.name:<{width}}  "
+        if plan.finished:
+            lines.append(f"{head}finished in the run dir: skipped (sweep.resume=true)")
+            continue
+        what = f"{plan.trials} trial{'s' * (plan.trials != 1)}"
+        if plan.trial_flops:
+            least, most = plan.trial_flops
+            each = flops_text(most) if least == most else f"{flops_text(least)}-{flops_text(most)}"
+            what += f" of {each} FLOPs"
+        lines.append(f"{head}{plan.search} search, {plan.scheduler} scheduler: {what}")
+        pad = " " * len(head)
+        lines.append(pad + "; ".join(plan.searched))
+        if plan.rungs:
+            lines.append(
+                f"{pad}{plan.scheduler} may stop a trial at "
+                f"{', '.join(fraction_text(f) for f in plan.rungs)} of its budget "
+                f"(keeps the best 1/{spec.reduction_factor:g} at each)"
+                + (
+                    f"; a fork at each rung cools down over {spec.rung_cooldown:g} of the "
+                    "steps so far"
+                    if spec.rung_cooldown
+                    else ""
+                )
+            )
+        if plan.lr_rule != "none":
+            rule = {
+                "sqrt": "LRs follow the batch size by sqrt(B / B0)",
+                "linear": "LRs follow the batch size by B / B0",
+                "retune": "LRs searched again in a band around the frozen ones",
+            }[plan.lr_rule]
+            lines.append(pad + rule)
+        if plan.extend_trials:
+            lines.append(
+                f"{pad}then {plan.extend_trials} more trial{'s' * (plan.extend_trials != 1)} "
+                "past a range's end, where the best sits at one"
+            )
+    runs = sum(p.trials + p.extend_trials for p in plans if not p.finished)
+    extras = []
+    if spec.baseline and (state is None or state.baseline is None):
+        runs += 1
+        extras.append("the baseline")
+    if spec.confirm_seeds:
+        runs += 2 * spec.confirm_seeds
+        extras.append(f"{2 * spec.confirm_seeds} confirmation runs")
+    total = f"  in all: at most {runs} runs" + (f" (with {', '.join(extras)})" if extras else "")
+    if not target:
+        from sweeper.budget import planned_flops
+        from sweeper.config import load_run_config
+
+        left = [p for p in plans if not p.finished]
+        # a round past a range's end trains trials like the stage's own
+        most = sum(p.most_flops + p.extend_trials * p.trial_flops[1] for p in left)
+        # the baseline is the base config; a confirmation pairs the best config (one of
+        # the stages' trials) with the baseline on each seed
+        base_flops = planned_flops(load_run_config(sweep_run(base, {})))
+        best_flops = max([base_flops] + [p.trial_flops[1] for p in plans])
+        baseline = spec.baseline and (state is None or state.baseline is None)
+        most += (int(baseline) + spec.confirm_seeds) * base_flops
+        most += spec.confirm_seeds * best_flops
+        total += f", {flops_text(most)} training FLOPs if no trial is stopped early"
+    lines.append(total)
+    caps = [
+        f"sweep.{key}={hydra_value(getattr(spec, key))}"
+        for key in ("max_trials", "max_flops", "max_seconds")
+        if getattr(spec, key) is not None
+    ]
+    if caps:
+        lines.append(f"  capped by {', '.join(caps)}")
+    if slots is not None:
+        lines.append(
+            f"  {slots} trial{'s' * (slots != 1)} at once on the local cluster "
+            f"(sweep.cpus_per_trial={spec.cpus_per_trial:g}, "
+            f"sweep.gpus_per_trial={spec.gpus_per_trial:g}"
+            + (f", sweep.concurrency={spec.concurrency}" if spec.concurrency else "")
+            + ")"
+        )
+    else:
+        lines.append("  trials at once: as many as the cluster's resources allow")
+    if out is not None:
+        lines.append(f"  run dir: {out}")
+    return "\n".join(lines)
+
+
+def _unit(spec: SweepSpec) -> str:
+    if spec.budget.tokens_per_trial is not None:
+        return f"trains {spec.budget.tokens_per_trial:,.0f} tokens"
+    if spec.budget.flops_per_trial is not None:
+        from sweeper.sweep.report import flops_text
+
+        return f"trains {flops_text(spec.budget.flops_per_trial)} FLOPs (or a stage's own budget)"
+    return "trains its config's budget"

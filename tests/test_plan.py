@@ -1,0 +1,126 @@
+"""`sweep.dry_run=true`: a sweep's plan, printed from the command line with nothing started."""
+
+import math
+from pathlib import Path
+
+from sweeper.budget import model_counts, planned_flops
+from sweeper.cli import compose
+from sweeper.config import load_run_config
+from sweeper.sweep.engine import rung_fractions
+from sweeper.sweep.plan import fraction_text, stage_plans
+from sweeper.sweep.preflight import base_config, validate_sweep
+from sweeper.sweep.report import flops_text
+from sweeper.sweep.stages import sweep_run
+from sweeper.sweep.state import SweepState, sweep_definition
+
+from .conftest import run_cli
+
+PLAN = ["sweep.dry_run=true", "mlflow.enabled=false"]
+
+
+def files_under(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_the_plan_of_lr_bs_counts_its_trials_and_flops_and_nothing_is_written(tmp_path):
+    proc = run_cli(["+sweep=lr_bs", "ray.num_cpus=4", *PLAN], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    # what the trials would train, from the model's shape and the budget
+    cfg = compose(["+sweep=lr_bs"])
+    spec = validate_sweep(cfg)
+    _, per_token = model_counts(load_run_config(cfg))
+    batch = cfg.trainer.total_batch_size
+    trial = math.ceil(spec.budget.tokens_per_trial / batch) * batch * per_token
+    assert f"each trial trains {spec.budget.tokens_per_trial:,.0f} tokens" in out
+    assert f"tpe search, asha scheduler: 8 trials of {flops_text(trial)} FLOPs" in out
+    assert f"grid search, fifo scheduler: 3 trials of {flops_text(trial)} FLOPs" in out
+    assert "trainer.total_batch_size grid [4096, 8192, 16384]" in out
+    assert "optimizer.matrix_lr log_uniform [0.004, 0.1]" in out
+    assert "LRs follow the batch size by sqrt(B / B0)" in out
+    rungs = rung_fractions(spec, spec.stages[0], None)
+    assert f"asha may stop a trial at {', '.join(map(fraction_text, rungs))} of" in out
+    # every LR trial to its end with a fork at each rung, the batch grid, the baseline
+    forks = 1 + spec.rung_cooldown * sum(rungs)
+    most = (8 * forks + 3 + 1) * trial
+    assert f"at most 12 runs (with the baseline), {flops_text(most)} training FLOPs" in out
+    assert "4 trials at once on the local cluster" in out
+    assert files_under(tmp_path) == []  # no run dir, no MLflow store, no Ray session dir
+
+
+def test_a_grid_over_model_sizes_sums_its_points_and_shows_the_range_of_a_trial():
+    cfg = compose(["+sweep=scaling"])
+    spec = validate_sweep(cfg)
+    base = base_config(cfg, spec, None)
+    (plan,) = stage_plans(spec, base, None)
+    flops = [
+        planned_flops(
+            load_run_config(sweep_run(base, {"trainer.budget_flops": b, "model.depth": d}))
+        )
+        for b in (1e12, 3e12, 1e13)
+        for d in (1, 2, 3, 4, 5)
+    ]
+    assert plan.trials == 15 and plan.rungs == ()  # fifo: every point to its budget
+    assert plan.trial_flops == (min(flops), max(flops))
+    assert plan.most_flops == sum(flops)
+    # a sampled stage is counted at its dearest trial: depth sampled in [1, 5] costs most at 5
+    sampled = ["sweep.stages.0.search=random", "sweep.stages.0.num_samples=6"]
+    depth = "sweep.stages.0.params.model.depth"
+    sampled += [f"~{depth}", f"+{depth}={{int:[1,5]}}"]
+    cfg = compose(["+sweep=scaling", *sampled])
+    spec = validate_sweep(cfg)
+    (plan,) = stage_plans(spec, base_config(cfg, spec, None), None)
+    dearest = max(flops)
+    assert plan.trials == 18 and plan.most_flops == 18 * dearest  # 6 draws x 3 budgets
+
+
+def test_a_resumed_sweep_plans_only_what_is_left_from_the_config_its_stages_left(tmp_path):
+    cfg = compose(["+sweep=lr_bs"])
+    spec = validate_sweep(cfg)
+    base = base_config(cfg, spec, None)
+    run_dir = tmp_path / "run"
+    state = SweepState.new(run_dir, spec.name, base, sweep_definition(spec))
+    # the LR stage finished and froze a model two layers deeper (as a stage could)
+    left = {**base, "model": {**base["model"], "depth": base["model"]["depth"] + 2}}
+    state.finish_stage("lr", [], {}, None, left, 10.0)
+    before = {p: p.read_bytes() for p in run_dir.iterdir()}
+    args = ["+sweep=lr_bs", f"hydra.run.dir={run_dir}", "sweep.resume=true", *PLAN]
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "stage lr          finished in the run dir: skipped (sweep.resume=true)" in out
+    deeper = planned_flops(load_run_config(sweep_run(left, {})))
+    assert f"3 trials of {flops_text(deeper)} FLOPs" in out
+    baseline = planned_flops(load_run_config(sweep_run(base, {})))  # the unmodified config
+    assert f"at most 4 runs (with the baseline), {flops_text(3 * deeper + baseline)}" in out
+    assert f"run dir: {run_dir}" in out
+    assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def test_a_users_function_has_its_trials_planned_and_no_flops(tmp_path):
+    # a module of the user's own in the working directory, as `python -m` finds it
+    (tmp_path / "mine.py").write_text("def fit(config, report):\n    report({'loss': 1.0})\n")
+    args = ["+sweep=smoke", "trainable._target_=mine.fit", "sweep.metric=loss", *PLAN]
+    proc = run_cli(args, cwd=tmp_path, timeout=60, env={"PYTHONDONTWRITEBYTECODE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "trainable: mine.fit (its budget is its own)" in proc.stdout
+    assert "random search, asha scheduler: 2 trials\n" in proc.stdout
+    assert "FLOPs" not in proc.stdout
+    assert files_under(tmp_path) == ["mine.py"]
+
+
+def test_a_multirun_plans_each_of_its_sweeps(tmp_path):
+    proc = run_cli(["-m", "+sweep=smoke,lr", *PLAN], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("the plan (sweep.dry_run=true") == 2
+    assert "sweep 'smoke'" in proc.stdout and "sweep 'lr'" in proc.stdout
+    assert files_under(tmp_path) == []  # no multirun dir
+
+
+def test_a_bad_dry_run_value_is_one_line(tmp_path):
+    proc = run_cli(["+sweep=smoke", "sweep.dry_run=maybe"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: sweep.dry_run: Value 'maybe' is not a valid bool (type str)"
+    ]
+    assert proc.stdout == "" and files_under(tmp_path) == []
