@@ -1,14 +1,24 @@
 """`sweep.dry_run=true`: a sweep's plan, printed from the command line with nothing started."""
 
 import math
+import re
 from pathlib import Path
 
 from sweeper.budget import model_counts, planned_flops
 from sweeper.cli import compose
 from sweeper.config import load_run_config
 from sweeper.sweep.engine import rung_fractions
-from sweeper.sweep.plan import fraction_text, stage_plans
-from sweeper.sweep.preflight import base_config, validate_sweep
+from sweeper.sweep.plan import (
+    STAGE_START_S,
+    Speed,
+    fraction_text,
+    makespan,
+    measure_speed,
+    plan_seconds,
+    run_cost,
+    stage_plans,
+)
+from sweeper.sweep.preflight import base_config, validate_sweep, with_reports
 from sweeper.sweep.report import flops_text
 from sweeper.sweep.stages import sweep_run
 from sweeper.sweep.state import SweepState, sweep_definition
@@ -45,6 +55,9 @@ def test_the_plan_of_lr_bs_counts_its_trials_and_flops_and_nothing_is_written(tm
     most = (8 * forks + 3 + 1) * trial
     assert f"at most 12 runs (with the baseline), {flops_text(most)} training FLOPs" in out
     assert "4 trials at once on the local cluster" in out
+    # the minutes, from a trial's speed measured on this machine
+    assert re.search(r"time: at most ~(\d+ min )?\d+ s of trials here, less where a", out)
+    assert re.search(r"a trial on 1 thread trains \d\.?\d*e\d+ FLOP/s, measured just now", out)
     assert files_under(tmp_path) == []  # no run dir, no MLflow store, no Ray session dir
 
 
@@ -124,3 +137,40 @@ def test_a_bad_dry_run_value_is_one_line(tmp_path):
         "error: sweep.dry_run: Value 'maybe' is not a valid bool (type str)"
     ]
     assert proc.stdout == "" and files_under(tmp_path) == []
+
+
+def test_trials_of_known_length_fill_the_slots_longest_first():
+    assert makespan([3.0, 3.0, 3.0], 2) == 6.0
+    assert makespan([1.0, 1.0, 1.0, 5.0], 2) == 5.0  # the long one alone, the rest beside it
+    assert makespan([2.0] * 8, 3) == 6.0
+    assert makespan([], 2) == 0.0
+
+
+def test_the_time_counts_each_stage_in_rounds_of_its_slots_and_the_baseline_in_the_first():
+    cfg = compose(["+sweep=lr_bs", "sweep.stages.0.scheduler=fifo"])
+    spec = validate_sweep(cfg)
+    base = base_config(cfg, spec, None)
+    plans = stage_plans(spec, base, None)
+    speed = Speed(train_flops_per_s=1e11, eval_flops_per_s=3e11, setup_s=2.0, threads=1)
+    trial = speed.trial_seconds(plans[0].costs[0], 1.0)
+    once = speed.trial_seconds(run_cost(with_reports(base, 1, None)), 1.0)
+    assert trial > once > 2.0 + plans[0].costs[0].flops / 1e11  # 8 evaluations against 1
+    # 8 LR trials and the shorter baseline on 2 slots: 4 rounds, then the baseline in
+    # the first free slot; then 3 batch trials of 4 evaluations each: 2 rounds
+    batch = speed.trial_seconds(plans[1].costs[0], 1.0)
+    starts = 2 * STAGE_START_S
+    assert plan_seconds(spec, base, plans, speed, 2, True) == starts + 4 * trial + once + 2 * batch
+    assert plan_seconds(spec, base, plans, speed, 2, False) == starts + 4 * trial + 2 * batch
+    assert plan_seconds(spec, base, plans, speed, 11, True) == starts + trial + batch
+
+
+def test_the_speed_is_measured_on_the_real_training_loop_and_not_for_a_model_too_big():
+    cfg = compose(["+sweep=smoke"])
+    spec = validate_sweep(cfg)
+    speed = measure_speed(base_config(cfg, spec, None), threads=1)
+    assert speed.threads == 1 and speed.setup_s >= 0
+    assert 1e8 < speed.train_flops_per_s < 1e14 and 1e8 < speed.eval_flops_per_s < 1e14
+    # ~700M params: steps of minutes on a CPU, not timed
+    big = base_config(cfg, spec, None)
+    big = {**big, "model": {**big["model"], "depth": 24, "aspect_ratio": 64}}
+    assert measure_speed(big, threads=1) is None

@@ -472,7 +472,14 @@ def print_plan(cfg, overrides: list[str]) -> None:
             from sweeper.sweep.preflight import resumable_state
 
             state = resumable_state(out, spec, base)
-    print(plan_text(spec, base, target, slots, state, out))
+    speed = None
+    if slots is not None and not target and not spec.gpus_per_trial and cfg.trainer.workers == 1:
+        from sweeper.sweep.plan import measure_speed
+
+        # trials on this machine's CPUs: their minutes can be measured here, in seconds
+        print("timing a few training steps of the base config here ...", flush=True)
+        speed = measure_speed(base, spec.trial_threads)
+    print(plan_text(spec, base, target, slots, state, out, speed))
 
 
 def is_dry_run(cfg) -> bool:

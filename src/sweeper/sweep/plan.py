@@ -20,12 +20,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sweeper.sweep.spec import SweepSpec, stage_space
-from sweeper.sweep.stages import get_dotted, hydra_value, sweep_run
+from sweeper.sweep.stages import apply_params, get_dotted, hydra_value, sweep_run
 
 # value combinations of a stage whose FLOPs are computed one by one; past this, each
 # param's values are taken alone (the extremes then bound the trial's FLOPs all the same
 # whenever FLOPs grow or shrink with each value, as depth, width, batch and budget do)
 MAX_COMBINATIONS = 512
+
+
+@dataclass(frozen=True)
+class TrialCost:
+    """What one trial trains and evaluates."""
+
+    flops: float  # training FLOPs to its budget
+    flops_per_token: int
+    eval_tokens: int  # validation tokens of all its evaluations
 
 
 @dataclass
@@ -36,11 +45,115 @@ class StagePlan:
     trials: int
     searched: list[str]  # "key kind [values]" per param
     trial_flops: tuple[float, float] | None  # (least, most) FLOPs of one trial
-    most_flops: float | None  # every trial to its end, and every fork at every rung
+    # every trial, each to its end (a pure grid's own points, else all at the dearest)
+    costs: list[TrialCost] | None
+    fork_factor: float  # training FLOPs with every fork at every rung, over without
     rungs: tuple[float, ...]  # where the scheduler may stop a trial, as budget fractions
     extend_trials: int
     lr_rule: str
     finished: bool = False
+
+    @property
+    def most_flops(self) -> float | None:
+        """Every trial to its end, and every fork at every rung."""
+        if self.costs is None:
+            return None
+        return sum(cost.flops for cost in self.costs) * self.fork_factor
+
+
+@dataclass(frozen=True)
+class Speed:
+    """One trial's speed on this machine, measured on the base config's model."""
+
+    train_flops_per_s: float
+    eval_flops_per_s: float  # forward FLOPs (a third of a training token's) a second
+    setup_s: float  # data and model, which every trial sets up
+    threads: int
+
+    def trial_seconds(self, cost: TrialCost, fork_factor: float) -> float:
+        train = cost.flops * fork_factor / self.train_flops_per_s
+        evaluate = cost.eval_tokens * cost.flops_per_token / 3 / self.eval_flops_per_s
+        return self.setup_s + train + evaluate
+
+
+# the measurement: training steps timed after an untimed first (warm-up), and evaluation
+# batches timed after an untimed first; skipped where that would take more than ~20 s on
+# a CPU's ~1e11 FLOP/s (a model a CPU sweep would not train)
+PROBE_STEPS = 3
+PROBE_EVAL_BATCHES = 4
+PROBE_MAX_FLOPS = 2e12
+
+
+def measure_speed(base: dict, threads: int) -> Speed | None:
+    """Times a few training steps (the real training loop, `train`) and evaluation batches
+    of the base config's model here, on a trial's threads; None where the model is too
+    big to time in seconds. Why measure: FLOPs alone say nothing of minutes, and a CPU's
+    speed differs 2x between machines with and without bf16 units."""
+    import time
+
+    from sweeper.config import load_run_config
+    from sweeper.data import load_data
+    from sweeper.model import GPT, GPTShape, residual_dtype_for
+    from sweeper.runtime import resolve_device, resolve_dtype
+    from sweeper.sweep.trainable import placed
+    from sweeper.train import evaluate, train
+
+    config = placed(base, threads, 0.0)
+    trainer = config["trainer"]
+    micro = int(trainer["device_batch_size"]) * int(config["model"]["seq_len"])
+    probe = {
+        **config,
+        "trainer": {
+            **trainer,
+            "max_steps": PROBE_STEPS + 1,
+            **dict.fromkeys(("budget_tokens", "budget_flops", "tokens_per_param")),
+            "num_evals": 1,
+            "eval_tokens": micro,
+            "rungs": [],
+            "rung_cooldown": 0.0,
+        },
+    }
+    run = load_run_config(probe)
+    per_token = run_cost(config).flops_per_token
+    if run.trainer.total_batch_size * per_token * (PROBE_STEPS + 1) > PROBE_MAX_FLOPS:
+        return None
+    started = time.perf_counter()
+    device = resolve_device(run.trainer.device, 0)
+    dtype = resolve_dtype(run.trainer.dtype, device)
+    data = load_data(run.data, run.model.seq_len)
+    model = GPT(GPTShape.from_config(run.model), residual_dtype_for(device, dtype)).to(device)
+    setup_s = time.perf_counter() - started
+    result = train(probe, verbose=False)
+    model.train()
+    evaluate(model, data, run, device, dtype, 0, 1)  # warm-up: one batch
+    batches = {**probe["trainer"], "eval_tokens": PROBE_EVAL_BATCHES * micro}
+    timed = load_run_config({**probe, "trainer": batches})
+    started = time.perf_counter()
+    evaluate(model, data, timed, device, dtype, 0, 1)
+    eval_s = time.perf_counter() - started
+    return Speed(
+        train_flops_per_s=result["tokens_per_s"] * per_token,
+        eval_flops_per_s=PROBE_EVAL_BATCHES * micro * per_token / 3 / max(eval_s, 1e-9),
+        setup_s=setup_s,
+        threads=threads,
+    )
+
+
+# each stage's trials run in processes Tune starts for that stage (reused between its
+# trials), which import torch and load the data first: the first round of lr_bs's LR stage
+# (fifo) took 36 s against 29-30 s for the rounds after it, on a 2-core bf16 EPYC
+STAGE_START_S = 6.0
+
+
+def makespan(seconds: list[float], slots: int) -> float:
+    """Wall time of jobs run `slots` at a time, longest first, each on the slot free
+    first (what Tune's queue does with trials of known length)."""
+    import heapq
+
+    free = [0.0] * max(1, slots)
+    for job in sorted(seconds, reverse=True):
+        heapq.heappush(free, heapq.heappop(free) + job)
+    return max(free)
 
 
 def param_text(param) -> str:
@@ -57,31 +170,39 @@ def value_options(param) -> list:
     return [int(v) if param.integer else v for v in (param.low, param.high)]
 
 
-def trials_flops(base: dict, space, trials: int, grid: bool) -> tuple[tuple, float] | None:
-    """((least, most) FLOPs of one trial, the most the stage's trials take), from the run
-    each combination of the params' bounding values makes. A pure grid runs exactly its
-    combinations, so its total is their sum; sampled trials are counted at the most."""
-    from sweeper.budget import planned_flops
+def run_cost(config: dict) -> TrialCost:
+    """The cost of the run `config` makes (a sweep run: its micro-batch fitted)."""
+    from sweeper.budget import model_counts, planned_flops
     from sweeper.config import load_run_config
 
+    run = load_run_config(sweep_run(config, {}))
+    evaluations = run.trainer.num_evals or 1
+    return TrialCost(
+        planned_flops(run), model_counts(run)[1], evaluations * run.trainer.eval_tokens
+    )
+
+
+def trial_costs(base: dict, space, trials: int, grid: bool) -> tuple[tuple, list[TrialCost]]:
+    """((least, most) FLOPs of one trial, each trial's cost), from the run each combination
+    of the params' bounding values makes. A pure grid runs exactly its combinations;
+    sampled trials are each counted at the dearest."""
     options = {p.name: value_options(p) for p in space.params}
     if math.prod(map(len, options.values())) <= MAX_COMBINATIONS:
         combos = [dict(zip(options, c)) for c in itertools.product(*options.values())]
     else:
         combos = [{key: value} for key, values in options.items() for value in values]
-    flops = [
-        planned_flops(load_run_config(sweep_run(base, {**space.fixed, **combo})))
-        for combo in combos or [{}]
-    ]
-    if grid and len(flops) == trials:
-        return (min(flops), max(flops)), sum(flops)
-    return (min(flops), max(flops)), trials * max(flops)
+    costs = [run_cost(apply_params(base, {**space.fixed, **combo})) for combo in combos or [{}]]
+    flops = [cost.flops for cost in costs]
+    if not (grid and len(costs) == trials):
+        costs = [max(costs, key=lambda cost: cost.flops)] * trials
+    return (min(flops), max(flops)), costs
 
 
 def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> list[StagePlan]:
     """Each stage's plan from `base`; `done`: names of stages a resume skips (`base` is
     then the config they left)."""
     from sweeper.sweep.engine import planned_trials, rung_fractions
+    from sweeper.sweep.preflight import with_reports
     from sweeper.sweep.space import is_pure_grid
 
     frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
@@ -92,11 +213,10 @@ def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> lis
         trials = planned_trials(spec, stage, base)
         grid = spec.stage_search(stage) == "grid" or is_pure_grid(space)
         rungs = rung_fractions(spec, stage, target)
-        trial_flops = most = None
+        trial_flops = costs = None
         if not target:  # a user's function's cost is its own business
-            trial_flops, most = trials_flops(base, space, trials, grid)
-            # a fork at a rung trains rung_cooldown of the steps the trial took to get there
-            most *= 1 + spec.rung_cooldown * sum(rungs)
+            stage_base = with_reports(base, spec.stage_reports(stage), target)
+            trial_flops, costs = trial_costs(stage_base, space, trials, grid)
         plans.append(
             StagePlan(
                 name=stage.name,
@@ -106,7 +226,9 @@ def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> lis
                 searched=[param_text(p) for p in space.params]
                 + [f"{k}={hydra_value(v)} (fixed)" for k, v in space.fixed.items()],
                 trial_flops=trial_flops,
-                most_flops=most,
+                costs=costs,
+                # a fork at a rung trains rung_cooldown of the steps the trial took to get there
+                fork_factor=1 + spec.rung_cooldown * sum(rungs),
                 rungs=rungs,
                 extend_trials=stage.extend_trials,
                 lr_rule=stage.lr_rule,
@@ -132,11 +254,12 @@ def plan_text(
     slots: int | None,
     state=None,
     out: Path | None = None,
+    speed: Speed | None = None,
 ) -> str:
     """The plan as printed: a block per stage, then the sweep's totals. `state`: the sweep
     state a resume continues (its finished stages are skipped, and the rest start from the
     config they left)."""
-    from sweeper.sweep.report import flops_text
+    from sweeper.sweep.report import duration_text, flops_text
 
     done = [s.name for s in spec.stages if state is not None and state.stage_done(s.name)]
     start = (state.base_after_finished_stages() if state is not None else None) or base
@@ -194,7 +317,8 @@ def plan_text(
             )
     runs = sum(p.trials + p.extend_trials for p in plans if not p.finished)
     extras = []
-    if spec.baseline and (state is None or state.baseline is None):
+    baseline = spec.baseline and (state is None or state.baseline is None)
+    if baseline:
         runs += 1
         extras.append("the baseline")
     if spec.confirm_seeds:
@@ -212,11 +336,18 @@ def plan_text(
         # the stages' trials) with the baseline on each seed
         base_flops = planned_flops(load_run_config(sweep_run(base, {})))
         best_flops = max([base_flops] + [p.trial_flops[1] for p in plans])
-        baseline = spec.baseline and (state is None or state.baseline is None)
         most += (int(baseline) + spec.confirm_seeds) * base_flops
         most += spec.confirm_seeds * best_flops
         total += f", {flops_text(most)} training FLOPs if no trial is stopped early"
     lines.append(total)
+    if speed is not None and slots is not None and not target:
+        seconds = plan_seconds(spec, base, plans, speed, slots, baseline)
+        lines.append(
+            f"  time: at most ~{duration_text(seconds)} of trials here, less where a "
+            f"scheduler stops trials (a trial on {speed.threads} thread"
+            f"{'s' * (speed.threads != 1)} trains {flops_text(speed.train_flops_per_s)} "
+            "FLOP/s, measured just now; Ray's start and the end's outputs come on top)"
+        )
     caps = [
         f"sweep.{key}={hydra_value(getattr(spec, key))}"
         for key in ("max_trials", "max_flops", "max_seconds")
@@ -237,6 +368,30 @@ def plan_text(
     if out is not None:
         lines.append(f"  run dir: {out}")
     return "\n".join(lines)
+
+
+def plan_seconds(
+    spec: SweepSpec, base: dict, plans: list[StagePlan], speed: Speed, slots: int, baseline: bool
+) -> float:
+    """Wall time of the stages left if every trial runs to its end: the stages one after
+    another, each starting its processes, then its trials `slots` at a time, the baseline in the first stage's (it takes
+    the first idle slot), then each stage's round past a range's end and the
+    confirmation runs."""
+    from sweeper.sweep.preflight import with_reports
+
+    once = run_cost(with_reports(base, 1, None))  # the baseline evaluates once, at its end
+    total = 0.0
+    for number, plan in enumerate(p for p in plans if not p.finished):
+        jobs = [speed.trial_seconds(cost, plan.fork_factor) for cost in plan.costs]
+        if number == 0 and baseline:
+            jobs.append(speed.trial_seconds(once, 1.0))
+        total += STAGE_START_S + makespan(jobs, slots)
+        if plan.extend_trials:
+            dearest = max(jobs[: len(plan.costs)])
+            total += makespan([dearest] * plan.extend_trials, slots)
+    if spec.confirm_seeds:
+        total += makespan([speed.trial_seconds(once, 1.0)] * 2 * spec.confirm_seeds, slots)
+    return total
 
 
 def _unit(spec: SweepSpec) -> str:
