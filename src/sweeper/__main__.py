@@ -18,6 +18,7 @@ from sweeper.cli import (
     compose,
     end_quietly_when_output_closes,
     fail,
+    one_line,
     other_budgets_cleared,
     skip_the_collection_at_exit,
     stop_on_sigterm_as_on_ctrl_c,
@@ -478,7 +479,10 @@ def print_plan(cfg, overrides: list[str]) -> None:
 
         # trials on this machine's CPUs: their minutes can be measured here, in seconds
         print("timing a few training steps of the base config here ...", flush=True)
-        speed = measure_speed(base, spec.trial_threads)
+        try:
+            speed = measure_speed(base, spec.trial_threads)
+        except (RuntimeError, OSError, MemoryError) as error:  # the plan stands without it
+            print(f"  (not timed: {one_line(error)})")
     print(plan_text(spec, base, target, slots, state, out, speed))
 
 
