@@ -6,8 +6,9 @@ forks, the baseline, extra rounds past a range's end, confirmation seeds), and t
 answer only shows once the trials run. The plan is computed from the same validated spec
 and base config a sweep starts from, with nothing started or written: per stage, the
 trials, what they search, the FLOPs of one trial and the most the stage can take (every
-trial to its end); then the whole sweep's at-most figures and how many trials run at
-once. A later stage starts from the earlier stages' best, which only the sweep can know:
+trial to its end); then the whole sweep's at-most figures, in FLOPs and, where its trials
+train on this machine's CPUs, in minutes from a few steps timed on the spot; and how many
+trials run at once. A later stage starts from the earlier stages' best, which only the sweep can know:
 its plan is taken from the base config (with a token budget its FLOPs do not depend on
 the frozen values; a stage that searches the model's size or budget shows its range).
 """
@@ -88,7 +89,8 @@ def measure_speed(base: dict, threads: int) -> Speed | None:
     """Times a few training steps (the real training loop, `train`) and evaluation batches
     of the base config's model here, on a trial's threads; None where the model is too
     big to time in seconds. Why measure: FLOPs alone say nothing of minutes, and a CPU's
-    speed differs 2x between machines with and without bf16 units."""
+    speed differs 2x between machines with and without bf16 units. A stage's other model
+    sizes are taken at the same FLOP rate (a smaller model runs a little below it)."""
     import time
 
     from sweeper.config import load_run_config
@@ -124,7 +126,6 @@ def measure_speed(base: dict, threads: int) -> Speed | None:
     model = GPT(GPTShape.from_config(run.model), residual_dtype_for(device, dtype)).to(device)
     setup_s = time.perf_counter() - started
     result = train(probe, verbose=False)
-    model.train()
     evaluate(model, data, run, device, dtype, 0, 1)  # warm-up: one batch
     batches = {**probe["trainer"], "eval_tokens": PROBE_EVAL_BATCHES * micro}
     timed = load_run_config({**probe, "trainer": batches})
