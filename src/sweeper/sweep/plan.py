@@ -20,8 +20,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from sweeper.sweep.space import bounding_values
 from sweeper.sweep.spec import SweepSpec, stage_space
-from sweeper.sweep.stages import apply_params, get_dotted, hydra_value, sweep_run
+from sweeper.sweep.stages import apply_params, hydra_value, sweep_run
 
 # value combinations of a stage whose FLOPs are computed one by one; past this, each
 # param's values are taken alone (the extremes then bound the trial's FLOPs all the same
@@ -163,14 +164,6 @@ def param_text(param) -> str:
     return f"{param.name} {param.kind} [{', '.join(hydra_value(v) for v in values)}]"
 
 
-def value_options(param) -> list:
-    """The values of a param that bound a trial's cost: every value of a list, else the
-    two ends of a range (integers as integers)."""
-    if param.values:
-        return list(param.values)
-    return [int(v) if param.integer else v for v in (param.low, param.high)]
-
-
 def run_cost(config: dict) -> TrialCost:
     """The cost of the run `config` makes (a sweep run: its micro-batch fitted)."""
     from sweeper.budget import model_counts, planned_flops
@@ -187,7 +180,7 @@ def trial_costs(base: dict, space, trials: int, grid: bool) -> tuple[tuple, list
     """((least, most) FLOPs of one trial, each trial's cost), from the run each combination
     of the params' bounding values makes. A pure grid runs exactly its combinations;
     sampled trials are each counted at the dearest."""
-    options = {p.name: value_options(p) for p in space.params}
+    options = {p.name: bounding_values(p) for p in space.params}
     if math.prod(map(len, options.values())) <= MAX_COMBINATIONS:
         combos = [dict(zip(options, c)) for c in itertools.product(*options.values())]
     else:
@@ -203,11 +196,10 @@ def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> lis
     """Each stage's plan from `base`; `done`: names of stages a resume skips (`base` is
     then the config they left)."""
     from sweeper.sweep.engine import planned_trials, rung_fractions
-    from sweeper.sweep.preflight import with_reports
+    from sweeper.sweep.preflight import frozen_lrs, with_reports
     from sweeper.sweep.space import is_pure_grid
 
-    frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
-    frozen = {key: value for key, value in frozen.items() if value is not None}
+    frozen = frozen_lrs(spec, base)
     plans = []
     for stage in spec.stages:
         space = stage_space(spec, stage, frozen)

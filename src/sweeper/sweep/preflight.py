@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sweeper.config import BUILTIN_TRAINABLE, RUN_SECTIONS, ConfigError, load_run_config
+from sweeper.sweep.space import bounding_values
 from sweeper.sweep.spec import (
     SweepSpec,
     flatten,
@@ -274,19 +275,14 @@ def check_stage_values(spec: SweepSpec, base: dict, memory: TrialMemory | None =
     check_budget(run)  # the budget written in, before any stage's values
     if memory is not None:
         memory.check(run)
-    frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
-    frozen = {key: value for key, value in frozen.items() if value is not None}
+    frozen = frozen_lrs(spec, base)
     for stage in spec.stages:
         space = stage_space(spec, stage, frozen)
         options = {key: [(value, "fixed")] for key, value in space.fixed.items()}
         for param in space.params:
-            if param.values:
-                values = list(param.values)
-            else:
-                values = [param.low, param.high]
-                if param.integer and param.low + 1 < param.high:
-                    values.insert(1, param.low + 1)
-                values = [int(v) if param.integer else v for v in values]
+            values = bounding_values(param)
+            if param.integer and param.low + 1 < param.high:
+                values.insert(1, int(param.low) + 1)
             options[param.name] = [(value, param.kind) for value in values]
         alone = [{key: option} for key, choices in options.items() for option in choices]
         together = []
@@ -316,6 +312,13 @@ def check_stage_values(spec: SweepSpec, base: dict, memory: TrialMemory | None =
                 f"sweep stage '{stage.name}': {shown} "
                 f"{'is' if len(candidate) == 1 else 'together are'} not a valid run: {error}"
             )
+
+
+def frozen_lrs(spec: SweepSpec, base: dict) -> dict:
+    """The LRs of sweep.lr_keys that `base` holds: what an lr_rule=retune band is centred
+    on before the stages have run."""
+    frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
+    return {key: value for key, value in frozen.items() if value is not None}
 
 
 def _run_error(base: dict, candidate: dict, memory: TrialMemory | None) -> ConfigError | None:

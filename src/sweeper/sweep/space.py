@@ -213,6 +213,14 @@ def parse_points(
     return parsed
 
 
+def bounding_values(param: ParamSpec) -> list[Any]:
+    """Every value of a list kind, else a range's two ends (integers as integers): the
+    values that bound what a param can do to a run (its cost, its validity)."""
+    if param.values:
+        return list(param.values)
+    return [int(v) if param.integer else v for v in (param.low, param.high)]
+
+
 def grid_size(space: Space) -> int:
     """Number of grid points: the product of the grid value counts (1 without grid params)."""
     return math.prod(len(p.values) for p in space.params if p.kind == "grid")
