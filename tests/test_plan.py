@@ -14,6 +14,7 @@ from sweeper.sweep.plan import (
     fraction_text,
     makespan,
     measure_speed,
+    opening_line,
     plan_seconds,
     run_cost,
     stage_plans,
@@ -108,6 +109,11 @@ def test_a_resumed_sweep_plans_only_what_is_left_from_the_config_its_stages_left
     assert f"at most 4 runs (with the baseline), {flops_text(3 * deeper + baseline)}" in out
     assert f"run dir: {run_dir}" in out
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
+    # the sweep's own first line gives the same totals, for what is left
+    assert opening_line(spec, base, None, state).startswith(
+        f"sweep 'lr_bs': 1 stage (batch_size), at most 4 runs (with the baseline), "
+        f"{flops_text(3 * deeper + baseline)} training FLOPs if no trial is stopped early"
+    )
 
 
 def test_a_users_function_has_its_trials_planned_and_no_flops(tmp_path):

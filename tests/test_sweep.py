@@ -123,6 +123,15 @@ def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(
     assert summary["total_flops"] == spent < spent + by_batch[512]["flops"]
     out = capsys.readouterr().out
     assert f"repeats the run {source} trained" in out
+    # the first line bounds the sweep before anything starts, and the bound holds
+    first = out.splitlines()[0]
+    head = "sweep 'smoke': 2 stages (lr, batch_size), at most 5 runs (with the baseline), "
+    assert first.startswith(head), first
+    bound = float(first[len(head) :].split()[0])
+    trained = sum(r["flops"] + (r["fork_flops"] or 0) for r in records)
+    baseline_flops = state["baseline"]["flops"]
+    # (the line writes 3 significant digits)
+    assert trained + baseline_flops <= bound * 1.005, (trained, baseline_flops, bound)
     # the baseline trained in the slot the LR stage left idle (2 trials on 2 slots: one
     # ends first), before the batch stage began
     started = out.index("baseline: training the unmodified config")

@@ -115,7 +115,12 @@ def run_sweep(cfg, out_dir: str) -> float | None:
         print(f"sweep.resume=true but no sweep state in {out}: starting a new sweep")
     from sweeper.tracking import make_tracker, start_tracker
 
-    if state is not None and finished(spec, state, base):
+    done = state is not None and finished(spec, state, base)
+    if not done:
+        from sweeper.sweep.plan import opening_line
+
+        print(opening_line(spec, base, target, state), flush=True)
+    if done:
         tracker = make_tracker(cfg, spec, out)
         # nothing left to train: the outputs are written again without starting Ray (~20 s)
         print("sweep.resume=true: every stage of this sweep finished earlier; writing its outputs")

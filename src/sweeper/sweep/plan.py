@@ -7,10 +7,11 @@ answer only shows once the trials run. The plan is computed from the same valida
 and base config a sweep starts from, with nothing started or written: per stage, the
 trials, what they search, the FLOPs of one trial and the most the stage can take (every
 trial to its end); then the whole sweep's at-most figures, in FLOPs and, where its trials
-train on this machine's CPUs, in minutes from a few steps timed on the spot; and how many
-trials run at once. A later stage starts from the earlier stages' best, which only the sweep can know:
-its plan is taken from the base config (with a token budget its FLOPs do not depend on
-the frozen values; a stage that searches the model's size or budget shows its range).
+train on this machine's CPUs, in minutes from a few steps timed on the spot; and how
+many trials run at once. A later stage starts from the earlier stages' best, which only
+the sweep can know: its plan is taken from the base config (with a token budget its
+FLOPs do not depend on the frozen values; a stage that searches the model's size or
+budget shows its range). The sweep's first line gives the same totals (`opening_line`).
 """
 
 from __future__ import annotations
@@ -308,31 +309,9 @@ def plan_text(
                 f"{pad}then {plan.extend_trials} more trial{'s' * (plan.extend_trials != 1)} "
                 "past a range's end, where the best sits at one"
             )
-    runs = sum(p.trials + p.extend_trials for p in plans if not p.finished)
-    extras = []
-    baseline = spec.baseline and (state is None or state.baseline is None)
-    if baseline:
-        runs += 1
-        extras.append("the baseline")
-    if spec.confirm_seeds:
-        runs += 2 * spec.confirm_seeds
-        extras.append(f"{2 * spec.confirm_seeds} confirmation runs")
-    total = f"  in all: at most {runs} runs" + (f" (with {', '.join(extras)})" if extras else "")
-    if not target:
-        from sweeper.budget import planned_flops
-        from sweeper.config import load_run_config
-
-        left = [p for p in plans if not p.finished]
-        # a round past a range's end trains trials like the stage's own
-        most = sum(p.most_flops + p.extend_trials * p.trial_flops[1] for p in left)
-        # the baseline is the base config; a confirmation pairs the best config (one of
-        # the stages' trials) with the baseline on each seed
-        base_flops = planned_flops(load_run_config(sweep_run(base, {})))
-        best_flops = max([base_flops] + [p.trial_flops[1] for p in plans])
-        most += (int(baseline) + spec.confirm_seeds) * base_flops
-        most += spec.confirm_seeds * best_flops
-        total += f", {flops_text(most)} training FLOPs if no trial is stopped early"
-    lines.append(total)
+    totals = sweep_totals(spec, base, plans, state, target)
+    lines.append(f"  in all: {totals.text()}")
+    baseline = totals.baseline
     if speed is not None and slots is not None and not target:
         seconds = plan_seconds(spec, base, plans, speed, slots, baseline)
         lines.append(
@@ -363,13 +342,77 @@ def plan_text(
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Totals:
+    """What the stages left, the baseline and the confirmation runs take together."""
+
+    runs: int
+    extras: tuple[str, ...]  # the runs besides the stages' trials, in words
+    most_flops: float | None  # every run to its end (None: a user's function)
+    baseline: bool  # the baseline is still to run
+
+    def text(self) -> str:
+        text = f"at most {self.runs} runs"
+        if self.extras:
+            text += f" (with {', '.join(self.extras)})"
+        if self.most_flops is not None:
+            from sweeper.sweep.report import flops_text
+
+            text += f", {flops_text(self.most_flops)} training FLOPs if no trial is stopped early"
+        return text
+
+
+def sweep_totals(
+    spec: SweepSpec, base: dict, plans: list[StagePlan], state, target: str | None
+) -> Totals:
+    runs = sum(p.trials + p.extend_trials for p in plans if not p.finished)
+    extras = []
+    baseline = bool(spec.baseline) and (state is None or state.baseline is None)
+    if baseline:
+        runs += 1
+        extras.append("the baseline")
+    if spec.confirm_seeds:
+        runs += 2 * spec.confirm_seeds
+        extras.append(f"{2 * spec.confirm_seeds} confirmation runs")
+    most = None
+    if not target:
+        from sweeper.budget import planned_flops
+        from sweeper.config import load_run_config
+
+        left = [p for p in plans if not p.finished]
+        # a round past a range's end trains trials like the stage's own
+        most = sum(p.most_flops + p.extend_trials * p.trial_flops[1] for p in left)
+        # the baseline is the base config; a confirmation pairs the best config (one of
+        # the stages' trials) with the baseline on each seed
+        base_flops = planned_flops(load_run_config(sweep_run(base, {})))
+        best_flops = max([base_flops] + [p.trial_flops[1] for p in plans])
+        most += (int(baseline) + spec.confirm_seeds) * base_flops
+        most += spec.confirm_seeds * best_flops
+    return Totals(runs, tuple(extras), most, baseline)
+
+
+def opening_line(spec: SweepSpec, base: dict, target: str | None, state=None) -> str:
+    """The sweep's first line: what it will take at most, the plan's totals without timing
+    anything (the dry run's minutes need a few steps trained; the progress line's ETA
+    follows the real trials)."""
+    done = [s.name for s in spec.stages if state is not None and state.stage_done(s.name)]
+    start = (state.base_after_finished_stages() if state is not None else None) or base
+    plans = stage_plans(spec, start, target, done)
+    left = [plan.name for plan in plans if not plan.finished]
+    stages = f"{len(left)} stage{'s' * (len(left) != 1)} ({', '.join(left)})"
+    totals = sweep_totals(spec, base, plans, state, target)
+    return (
+        f"sweep '{spec.name}': {stages}, {totals.text()}; sweep.dry_run=true prints the whole plan"
+    )
+
+
 def plan_seconds(
     spec: SweepSpec, base: dict, plans: list[StagePlan], speed: Speed, slots: int, baseline: bool
 ) -> float:
     """Wall time of the stages left if every trial runs to its end: the stages one after
-    another, each starting its processes, then its trials `slots` at a time, the baseline in the first stage's (it takes
-    the first idle slot), then each stage's round past a range's end and the
-    confirmation runs."""
+    another, each starting its processes, then its trials `slots` at a time, the baseline
+    in the first stage's (it takes the first idle slot), then each stage's round past a
+    range's end and the confirmation runs."""
     from sweeper.sweep.preflight import with_reports
 
     once = run_cost(with_reports(base, 1, None))  # the baseline evaluates once, at its end
