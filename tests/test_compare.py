@@ -102,6 +102,7 @@ def test_the_default_store_is_mlflow_db_in_the_working_directory(tmp_path, monke
     "case",
     [
         "unknown sweep",
+        "no sweep yet",
         "no store",
         "dead server",
         "no such scheme",
@@ -119,6 +120,12 @@ def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
         make_store(tmp_path)
         capsys.readouterr()  # MLflow's own lines about creating the store
         argv, expected = ["nosuch"], "no sweep 'nosuch'"
+    elif case == "no sweep yet":  # a store that only single runs have used
+        from mlflow import MlflowClient
+
+        MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").create_experiment("sweeper")
+        capsys.readouterr()
+        argv, expected = [], "no sweep in the MLflow store yet: run one"
     elif case == "no store":
         argv, expected = [], "no MLflow store at"
     elif case == "no such dir":
@@ -156,7 +163,8 @@ def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
     assert exit_info.value.code == 2 and time.monotonic() - started < 10
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
-    assert not (tmp_path / "mlflow.db").exists() or case == "unknown sweep"  # none created
+    # none created
+    assert not (tmp_path / "mlflow.db").exists() or case in ("unknown sweep", "no sweep yet")
 
 
 def test_large_whole_numbers_print_as_hydra_writes_them():

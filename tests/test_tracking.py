@@ -1023,7 +1023,7 @@ def test_compare_runs_lists_the_single_runs_best_first_with_what_differs(tmp_pat
         assert cells[4] == "completed" and re.fullmatch(r"[0-9a-f]{7}\*?|unknown", cells[3])
     # the latest one only; a sweep's name beside --runs is refused
     latest = run_cli(["--runs", "--last", "1"], tmp_path, module="sweeper.compare")
-    assert latest.stdout.splitlines()[0].startswith("the latest 1 single runs")
+    assert latest.stdout.splitlines()[0].startswith("the latest single run, sorted by val_bpb")
     assert len(latest.stdout.strip().splitlines()) == 3 and "run-high" in latest.stdout
     refused = run_cli(["--runs", "smoke"], tmp_path, module="sweeper.compare")
     assert refused.returncode == 2 and "--runs lists the single runs" in refused.stderr

@@ -207,8 +207,15 @@ def _find_sweep(client, experiments, sweep, run_dir, recorded_id):
     except Exception as error:
         raise ConfigError(f"cannot read the MLflow store: {_line(error)}") from None
     if not found:
-        what = f"sweep '{sweep}'" if sweep else "sweep"
-        raise ConfigError(f"no {what} in the MLflow store (name, run id or run dir)")
+        if sweep:
+            raise ConfigError(
+                f"no sweep '{sweep}' in the MLflow store: give a sweep's name, its MLflow "
+                "run id or its run dir"
+            )
+        raise ConfigError(
+            "no sweep in the MLflow store yet: run one (python -m sweeper +sweep=smoke), "
+            "or see its single runs with --runs"
+        )
     return found[0]
 
 
@@ -304,7 +311,8 @@ def _render_runs(runs: list, uri: str) -> str:
             ]
         )
     lines = [
-        f"the latest {len(runs)} single runs, sorted by {metric}; "
+        (f"the latest {len(runs)} single runs" if len(runs) > 1 else "the latest single run")
+        + f", sorted by {metric}; "
         f"commit * = uncommitted changes | {shown(uri)}"
     ]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
