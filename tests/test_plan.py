@@ -7,7 +7,7 @@ from pathlib import Path
 from sweeper.budget import model_counts, planned_flops
 from sweeper.cli import compose
 from sweeper.config import load_run_config
-from sweeper.sweep.engine import rung_fractions
+from sweeper.sweep.engine import budget_text, rung_fractions
 from sweeper.sweep.plan import (
     STAGE_START_S,
     Speed,
@@ -180,3 +180,10 @@ def test_the_speed_is_measured_on_the_real_training_loop_and_not_for_a_model_too
     big = base_config(cfg, spec, None)
     big = {**big, "model": {**big["model"], "depth": 24, "aspect_ratio": 64}}
     assert measure_speed(big, threads=1) is None
+
+
+def test_a_stage_names_its_trials_budget_on_its_own_time_axis():
+    assert budget_text("tokens", 160000.0) == "160,000 tokens"
+    assert budget_text("flops", 3.67e12) == "3.67e12 FLOPs"
+    assert budget_text("training_iteration", 8.0) == "8 reports"
+    assert budget_text("training_iteration", 1.0) == "1 report"

@@ -445,7 +445,7 @@ def test_a_random_search_over_a_grid_runs_whole_draws_under_the_trial_cap(
         "sweep.max_trials=5",
     )
     out = capsys.readouterr().out
-    assert "[batch_size] random search, fifo scheduler, 2 trials of" in out
+    assert "[batch_size] random search, fifo scheduler, 2 trials of 8,192 tokens:" in out
     assert "[batch_size] 2/2 trials done, 0 running" in out
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     records = state["stages"][1]["records"]

@@ -98,6 +98,17 @@ def time_axis(spec: SweepSpec, stage, target: str | None) -> tuple[str, float]:
     return "training_iteration", float(spec.stage_reports(stage))
 
 
+def budget_text(time_attr: str, max_t: float) -> str:
+    """A trial's budget on the stage's time axis, as the plan writes it: 160,000 tokens."""
+    if time_attr == "tokens":
+        return f"{max_t:,.0f} tokens"
+    if time_attr == "flops":
+        from sweeper.sweep.report import flops_text
+
+        return f"{flops_text(max_t)} FLOPs"
+    return f"{max_t:.0f} report{'s' * (max_t != 1)}"
+
+
 def run_sweep(cfg, out_dir: str) -> float | None:
     from sweeper.sweep import outputs
     from sweeper.sweep.confirm import run_confirmation
@@ -595,7 +606,7 @@ def run_stage(
     print(
         f"[{stage.name}] {search} search, {scheduler_name} scheduler, "
         f"{planned} trial{'s' * (planned != 1)} of "
-        f"{max_t:.3g} {time_attr}: {', '.join(space.names)}"
+        f"{budget_text(time_attr, max_t)}: {', '.join(space.names)}"
         + "".join(f"; {note}" for note in notes if note)
     )
     if spec.resume and tune.Tuner.can_restore(str(experiment)):
