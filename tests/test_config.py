@@ -51,7 +51,13 @@ def test_help_names_the_program_its_commands_and_the_config_groups(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("sweeper: hyperparameter sweeps for GPT pretraining")
     assert "__main__" not in proc.stdout  # Hydra's default names the app by its module
-    for command in ("python -m sweeper +sweep=lr_bs", "sweeper.fit", "sweeper.compare"):
+    commands = (
+        "python -m sweeper +sweep=lr_bs",
+        "sweep.dry_run=true",
+        "sweeper.fit",
+        "sweeper.compare",
+    )
+    for command in commands:
         assert command in proc.stdout, command
     assert "sweep: full, lr, lr_bs, lr_bs_scaling, lr_scaling, scaling, smoke" in proc.stdout
     # the header's own list of sweeps names every file in sweeps/
