@@ -232,6 +232,14 @@ def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> lis
     return plans
 
 
+def plans_left(spec: SweepSpec, base: dict, target: str | None, state=None) -> list[StagePlan]:
+    """Every stage's plan; with the sweep state a resume continues, its finished stages
+    marked so, and the rest planned from the config they left."""
+    done = [s.name for s in spec.stages if state is not None and state.stage_done(s.name)]
+    start = (state.base_after_finished_stages() if state is not None else None) or base
+    return stage_plans(spec, start, target, done)
+
+
 def fraction_text(fraction: float) -> str:
     """1/4, 3/4, 1/9: the rungs' fractions of a budget as people say them."""
     for denominator in range(2, 100):
@@ -255,9 +263,7 @@ def plan_text(
     config they left)."""
     from sweeper.sweep.report import duration_text, flops_text
 
-    done = [s.name for s in spec.stages if state is not None and state.stage_done(s.name)]
-    start = (state.base_after_finished_stages() if state is not None else None) or base
-    plans = stage_plans(spec, start, target, done)
+    plans = plans_left(spec, base, target, state)
     unit = _unit(spec)
     lines = [f"sweep '{spec.name}': the plan (sweep.dry_run=true: nothing is trained or written)"]
     if not target:
@@ -395,9 +401,7 @@ def opening_line(spec: SweepSpec, base: dict, target: str | None, state=None) ->
     """The sweep's first line: what it will take at most, the plan's totals without timing
     anything (the dry run's minutes need a few steps trained; the progress line's ETA
     follows the real trials)."""
-    done = [s.name for s in spec.stages if state is not None and state.stage_done(s.name)]
-    start = (state.base_after_finished_stages() if state is not None else None) or base
-    plans = stage_plans(spec, start, target, done)
+    plans = plans_left(spec, base, target, state)
     left = [plan.name for plan in plans if not plan.finished]
     stages = f"{len(left)} stage{'s' * (len(left) != 1)} ({', '.join(left)})"
     totals = sweep_totals(spec, base, plans, state, target)
