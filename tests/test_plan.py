@@ -109,10 +109,15 @@ def test_a_resumed_sweep_plans_only_what_is_left_from_the_config_its_stages_left
     assert f"at most 4 runs (with the baseline), {flops_text(3 * deeper + baseline)}" in out
     assert f"run dir: {run_dir}" in out
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
-    # the sweep's own first line gives the same totals, for what is left
+    # the sweep's own first line gives the same totals, for what is left, and its caps
     assert opening_line(spec, base, None, state).startswith(
         f"sweep 'lr_bs': 1 stage (batch_size), at most 4 runs (with the baseline), "
-        f"{flops_text(3 * deeper + baseline)} training FLOPs if no trial is stopped early"
+        f"{flops_text(3 * deeper + baseline)} training FLOPs if no trial is stopped early; "
+        "sweep.dry_run=true"
+    )
+    capped = validate_sweep(compose(["+sweep=lr_bs", "sweep.max_flops=1e13"]))
+    assert "early; capped by sweep.max_flops=1e13; sweep.dry_run" in opening_line(
+        capped, base, None, state
     )
 
 

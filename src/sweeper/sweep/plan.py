@@ -326,13 +326,8 @@ def plan_text(
             f"{'s' * (speed.threads != 1)} trains {flops_text(speed.train_flops_per_s)} "
             "FLOP/s, measured just now; Ray's start and the end's outputs come on top)"
         )
-    caps = [
-        f"sweep.{key}={hydra_value(getattr(spec, key))}"
-        for key in ("max_trials", "max_flops", "max_seconds")
-        if getattr(spec, key) is not None
-    ]
-    if caps:
-        lines.append(f"  capped by {', '.join(caps)}")
+    if caps := caps_text(spec):
+        lines.append(f"  {caps}")
     if slots is not None:
         lines.append(
             f"  {slots} trial{'s' * (slots != 1)} at once on the local cluster "
@@ -405,9 +400,22 @@ def opening_line(spec: SweepSpec, base: dict, target: str | None, state=None) ->
     left = [plan.name for plan in plans if not plan.finished]
     stages = f"{len(left)} stage{'s' * (len(left) != 1)} ({', '.join(left)})"
     totals = sweep_totals(spec, base, plans, state, target)
+    caps = caps_text(spec)
     return (
-        f"sweep '{spec.name}': {stages}, {totals.text()}; sweep.dry_run=true prints the whole plan"
+        f"sweep '{spec.name}': {stages}, {totals.text()}"
+        + (f"; {caps}" if caps else "")
+        + "; sweep.dry_run=true prints the whole plan"
     )
+
+
+def caps_text(spec: SweepSpec) -> str:
+    """The sweep's own caps, which may end it before the plan's at-most figures."""
+    caps = [
+        f"sweep.{key}={hydra_value(getattr(spec, key))}"
+        for key in ("max_trials", "max_flops", "max_seconds")
+        if getattr(spec, key) is not None
+    ]
+    return f"capped by {', '.join(caps)}" if caps else ""
 
 
 def plan_seconds(
