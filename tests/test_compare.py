@@ -111,6 +111,8 @@ def test_the_default_store_is_mlflow_db_in_the_working_directory(tmp_path, monke
         "not a database",
         "a plain path",
         "an unknown flag",
+        "last without runs",
+        "last zero",
     ],
 )
 def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
@@ -146,6 +148,10 @@ def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
         argv, expected = ["--tracking-uri", "sqlite:///notes.db"], "file is not a database"
     elif case == "a plain path":  # MLflow 3 refuses its file store
         argv, expected = ["--tracking-uri", str(tmp_path)], "MLflow's file store is retired"
+    elif case == "last without runs":  # a sweep's table is whole: --last would do nothing
+        argv, expected = ["--last", "3"], "--last 3 counts the single runs: add --runs"
+    elif case == "last zero":
+        argv, expected = ["--runs", "--last", "0"], "--last must be >= 1, got 0"
     elif case == "an unknown flag":
         argv, expected = ["--bogus"], "unrecognized arguments: --bogus"
     elif case == "no such scheme":

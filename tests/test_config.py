@@ -170,6 +170,12 @@ BAD_INPUTS = [
     (["sweep=smoke"], "A sweep is added, not overridden: write +sweep=smoke"),
     (["model.depth=[1"], "cannot parse override 'model.depth=[1'"),
     (["model"], "cannot parse override 'model': missing EQUAL"),
+    (["--foo"], "unknown option '--foo': the options are in --help; a config value is"),
+    (["-m", "model.depth=1,2", "--foo"], "unknown option '--foo'"),  # before any job starts
+    (
+        ["+sweep=lr_bs", "sweep.stages.5.scheduler=fifo"],
+        "list index out of range (the list is shorter: its items count from 0)",
+    ),
     # inf passes every "> 0" check; it would fail deep inside training
     (["trainer.budget_tokens=inf"], "trainer.budget_tokens must be a finite number, got inf"),
     (["optimizer.weight_decay=inf"], "optimizer.weight_decay must be a finite number"),

@@ -24,7 +24,7 @@ from sweeper.sweep.report import flops_text
 from sweeper.sweep.stages import sweep_run
 from sweeper.sweep.state import SweepState, sweep_definition
 
-from .conftest import run_cli
+from .conftest import REPO, run_cli
 
 PLAN = ["sweep.dry_run=true", "mlflow.enabled=false"]
 
@@ -192,3 +192,45 @@ def test_a_stage_names_its_trials_budget_on_its_own_time_axis():
     assert budget_text("flops", 3.67e12) == "3.67e12 FLOPs"
     assert budget_text("training_iteration", 8.0) == "8 reports"
     assert budget_text("training_iteration", 1.0) == "1 report"
+
+
+def test_the_readmes_example_sweep_file_plans_as_its_comments_say(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Writing a sweep") :]
+    example = section[section.index("```yaml\n") + len("```yaml\n") :]
+    example = example[: example.index("```")]
+    (tmp_path / "mine" / "sweep").mkdir(parents=True)
+    (tmp_path / "mine" / "sweep" / "my_sweep.yaml").write_text(example)
+    args = [f"hydra.searchpath=[file://{tmp_path}/mine]", "+sweep=my_sweep", *PLAN]
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "sweep 'my_sweep': the plan" in out
+    assert "each trial trains 300,000 tokens" in out
+    assert re.search(r"stage lr +tpe search, asha scheduler: 12 trials", out), out
+    # its batch stage runs every grid point to its budget, as lr_bs's does
+    assert re.search(r"stage batch_size +grid search, fifo scheduler: 3 trials", out), out
+    assert "then 4 more trials past a range's end" in out
+
+
+def test_the_dry_run_says_when_it_does_not_time_and_times_nothing_for_a_finished_sweep(tmp_path):
+    # a model whose few probe steps would cost more than a dry run spends
+    args = ["+sweep=lr_bs", "model.depth=8", *PLAN]
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(not timed: a few steps of this model train over 2e12 FLOPs" in proc.stdout
+    assert "time: at most" not in proc.stdout and "training FLOPs" in proc.stdout
+    # every stage and the baseline done: nothing is left to time or train
+    cfg = compose(["+sweep=lr_bs"])
+    spec = validate_sweep(cfg)
+    base = base_config(cfg, spec, None)
+    run_dir = tmp_path / "run"
+    state = SweepState.new(run_dir, spec.name, base, sweep_definition(spec))
+    for stage in spec.stages:
+        state.finish_stage(stage.name, [], {}, None, base, 10.0)
+    state.set_baseline({"value": 3.0, "status": "completed"})
+    args = ["+sweep=lr_bs", f"hydra.run.dir={run_dir}", "sweep.resume=true", *PLAN]
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "timing" not in proc.stdout and "time: at most" not in proc.stdout
+    assert "in all: at most 0 runs, 0 training FLOPs" in proc.stdout

@@ -346,6 +346,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, setup, needle):
         ("--drop-highest", "-2"),
         ("--target-flops", "0"),
         ("--target-flops", "inf"),
+        ("--target-flops", "abc"),  # named as the others, not by the parser's own function
         ("--seed", "-1"),
     ],
 )

@@ -1130,6 +1130,23 @@ def test_a_resume_into_a_single_runs_dir_is_refused_and_the_run_kept(tmp_path):
     assert [p.name for p in run_dir.iterdir()] == ["result.json"]
 
 
+@pytest.mark.parametrize(
+    "args, what", [(["model=tiny"], "run"), (["+sweep=smoke"], "sweep")], ids=["run", "sweep"]
+)
+def test_a_new_run_into_a_single_runs_dir_is_refused_and_the_run_kept(tmp_path, args, what):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "result.json").write_text('{"status": "completed", "val_bpb": 2.5}')
+    proc = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: hydra.run.dir={run_dir} holds a run already (result.json): a new {what} "
+        "there would write over its record; choose another hydra.run.dir"
+    ]
+    assert [p.name for p in run_dir.iterdir()] == ["result.json"]
+    assert (run_dir / "result.json").read_text() == '{"status": "completed", "val_bpb": 2.5}'
+
+
 def test_a_database_store_without_its_driver_is_one_line_that_hides_the_password(tmp_path):
     uri = "postgresql+pg8000://me:secret@127.0.0.1:5432/mlflow"  # pg8000: not a dependency
     proc = run_cli(["+sweep=smoke", f"mlflow.tracking_uri={uri}"], cwd=tmp_path, timeout=60)

@@ -418,6 +418,14 @@ def validate(overrides: list[str], printing: bool = False):
                 f"hydra.run.dir={run_dir} holds a sweep already ({STATE_NAME}): "
                 f"{what}choose another hydra.run.dir"
             )
+        # and a new run or sweep there would write over a single run's record (a resumed
+        # run goes on from its checkpoint, checked above)
+        if (Path(run_dir) / "result.json").exists() and not run.trainer.resume:
+            raise ConfigError(
+                f"hydra.run.dir={run_dir} holds a run already (result.json): a new "
+                f"{'sweep' if 'sweep' in cfg else 'run'} there would write over its record; "
+                "choose another hydra.run.dir"
+            )
     if "sweep" in cfg:
         from sweeper.sweep.preflight import trainable_target, validate_sweep
         from sweeper.tracking.mlflow_store import check_config
@@ -474,13 +482,24 @@ def print_plan(cfg, overrides: list[str]) -> None:
 
             state = resumable_state(out, spec, base)
     speed = None
-    if slots is not None and not target and not spec.gpus_per_trial and cfg.trainer.workers == 1:
-        from sweeper.sweep.plan import measure_speed
+    local_cpus = slots is not None and not spec.gpus_per_trial and cfg.trainer.workers == 1
+    if state is not None:
+        from sweeper.sweep.engine import finished
+
+        local_cpus = local_cpus and not finished(spec, state, base)  # nothing left to time
+    if local_cpus and not target:
+        from sweeper.sweep.plan import PROBE_MAX_FLOPS, measure_speed
+        from sweeper.sweep.report import flops_text
 
         # trials on this machine's CPUs: their minutes can be measured here, in seconds
         print("timing a few training steps of the base config here ...", flush=True)
         try:
             speed = measure_speed(base, spec.trial_threads)
+            if speed is None:
+                print(
+                    f"  (not timed: a few steps of this model train over {flops_text(PROBE_MAX_FLOPS)} "
+                    "FLOPs, more than a dry run spends; the plan gives FLOPs only)"
+                )
         except (RuntimeError, OSError, MemoryError) as error:  # the plan stands without it
             print(f"  (not timed: {one_line(error)})")
     print(plan_text(spec, base, target, slots, state, out, speed))
@@ -580,6 +599,9 @@ def multirun_jobs(overrides: list[str]) -> list[list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    from sweeper.cli import check_syntax
+
+    check_syntax(overrides)  # a syntax error named by its override, as without -m
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         batches = BasicSweeper.split_arguments(parsed, None)

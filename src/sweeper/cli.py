@@ -92,6 +92,11 @@ def check_syntax(overrides: Sequence[str]) -> None:
 
     parser = OverridesParser.create()
     for override in overrides:
+        if override.startswith("--"):  # Hydra's own flags are read before overrides
+            raise ConfigError(
+                f"unknown option '{override}': the options are in --help; a config value is "
+                "set as key=value"
+            )
         try:
             parser.parse_overrides([override])
         except OverrideParseException as error:
@@ -281,6 +286,8 @@ def one_line(error: BaseException) -> str:
     cause = str(error.__cause__ or "").strip().splitlines()
     if message.startswith("Error merging override") and cause:
         message += f": {cause[0].strip()}"
+        if cause[0].strip() == "list index out of range":  # sweep.stages.5 of a 2-stage sweep
+            message += " (the list is shorter: its items count from 0)"
     elif message.endswith(":"):  # its reason is on the next line (or in its cause)
         reason = lines[1] if len(lines) > 1 else (cause[0].strip() if cause else "")
         message = f"{message} {reason}".strip()

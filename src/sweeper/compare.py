@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         "--runs", action="store_true", help="the single runs instead of a sweep's trials"
     )
     parser.add_argument(
-        "--last", type=int, default=20, metavar="N", help="with --runs: the latest N (default 20)"
+        "--last", type=int, metavar="N", help="with --runs: the latest N (default 20)"
     )
     parser.add_argument(
         "--plot", metavar="FILE.png", help="with --runs: their val_bpb curves on one axis, in FILE"
@@ -54,12 +54,18 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.runs and args.sweep:
             raise ConfigError(f"--runs lists the single runs: leave out '{args.sweep}'")
-        if args.last < 1:
-            raise ConfigError(f"--last must be >= 1, got {args.last}")
+        if args.last is not None and not args.runs:
+            raise ConfigError(
+                f"--last {args.last} counts the single runs: add --runs (a sweep's table has "
+                "all its trials)"
+            )
+        last = 20 if args.last is None else args.last
+        if last < 1:
+            raise ConfigError(f"--last must be >= 1, got {last}")
         if args.plot is not None:
             check_plot_path(args.plot, args.runs)
         if args.runs:
-            print(compare_runs(args.tracking_uri, args.experiment, args.last, args.plot))
+            print(compare_runs(args.tracking_uri, args.experiment, last, args.plot))
         else:
             print(compare(args.sweep, args.tracking_uri, args.experiment))
     except ConfigError as error:

@@ -56,7 +56,10 @@ def _at_least_zero(text: str) -> int:
 
 
 def _above_zero(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan  # refused below, in the same words
     if not 0 < value < math.inf:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value

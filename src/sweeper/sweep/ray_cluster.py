@@ -233,6 +233,27 @@ class DropsSupersededStateUpload(logging.Filter):
 logging.getLogger("ray.tune.execution.experiment_state").addFilter(DropsSupersededStateUpload())
 
 
+class DropsTunesResumeAdvice(logging.Filter):
+    """On Ctrl+C, Tune advises `Tuner.restore(path=<stage dir>, trainable=...)`, Python a
+    sweeper user never writes; the sweep then prints its own way on (the same command plus
+    sweep.resume=true and the run dir), which this leaves as the only advice. Tune also
+    warns that it found no results for the trials the interrupt stopped before their first
+    report; sweeper keeps every report itself (reports.csv), so those are dropped too."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "Resume experiment with: Tuner.restore" in message:
+            return False
+        if message.startswith("Failed to fetch metrics for"):
+            lines = message.splitlines()[1:]
+            return not all("result.json and progress.csv were not found" in x for x in lines)
+        return True
+
+
+logging.getLogger("ray.tune.tune").addFilter(DropsTunesResumeAdvice())
+logging.getLogger("ray.tune.analysis.experiment_analysis").addFilter(DropsTunesResumeAdvice())
+
+
 def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
     """Sweeps keep the driver's output to their own progress lines (trial output stays in
     Ray's logs); a single DDP run shows rank 0's progress (log_to_driver=True)."""
