@@ -6,8 +6,9 @@ forks, the baseline, extra rounds past a range's end, confirmation seeds), and t
 answer only shows once the trials run. The plan is computed from the same validated spec
 and base config a sweep starts from, with nothing started or written: per stage, the
 trials, what they search, the FLOPs of one trial and the most the stage can take (every
-trial to its end); then the whole sweep's at-most figures, in FLOPs and, where its trials
-train on this machine's CPUs, in minutes from a few steps timed on the spot; and how
+trial to its end); then the whole sweep's at-most figures in FLOPs and, where its trials
+train on this machine's CPUs, an estimate in minutes from a few steps timed on the spot
+(trials side by side run a little slower than the probe alone); and how
 many trials run at once. A later stage starts from the earlier stages' best, which only
 the sweep can know: its plan is taken from the base config (with a token budget its
 FLOPs do not depend on the frozen values; a stage that searches the model's size or
@@ -321,10 +322,11 @@ def plan_text(
     if speed is not None and slots is not None and not target:
         seconds = plan_seconds(spec, base, plans, speed, slots, baseline)
         lines.append(
-            f"  time: at most ~{duration_text(seconds)} of trials here, less where a "
-            f"scheduler stops trials (a trial on {speed.threads} thread"
+            f"  time: ~{duration_text(seconds)} of trials here if every trial runs to its "
+            f"end, less where a scheduler stops trials (a trial on {speed.threads} thread"
             f"{'s' * (speed.threads != 1)} trains {flops_text(speed.train_flops_per_s)} "
-            "FLOP/s, measured just now; Ray's start and the end's outputs come on top)"
+            "FLOP/s, measured alone just now: side by side trials ran up to ~10% slower; "
+            "Ray's start and the end's outputs come on top)"
         )
     if caps := caps_text(spec):
         lines.append(f"  {caps}")
