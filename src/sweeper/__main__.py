@@ -496,9 +496,10 @@ def print_plan(cfg, overrides: list[str]) -> None:
         try:
             speed = measure_speed(base, spec.trial_threads)
             if speed is None:
+                most = flops_text(PROBE_MAX_FLOPS)
                 print(
-                    f"  (not timed: a few steps of this model train over {flops_text(PROBE_MAX_FLOPS)} "
-                    "FLOPs, more than a dry run spends; the plan gives FLOPs only)"
+                    f"  (not timed: a few steps of this model train over {most} FLOPs, more "
+                    "than a dry run spends; the plan gives FLOPs only)"
                 )
         except (RuntimeError, OSError, MemoryError) as error:  # the plan stands without it
             print(f"  (not timed: {one_line(error)})")
