@@ -592,3 +592,31 @@ def test_a_run_dir_under_a_file_is_one_line(tmp_path):
     assert proc.stderr == (
         f"error: hydra.run.dir={tmp_path}/afile/run cannot be made: {tmp_path}/afile is a file\n"
     )
+
+
+def test_a_run_dir_the_kernel_refuses_is_one_line_even_for_root(tmp_path):
+    # /proc refuses a new directory whatever the permission bits say (they pass for root)
+    proc = run_cli(["trainer.max_steps=2", "hydra.run.dir=/proc/sweeper-run"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == (
+        "error: hydra.run.dir=/proc/sweeper-run cannot be made: /proc is not writable\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_multirun_into_an_earlier_multiruns_dir_is_refused_and_its_records_kept(tmp_path):
+    job = ["-m", "model=tiny", "trainer.max_steps=2", "mlflow.enabled=false"]
+    job += ["trainer.budget_tokens=null", "hydra.sweep.dir=mr"]
+    first = run_cli([*job, "optimizer.matrix_lr=0.01,0.02"], cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    records = {p: p.read_bytes() for p in (tmp_path / "mr").rglob("*") if p.is_file()}
+    assert tmp_path / "mr" / "0" / "result.json" in records
+
+    again = run_cli([*job, "optimizer.matrix_lr=0.03"], cwd=tmp_path, timeout=120)
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert again.stderr == (
+        "error: hydra.sweep.dir=mr holds an earlier multirun (multirun.yaml): its jobs' "
+        "records would be written over; choose another hydra.sweep.dir\n"
+    )
+    after = {p: p.read_bytes() for p in (tmp_path / "mr").rglob("*") if p.is_file()}
+    assert after == records

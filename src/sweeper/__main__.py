@@ -542,19 +542,54 @@ def is_users_function(cfg) -> bool:
     return trainable_target(cfg) is not None
 
 
-def check_run_dir(run_dir: str) -> None:
-    """hydra.run.dir as given: a directory there, or one that can be made there."""
+def check_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
+    """hydra.run.dir (or `key`) as given: a directory there, or one that can be made there."""
     if not run_dir.strip():  # Hydra would run in the working directory, over its files
-        raise ConfigError("hydra.run.dir is empty; name a directory for the run's files")
+        raise ConfigError(f"{key} is empty; name a directory for the run's files")
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise ConfigError(f"hydra.run.dir={run_dir} is a file, not a directory")
+        raise ConfigError(f"{key}={run_dir} is a file, not a directory")
     ancestor = os.path.dirname(os.path.abspath(run_dir))
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
-        raise ConfigError(f"hydra.run.dir={run_dir} cannot be made: {ancestor} is a file")
-    if not os.path.isdir(run_dir) and not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ConfigError(f"hydra.run.dir={run_dir} cannot be made: {ancestor} is not writable")
+        raise ConfigError(f"{key}={run_dir} cannot be made: {ancestor} is a file")
+    if not os.path.isdir(run_dir) and not can_make_a_dir_in(ancestor):
+        raise ConfigError(f"{key}={run_dir} cannot be made: {ancestor} is not writable")
+
+
+def can_make_a_dir_in(parent: str) -> bool:
+    """Whether a directory can be made in `parent`, by making one and removing it: the
+    permission bits (os.access) pass for root where the kernel still refuses (/sys, /proc,
+    read-only mounts), and Hydra's own mkdir then fails with a traceback."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent))
+    except OSError:
+        return False
+    return True
+
+
+def check_multirun_dir(overrides: list[str]) -> None:
+    """hydra.sweep.dir as a -m command sets it: an earlier multirun's dir would have its
+    jobs' records (result.json, a sweep's state, .hydra/) written over, job by job. Hydra's
+    default dir is new each time (it holds the time); a resumed job goes on from its own."""
+    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra.sweep.dir=")]
+    if not values:
+        return
+    sweep_dir = values[-1]
+    check_run_dir(sweep_dir, key="hydra.sweep.dir")
+    resumes = any(
+        o.lstrip("+").split("=")[0] in ("sweep.resume", "trainer.resume")
+        and o.split("=", 1)[1].lower() == "true"
+        for o in overrides
+    )
+    earlier = Path(sweep_dir) / "multirun.yaml"  # what Hydra writes there first
+    if earlier.exists() and not resumes:
+        raise ConfigError(
+            f"hydra.sweep.dir={sweep_dir} holds an earlier multirun ({earlier.name}): its "
+            "jobs' records would be written over; choose another hydra.sweep.dir"
+        )
 
 
 def check_single_run(cfg) -> None:
@@ -648,6 +683,8 @@ def main() -> None:
             # a multirun's jobs are checked before Hydra makes its multirun dir; the first
             # MAX_CHECKED_JOBS of a huge product, the rest as each job starts (run_job)
             jobs = multirun_jobs(overrides) if multirun else [overrides]
+            if multirun and not printing:
+                check_multirun_dir(overrides)
             checked = [(job, validate(job, printing)) for job in jobs[:MAX_CHECKED_JOBS]]
             if not printing and any(is_dry_run(cfg) for _, cfg in checked):
                 if len(jobs) > MAX_CHECKED_JOBS:
