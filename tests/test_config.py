@@ -475,13 +475,19 @@ def test_corrupt_shard_is_named_before_anything_runs(tmp_path):
     [
         (np.full(20_000, 300), ["data.vocab_size=256"], "token id 300 >= data.vocab_size 256"),
         (np.arange(100), [], "too small to hold out validation"),
+        (
+            (np.arange(20_000) % 255 + 1).astype(np.int32),
+            [],
+            "looks like 32-bit ints (every second 16-bit word is 0)",
+        ),
     ],
-    ids=["id over the vocabulary", "too small"],
+    ids=["id over the vocabulary", "too small", "int32 ids"],
 )
 def test_shard_contents_are_checked_before_the_run_dir_is_made(tmp_path, tokens, args, names):
     # once the run dir exists, Hydra has rewritten its .hydra/: a resume must not get there
     (tmp_path / "data").mkdir()
-    tokens.astype(np.uint16).tofile(tmp_path / "data" / "train_000.bin")
+    tokens = tokens if tokens.dtype == np.int32 else tokens.astype(np.uint16)
+    tokens.tofile(tmp_path / "data" / "train_000.bin")
     proc = run_cli(
         ["data=shards", f"data.path={tmp_path}/data/*.bin", *args], cwd=tmp_path, timeout=60
     )

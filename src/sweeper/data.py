@@ -172,7 +172,19 @@ class ShardedTokens:
         return tokens
 
 
+# tokens looked at for a file of wider ints: a real uint16 corpus puts no id 0 at every
+# odd place of its first 64k tokens, while int32 (or int64) ids below 65536 always do
+WIDTH_SAMPLE = 1 << 16
+
+
 def check_token_ids(name: str, tokens: np.ndarray, vocab_size: int) -> None:
+    head = tokens[:WIDTH_SAMPLE]
+    if head.size >= 64 and not head[1::2].any() and head[0::2].any():
+        # read as uint16, every such id is itself and a 0: it would train, on garbage
+        raise ConfigError(
+            f"token shard {name} looks like 32-bit ints (every second 16-bit word is 0); "
+            "shards hold uint16 ids: write them with np.asarray(ids, dtype=np.uint16).tofile()"
+        )
     top = int(tokens.max())
     if top >= vocab_size:
         raise ConfigError(
