@@ -847,6 +847,36 @@ def test_a_users_function_that_reports_nan_ends_as_diverged(ray_cluster, tmp_pat
     assert "baseline (the unmodified config) diverged under the same budget" in out
 
 
+def test_a_users_function_that_never_reports_the_metric_stops_the_sweep(ray_cluster, tmp_path):
+    from sweeper.sweep.engine import MetricNotReported
+
+    message = (
+        "no trial of stage 'lr' reported val_bpb (sweep.metric); their reports held loss, "
+        "step: report val_bpb from tests.user_functions.reports_its_own_loss, or rank by one "
+        "of these with sweep.metric=NAME"
+    )
+    with pytest.raises(MetricNotReported, match=re.escape(message)):
+        sweep(
+            tmp_path,
+            "trainable._target_=tests.user_functions.reports_its_own_loss",
+            "sweep.stages.0.num_samples=2",
+            "sweep.stages.0.scheduler=fifo",
+            "sweep.stages.1.params.trainer.total_batch_size.grid=[512,1024]",
+        )
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    assert [s["name"] for s in state["stages"]] == []  # stopped before the next stage
+    # ranked by what it does report, the same function sweeps
+    summary = sweep(
+        tmp_path / "by_loss",
+        "trainable._target_=tests.user_functions.reports_its_own_loss",
+        "sweep.metric=loss",
+        "sweep.stages.0.num_samples=2",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    assert summary["best"]["value"] > 0
+
+
 def test_a_stage_worse_than_its_start_freezes_nothing(ray_cluster, tmp_path, capsys):
     """The batch stage's grid leaves out the 512 tokens the sweep starts from, where this
     function is best: its best is worse than the LR stage's, which the sweep keeps."""

@@ -11,6 +11,12 @@ def noisy_bowl(config: dict, report) -> None:
         report({"val_bpb": 1.0 + distance + 1.0 / step, "step": step, "tokens": step * 100})
 
 
+def reports_its_own_loss(config: dict, report) -> None:
+    """Reports `loss`, never the sweep's metric (val_bpb by default)."""
+    for step in range(1, 3):
+        report({"loss": config["optimizer"]["lr"] / step, "step": step})
+
+
 def explodes(config: dict, report) -> None:
     report({"val_bpb": float("nan"), "step": 1})
     raise AssertionError("a diverged trial must be ended by its report, not run on")

@@ -212,7 +212,8 @@ def run_user_function(cfg, target: str, out_dir: str) -> float | None:
     end_logging(logger, "completed", last)
     value = last.get("val_bpb")
     shown = f"val_bpb {value:.4f} " if isinstance(value, float) else ""
-    print(f"completed: {shown}after {len(reports)} reports -> {out_dir}/result.json")
+    count = f"{len(reports)} report{'s' * (len(reports) != 1)}"
+    print(f"completed: {shown}after {count} -> {out_dir}/result.json")
     return value
 
 

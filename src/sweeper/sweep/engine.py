@@ -198,6 +198,29 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     return summary["best"]["value"] if summary.get("best") else None
 
 
+def reported_instead(records: list[dict]) -> list[str] | None:
+    """What the stage's trials reported where not one of them reported the metric (a
+    user's function with its own name for it), else None."""
+    ran = [r for r in records if r["status"] != "failed"]
+    if not ran or any("reported" not in r for r in ran):
+        return None
+    return sorted({key for r in ran for key in r["reported"]})
+
+
+class MetricNotReported(SweepFailed):
+    """No trial of a stage reported the sweep's metric: every later stage would rank
+    nothing the same way, so the sweep stops at once with what the trials did report."""
+
+    def __init__(self, stage: str, metric: str, reported: list[str], target: str | None):
+        where = target or "the trainable"
+        Exception.__init__(
+            self,
+            f"no trial of stage '{stage}' reported {metric} (sweep.metric); their reports "
+            f"held {', '.join(reported) or 'no values'}: report {metric} from {where}, or "
+            "rank by one of these with sweep.metric=NAME",
+        )
+
+
 class NothingToRank(SweepFailed):
     """Every trial of every stage diverged or failed. The sweep's outputs are written (the
     learning curves show where each one went wrong), but it has no best config to give,
@@ -301,6 +324,8 @@ def run_stages(
         if all(r["status"] == "failed" for r in records):
             raise SweepFailed(stage.name, records[0]["error"], out)
         best = pick_best(records, spec.metric, spec.mode)
+        if best is None and (instead := reported_instead(records)) is not None:
+            raise MetricNotReported(stage.name, spec.metric, instead, target)
         edges = outputs.range_edges(spec, stage.name, current, best, None, not target)
         extended = {}
         if stage.extend_trials and edges:

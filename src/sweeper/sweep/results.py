@@ -38,6 +38,19 @@ def trial_status(metrics: dict, error: Any, can_prune: bool = True) -> str:
     return "pruned"  # stopped by the scheduler (or a cap) before its budget
 
 
+# keys of a trial's result that Tune or sweeper add: not what the trainable reported
+ADDED_KEYS = frozenset(
+    {"done", "trial_id", "experiment_tag", "should_checkpoint", "wall_time", "status", "reason"}
+)
+
+
+def reported_keys(metrics: dict) -> list[str]:
+    """What a trainable's own reports held, less the keys Tune or sweeper add."""
+    from ray.tune.result import AUTO_RESULT_KEYS
+
+    return sorted(k for k in metrics if k not in ADDED_KEYS and k not in AUTO_RESULT_KEYS)
+
+
 def collect_results(
     results, stage: str, metric: str, base: dict, ctx: TrialContext, can_prune: bool = True
 ):
@@ -69,6 +82,12 @@ def collect_results(
                 # "stage/trial_id" of the run it repeats, replayed rather than trained
                 # (engine.reusable_run): its FLOPs were spent once, there
                 **({"reused_from": metrics["reused_from"]} if "reused_from" in metrics else {}),
+                # a trial that reported, but never the metric: what it did report
+                **(
+                    {"reported": reported_keys(metrics)}
+                    if metrics and metric not in metrics and result.error is None
+                    else {}
+                ),
             }
         )
         trainer_cfg = effective.get("trainer", {})
