@@ -309,6 +309,38 @@ def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_name
     ]
 
 
+def test_an_lr_law_that_rises_and_a_far_prediction_are_warned_of():
+    def records(lr_opt):  # lr_opt: the optimum at each budget, inside the values tried
+        return [
+            {
+                "N": 1e6,
+                "C": c,
+                "loss": 3.0 - 0.1 * math.log10(c) + 0.1 * math.log2(lr / lr_opt[c]) ** 2,
+                "budget": c,
+                "lr": lr,
+                "batch_size": 1024,
+                "final": True,
+            }
+            for c in lr_opt
+            for lr in (0.01, 0.02, 0.04, 0.08)
+        ]
+
+    def warned(res):
+        return [w for w in res["warnings"] if "vs-compute" in w]
+
+    falls = fit_all(records({1e12: 0.04, 1e13: 0.02}), target_flops=1e15)
+    assert falls["hparams"]["lr"]["p"] == pytest.approx(-math.log10(2))
+    assert warned(falls) == []  # 100x: the scaling sweeps' own extrapolation, not noted
+    rises = fit_all(records({1e12: 0.02, 1e13: 0.04}), target_flops=1e16)
+    assert rises["predictions"]["lr_opt"] == pytest.approx(0.04 * 2**3)
+    assert warned(rises) == [
+        "lr-vs-compute: the best lr rises with compute (C^+0.301), where it falls in every "
+        "published law: more seeds or budgets before trusting it",
+        "lr-vs-compute: C = 1e+16 is 1,000x the largest budget fitted (1e+13): an exponent "
+        "off by 0.1 moves the prediction 2x",
+    ]
+
+
 def test_a_grid_of_lr_by_batch_size_gives_a_law_for_each():
     """lr_bs_scaling's data: at each budget a grid of LR x batch size, one model. With a
     loss quadratic in log(lr) and in log(batch) around optima that follow power laws of C,

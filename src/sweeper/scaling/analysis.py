@@ -27,6 +27,7 @@ MIN_FRONTIER_POINTS = 4  # envelope points; the law has 3 parameters
 MIN_PARAMETRIC_POINTS = 6  # the law has 5 parameters
 MIN_ISOFLOP_SIZES = 3  # a parabola needs 3 distinct model sizes
 HPARAMS = ("lr", "batch_size")
+EXTRAPOLATION_NOTED = 100.0  # a prediction this many times past the largest budget is noted
 FITS = ("frontier", "parametric", "isoflop", "hparams")
 # the exponent of each `lr_rule` of a sweep stage (sweep/stages.py): lr ~ batch^exponent
 LR_RULE_EXPONENTS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
@@ -312,9 +313,30 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
         section[name] = {**law.to_dict(), "budgets": budgets, "best": best, "how": how}
         if within:
             section[name]["within_noise"] = within
+        if name == "lr" and law.p > 0:
+            # every published LR law falls with compute (DeepSeek's C^-0.125; lr_scaling
+            # here measured C^-0.385): a rising one is more likely the seeds' noise
+            warnings.append(
+                f"lr-vs-compute: the best lr rises with compute (C^{law.p:+.3g}), where "
+                "it falls in every published law: more seeds or budgets before trusting it"
+            )
         if opts["target"] is not None:
             preds[f"{name}_opt"] = float(law.predict(opts["target"]))
+            warnings.extend(_extrapolation_warnings(name, budgets, opts))
     return section, preds
+
+
+def _extrapolation_warnings(name, budgets, opts) -> list[str]:
+    """A prediction at a compute far past the largest budget fitted, with how much a small
+    error in the exponent then moves it. The scaling sweeps extrapolate 100x."""
+    factor = opts["target"] / max(budgets)
+    if factor <= EXTRAPOLATION_NOTED:
+        return []
+    return [
+        f"{name}-vs-compute: C = {opts['target']:.3g} is {factor:,.0f}x the largest budget "
+        f"fitted ({max(budgets):.3g}): an exponent off by 0.1 moves the prediction "
+        f"{factor**0.1:.2g}x"
+    ]
 
 
 def _lr_vs_batch(pts: Points, opts: dict, warnings: list) -> tuple:
