@@ -238,6 +238,24 @@ def test_several_sweep_dirs_are_fitted_as_one_set_of_runs_on_their_seeds(tmp_pat
     assert other.returncode == 0 and (tmp_path / "other" / "fit.json").is_file()
 
 
+def test_a_fit_out_into_another_sweeps_dir_keeps_that_sweeps_fit(tmp_path):
+    first = lr_grid_sweep_dir(tmp_path / "s0", ["+sweep=lr_scaling"])
+    second = lr_grid_sweep_dir(tmp_path / "s1", ["+sweep=lr_scaling", "trainer.seed=1"], 1)
+    # the second sweep's own fit, as the sweep writes it: no inputs named
+    (second / "fit.json").write_text('{"frontier": null}')
+    (second / "summary.json").write_text("{}")
+    proc = run_fit(first, "--no-plots", "--out", second, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        f"error: {second} holds the fit of other inputs (the sweep there): "
+        "name another directory with --out DIR, or remove it\n"
+    )
+    assert (second / "fit.json").read_text() == '{"frontier": null}'
+    # a sweep dir's fit is made again in place, named or not
+    assert run_fit(second, "--no-plots", "--out", second, cwd=tmp_path).returncode == 0
+    assert json.loads((second / "fit.json").read_text())["inputs"] == [str(second)]
+
+
 def test_a_sweep_dirs_refit_bootstraps_as_the_sweeps_own_fit_did(tmp_path):
     # one trial's learning curve: 8 points on the compute frontier
     flops = np.logspace(12, 14, 8)

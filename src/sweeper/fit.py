@@ -256,8 +256,9 @@ def run(args) -> int:
 
     records, out_dir, conventions, sweep = load_records(args)
     inputs = sorted(str(Path(p).resolve()) for p in args.paths)
-    if args.out is None and not (len(args.paths) == 1 and Path(args.paths[0]).is_dir()):
-        check_default_out(out_dir, inputs)  # before the fit's work: it would not be written
+    in_place = len(args.paths) == 1 and Path(args.paths[0]).is_dir()
+    if not (in_place and out_dir.resolve() == Path(args.paths[0]).resolve()):
+        check_out_dir(out_dir, inputs)  # before the fit's work: it would not be written
     target = args.target_flops or (sweep or {}).get("target_flops")
     bootstrap = args.bootstrap
     if bootstrap is None:
@@ -312,10 +313,12 @@ def run(args) -> int:
     return 0
 
 
-def check_default_out(out_dir: Path, inputs: list[str]) -> None:
-    """The default output dir in the current directory (./combined-fit, ./<csv-name>-fit)
-    is shared by every fit made from there: one that holds the fit of other inputs is
-    kept, not overwritten. A fit of the same inputs is simply made again."""
+def check_out_dir(out_dir: Path, inputs: list[str]) -> None:
+    """A fit's output dir that holds the fit of other inputs is kept, not overwritten:
+    the default in the current directory (./combined-fit, ./<csv-name>-fit) is shared by
+    every fit made from there, and a `--out` can name another sweep's dir (its report.md
+    reads its own fit.json). A fit of the same inputs is simply made again, as is a sweep
+    dir's own fit in place."""
     try:
         earlier = json.loads((out_dir / "fit.json").read_text()).get("inputs")
     except (OSError, ValueError, AttributeError):
@@ -323,6 +326,8 @@ def check_default_out(out_dir: Path, inputs: list[str]) -> None:
     if earlier == inputs:
         return
     held = ", ".join(earlier) if isinstance(earlier, list) else "inputs it does not name"
+    if earlier is None and (out_dir / "summary.json").exists():
+        held = "the sweep there"  # a sweep writes its own fit without naming inputs
     raise InputError(
         f"{out_dir} holds the fit of other inputs ({held}): "
         "name another directory with --out DIR, or remove it"
