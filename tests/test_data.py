@@ -154,3 +154,26 @@ def test_a_long_id_check_says_what_it_is_doing(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out == (
         "checking the token ids of 2 shards (0.0 GB) before anything is written\n"
     )
+
+
+def test_a_run_says_when_its_evaluation_is_short_of_its_ask_or_in_bits_per_token(tmp_path):
+    from sweeper.config import load_run_config
+    from sweeper.train import data_notes
+
+    _write_shard(tmp_path / "train_000.bin", np.arange(20_000) % 500 + 1)
+    _write_shard(tmp_path / "val.bin", np.arange(300) % 500 + 1)
+    path, val = str(tmp_path / "train_*.bin"), str(tmp_path / "val.bin")
+    shards = {"name": "shards", "path": path, "val_path": val, "vocab_size": 512}
+    shards["bytes_per_token"] = None  # as conf/data/shards.yaml has it
+    cfg = load_run_config({"model": {"seq_len": 256}, "data": shards})
+    data = load_shards(cfg.data, min_tokens=257)
+    assert "300 val tokens" in data.description and "1 train file (" in data.description
+    assert data_notes(data, cfg) == [
+        f"each evaluation scores 256 tokens, not trainer.eval_tokens="
+        f"{cfg.trainer.eval_tokens:,}: the validation split holds 300",
+        "val bpb here is bits per token (data.bytes_per_token=null); set it to the corpus's "
+        "average bytes per token for bits per byte",
+    ]
+    # the default corpus: bytes, and a split far larger than an evaluation
+    stdlib = load_run_config({})
+    assert data_notes(load_stdlib(stdlib.data.val_every_n_files), stdlib) == []

@@ -248,9 +248,14 @@ def load_shards(cfg: DataConfig, min_tokens: int) -> TokenData:
         val,
         cfg.vocab_size,
         cfg.bytes_per_token,
-        f"token shards: {len(train.files)} train files ({train.size / 1e6:.1f}M tokens), "
-        f"{val.size / 1e6:.2f}M val tokens",
+        f"token shards: {len(train.files)} train file{'s' * (len(train.files) != 1)} "
+        f"({train.size / 1e6:.1f}M tokens), {token_count_text(val.size)} val tokens",
     )
+
+
+def token_count_text(count: int) -> str:
+    """12.3M, or 300 (a small validation file's count would show as 0.00M)."""
+    return f"{count / 1e6:.1f}M" if count >= 100_000 else f"{count:,}"
 
 
 def load_data(cfg: DataConfig, seq_len: int) -> TokenData:
@@ -323,10 +328,15 @@ class BatchSampler:
         return batch[:, :-1], batch[:, 1:]
 
 
+def val_window_count(val_size: int, seq_len: int, n_tokens: int) -> int:
+    """Windows an evaluation scores: n_tokens' worth, as many as the split holds."""
+    return max(1, min(n_tokens // seq_len, (val_size - 1) // seq_len))
+
+
 def val_windows(tokens: np.ndarray, seq_len: int, n_tokens: int, batch_size: int):
     """Fixed windows spread evenly over the validation split (every file type is scored,
     not only the first files), in batches."""
-    n_windows = max(1, min(n_tokens // seq_len, (tokens.size - 1) // seq_len))
+    n_windows = val_window_count(tokens.size, seq_len, n_tokens)
     starts = np.linspace(0, tokens.size - seq_len - 1, n_windows).astype(np.int64)
     for first in range(0, n_windows, batch_size):
         chunk = starts[first : first + batch_size]

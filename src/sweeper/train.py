@@ -22,7 +22,7 @@ import torch
 from sweeper.activations import ActivationWatch, activations_text
 from sweeper.budget import resolve_total_steps
 from sweeper.config import RunConfig, load_run_config
-from sweeper.data import BatchSampler, load_data, unigram_bpb, val_windows
+from sweeper.data import BatchSampler, load_data, unigram_bpb, val_window_count, val_windows
 from sweeper.model import GPT, GPTShape, residual_dtype_for
 from sweeper.optim import build_optimizer, update_ratios, weights_before_step
 from sweeper.runtime import (
@@ -132,6 +132,24 @@ def evaluate(
     return nats_per_token / math.log(2) / (data.bytes_per_token or 1.0)
 
 
+def data_notes(data, cfg) -> list[str]:
+    """What the evaluation's figure is, where it is not what its name says or asks."""
+    notes = []
+    seq_len, asked = cfg.model.seq_len, cfg.trainer.eval_tokens
+    windows = val_window_count(data.val.size, seq_len, asked)
+    if windows < max(1, asked // seq_len):
+        notes.append(
+            f"each evaluation scores {windows * seq_len:,} tokens, not trainer.eval_tokens={asked:,}: "
+            f"the validation split holds {data.val.size:,}"
+        )
+    if data.bytes_per_token is None:
+        notes.append(
+            "val bpb here is bits per token (data.bytes_per_token=null); set it to the "
+            "corpus's average bytes per token for bits per byte"
+        )
+    return notes
+
+
 def train(
     config: Mapping | RunConfig,
     report: Report | None = None,
@@ -195,6 +213,8 @@ def train(
         f"on {device.type} {str(dtype).removeprefix('torch.')}"
         f"{' compiled' if use_compile else ''}"
     )
+    for note in data_notes(data, cfg):
+        say(f"note: {note}")
     if step:
         say(f"resumed at step {step}/{total_steps} from a checkpoint")
 
