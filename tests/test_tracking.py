@@ -183,12 +183,17 @@ def assert_one_run_per_trial_none_running(parents, children, run_dir: Path) -> N
 # --- the engine with the tracker, on Ray ------------------------------------------------
 @pytest.mark.slow
 def test_a_real_sweep_on_a_tracking_server_has_a_parent_and_a_child_per_trial(
-    ray_cluster, mlflow_server, tmp_path
+    ray_cluster, mlflow_server, tmp_path, capsys
 ):
     run_dir = tmp_path / "run"
     summary = sweep(run_dir, f"mlflow.tracking_uri={mlflow_server}")
     client, parents, children = logged(mlflow_server, run_dir)
     assert_one_run_per_trial_none_running(parents, children, run_dir)
+    # MLflow prints two lines as each of the 4 runs ends; the sweep's last names the parent's page
+    out = capsys.readouterr().out
+    assert "View run" not in out and "View experiment" not in out
+    page = f"#/experiments/{parents[0].info.experiment_id}/runs/{parents[0].info.run_id}"
+    assert f"; in the MLflow UI: {mlflow_server}/{page}" in out
     assert len(children) == summary["trials"] == 3
     parent = parents[0]
     assert parent.data.tags["sweep"] == "smoke" and parent.data.tags["git_commit"]
@@ -753,6 +758,9 @@ def test_a_single_run_is_one_mlflow_run_on_a_tracking_server(mlflow_server, tmp_
     # its line comes before the run's last one, which names result.json as before
     lines = proc.stdout.strip().splitlines()
     assert lines[-2].startswith(f"[mlflow] run {run.info.run_id} in {mlflow_server}")
+    page = f"{mlflow_server}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert lines[-2].endswith(f"; in the MLflow UI: {page}")
+    assert "View run" not in proc.stdout  # MLflow's own line as each run ends
     assert lines[-1].startswith("completed: val_bpb ")
     # sweeper.compare ranks a sweep's trials: a single run's dir is named as what it is
     compared = run_cli(["run"], tmp_path, module="sweeper.compare")

@@ -19,6 +19,10 @@ HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+    # and against a server, MLflow prints two lines ("View run ... at", "View experiment
+    # at") as each run ends: 26 in a 12-trial sweep, among its progress lines. The sweep's
+    # last line gives the run's address in the UI instead (ui_hint).
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 
 
@@ -61,6 +65,14 @@ def shown(uri: str) -> str:
 
 def is_http(uri: str) -> bool:
     return urlparse(uri).scheme in ("http", "https")
+
+
+def ui_hint(uri: str, experiment_id: str, run_id: str) -> str:
+    """Where to see a run: its page on a tracking server, or the command that serves a
+    local store in the MLflow UI."""
+    if is_http(uri):
+        return f"; in the MLflow UI: {shown(uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"; mlflow ui --backend-store-uri {shown(uri)}"
 
 
 def sqlite_path(uri: str) -> str | None:

@@ -35,11 +35,11 @@ from sweeper.tracking.mlflow_queue import OpQueue, short_error
 from sweeper.tracking.mlflow_store import (
     check_reachable,
     get_or_create_experiment,
-    is_http,
     quick_http_calls,
     quiet_store_creation,
     resolve_tracking_uri,
     shown,
+    ui_hint,
 )
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class MlflowTracker:
         self.experiment = str(mlflow_cfg.get("experiment") or "sweeper")
         try:
             client = MlflowClient(self.uri)  # a fresh SQLite file is migrated here, once
-            experiment_id = get_or_create_experiment(client, self.experiment)
+            self.experiment_id = experiment_id = get_or_create_experiment(client, self.experiment)
             self.queue = OpQueue(client, experiment_id, self.out / PENDING_NAME, self.uri)
             kept = self.queue.load_pending()
             self.queue.apply_now(self._parent_op(dirty))
@@ -213,7 +213,7 @@ class MlflowTracker:
             )
         if stats["dropped"]:
             print(f"[mlflow] {stats['dropped']} MLflow calls were refused by the store")
-        ui = "" if is_http(self.uri) else f"; mlflow ui --backend-store-uri {shown(self.uri)}"
+        ui = ui_hint(self.uri, self.experiment_id, self.parent_id)
         print(
             f"[mlflow] sweep run {self.parent_id} in {shown(self.uri)}: compare its trials with "
             f"python -m sweeper.compare {self.out}{ui}",

@@ -31,11 +31,11 @@ from sweeper.sweep.spec import flatten
 from sweeper.tracking.mlflow_queue import OpQueue, short_error
 from sweeper.tracking.mlflow_store import (
     get_or_create_experiment,
-    is_http,
     quick_http_calls,
     quiet_store_creation,
     resolve_tracking_uri,
     shown,
+    ui_hint,
 )
 from sweeper.tracking.mlflow_tracker import (
     METRICS,
@@ -77,7 +77,7 @@ class RunTracker:
         if commit != "unknown":
             tags["mlflow.source.git.commit"] = commit
         client = MlflowClient(self.uri)  # a fresh SQLite file is migrated here, once
-        experiment_id = get_or_create_experiment(client, self.experiment)
+        self.experiment_id = experiment_id = get_or_create_experiment(client, self.experiment)
         self.queue = OpQueue(client, experiment_id, self.out / PENDING_NAME, self.uri)
         self.kept = self.queue.load_pending()
         self.queue.apply_now(
@@ -141,7 +141,7 @@ class RunTracker:
                 f"({self.queue.stats()['last_error']}); kept in {self.queue.pending_path}",
                 flush=True,
             )
-        ui = "" if is_http(self.uri) else f"; mlflow ui --backend-store-uri {shown(self.uri)}"
+        ui = ui_hint(self.uri, self.experiment_id, self.run_id)
         print(
             f"[mlflow] run {self.run_id} in {shown(self.uri)} (experiment '{self.experiment}'){ui}",
             flush=True,
