@@ -975,6 +975,17 @@ REFUSED = [
     (["sweep.stages.0.serach=tpe"], "did you mean sweep.stages.0.search?"),
     (["sweep.stages.0.points=[base]"], "to add it, write +sweep.stages.0.points=[base]"),
     (["sweep.stages.0.extend_trial=2"], "did you mean sweep.stages.0.extend_trials?"),
+    # a searched param's kind is a key: the line says how to replace it
+    (
+        ["sweep.stages.0.params.optimizer.matrix_lr={grid:[0.01,0.02]}"],
+        "to change its kind, write '~sweep.stages.0.params.optimizer.matrix_lr.log_uniform' "
+        "'+sweep.stages.0.params.optimizer.matrix_lr.grid=...'",
+    ),
+    (
+        ["++sweep.stages.0.params.optimizer.matrix_lr.grid=[0.01,0.02]"],
+        "got ['log_uniform', 'grid'] (to change a stage's param on the command line, remove "
+        "its old kind: ~sweep.stages.N.params.optimizer.matrix_lr.log_uniform)",
+    ),
     # where a trial runs is reserved before any trial starts: no stage searches it
     (["+sweep.stages.0.params.trainer.device.choice=[cpu,cuda]"], "where a trial runs is no"),
     (["+sweep.stages.0.params.trainer.workers.grid=[1,2]"], "trainer.workers: where a trial"),

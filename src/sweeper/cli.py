@@ -230,6 +230,16 @@ def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str |
         message += f": did you mean {'.'.join(filter(None, [parent_path, close[0]]))}?"
     shown = ", ".join(siblings[:12]) + (", ..." if len(siblings) > 12 else "")
     message += f" ({parent_path or 'the config'} has {shown})"
+    from sweeper.sweep.space import KINDS
+
+    if re.fullmatch(r"sweep\.stages\.\d+\.params\..+", parent_path) and missing in KINDS:
+        # a searched param's kind (log_uniform -> grid) is a key of its own: replacing it
+        # takes the old one removed and the new one added
+        old = siblings[0] if siblings else "KIND"
+        return (
+            f"{message}; to change its kind, write '~{parent_path}.{old}' "
+            f"'+{parent_path}.{missing}=...'"
+        )
     # a sweep's levels take their schema's other keys (points, extend_trials), and a
     # stage's params any key to search, with a +; not a typo's fix
     addable = schema is None or missing in schema

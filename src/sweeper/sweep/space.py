@@ -122,7 +122,13 @@ def parse_param(name: str, spec: Mapping[Any, Any]) -> ParamSpec:
         raise _fail(name, f"unknown spec key(s) {unknown}; expected one of {list(KINDS)}")
     kinds = list(spec)
     if len(kinds) != 1:
-        raise _fail(name, f"a spec needs exactly one kind of {list(KINDS)}, got {kinds}")
+        hint = (
+            f" (to change a stage's param on the command line, remove its old kind: "
+            f"~sweep.stages.N.params.{name}.{kinds[0]})"
+            if kinds
+            else ""
+        )
+        raise _fail(name, f"a spec needs exactly one kind of {list(KINDS)}, got {kinds}{hint}")
     kind = kinds[0]
     if kind in RANGE_KINDS:
         low, high = _parse_bounds(name, kind, spec[kind])
