@@ -1205,6 +1205,18 @@ def test_unknown_sweep_name_is_one_line(tmp_path):
     assert "available" in proc.stderr and "lr_bs" in proc.stderr
 
 
+def test_a_sweep_file_one_folder_too_high_is_named_with_where_it_goes(tmp_path):
+    (tmp_path / "mine.yaml").write_text("name: mine\nstages: []\n")
+    args = [f"hydra.searchpath=[file://{tmp_path}]", "+sweep=mine"]
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.strip().endswith(
+        f"; {tmp_path}/mine.yaml is at the search path's top: Hydra reads a sweep file from "
+        f"{tmp_path}/sweep/mine.yaml"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.yaml"]
+
+
 def test_trial_cap_limits_the_sweep_and_skips_a_grid_that_no_longer_fits(ray_cluster, tmp_path):
     summary = sweep(
         tmp_path,

@@ -27,6 +27,7 @@ def compose(overrides: Sequence[str]):
     # TypeError: OmegaConf's for a list index that is not a number (sweep.stages.x.name=...)
     except (HydraException, OmegaConfBaseException, ValueError, TypeError) as error:
         message = unknown_key_message(error, overrides) or one_line(error)
+        message += misplaced_file_hint(message, overrides)
         if "Could not override 'sweep'" in message:  # sweep is no default group to override
             chosen = next((o for o in overrides if o.startswith("sweep=")), "sweep=NAME")
             message += f" A sweep is added, not overridden: write +{chosen}"
@@ -38,6 +39,27 @@ def compose(overrides: Sequence[str]):
         where = f"{mark.name}, line {mark.line + 1}" if mark else "a config file"
         problem = getattr(error, "problem", None) or one_line(error)
         raise ConfigError(f"YAML syntax error in {where}: {problem}") from None
+
+
+def misplaced_file_hint(message: str, overrides: Sequence[str]) -> str:
+    """Where Hydra found no `sweep/NAME` but a search path dir holds NAME.yaml at its top:
+    the file is one folder too high, which Hydra's message does not say."""
+    from pathlib import Path
+
+    missing = re.search(r"Could not find '(\w+)/([^'/]+)'", message)
+    if not missing:
+        return ""
+    group, name = missing.groups()
+    for override in overrides:
+        if not override.lstrip("+").startswith("hydra.searchpath="):
+            continue
+        for root in re.findall(r"file://([^,\]\s'\"]+)", override):
+            if (Path(root) / f"{name}.yaml").is_file():
+                return (
+                    f"; {Path(root) / name}.yaml is at the search path's top: Hydra reads a "
+                    f"{group} file from {Path(root) / group / name}.yaml"
+                )
+    return ""
 
 
 def resolved(cfg):
