@@ -693,6 +693,7 @@ def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
     [
         (3.54, 3.29, "baseline val_bpb 3.5400 -> best 3.2900 (+0.2500 better)"),
         (3.5429, 3.556, "best 3.5560 (0.0131 worse: the unmodified config did better)"),
+        (3.54, 3.54, "best 3.5400 (the same to 4 decimals: the sweep found nothing better)"),
     ],
 )
 def test_the_summary_says_whether_the_sweep_beat_the_baseline(capsys, baseline, best, line):

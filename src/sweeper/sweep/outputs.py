@@ -644,8 +644,10 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
         print(
             f"  baseline {spec.metric} {base:.4f} -> best {best:.4f} "
             + (
-                f"(+{gain:.4f} better)"
-                if gain >= 0
+                "(the same to 4 decimals: the sweep found nothing better)"
+                if abs(gain) < 5e-5
+                else f"(+{gain:.4f} better)"
+                if gain > 0
                 else f"({-gain:.4f} worse: the unmodified config did better)"
             )
         )
