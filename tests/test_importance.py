@@ -91,6 +91,27 @@ def test_too_few_finished_trials_say_so_and_one_parameter_has_no_share_to_give()
     assert stage_importance([LR], records(lambda lr, emb, batch: lr)) is None
 
 
+def test_a_scaling_grid_that_searches_the_budget_shares_out_nothing():
+    # lr_scaling's stage: the budget lowers the loss whatever the LR (it took 0.97)
+    budget = parse_param("trainer.budget_flops", {"grid": [1e12, 3e12, 1e13]})
+    rows = [
+        {
+            "trial_id": f"t{i}",
+            "status": "completed",
+            "metric": 3.0 - math.log10(c) / 10 + lr,
+            "params": {LR.name: lr, budget.name: c},
+        }
+        for i, (c, lr) in enumerate((c, lr) for c in budget.values for lr in (0.01, 0.02, 0.04))
+    ]
+    result = stage_importance([LR, budget], rows, metric="val_bpb")
+    assert result["params"] is None
+    assert importance_text(result) == (
+        "importance: not estimated, the stage searches the budget (trainer.budget_flops), and "
+        "a larger one lowers val_bpb whatever the rest; the fit compares the rest budget by "
+        "budget (fit.json's hparams)"
+    )
+
+
 def test_where_a_scheduler_stopped_most_trials_they_are_compared_where_it_compared_them():
     def by_lr(lr, emb, batch):
         return 3.0 + (math.log10(lr) - math.log10(0.02)) ** 2

@@ -94,6 +94,13 @@ def _common_budget_values(reports: list[dict], metric: str) -> tuple[dict[str, f
     return (at[max(reached)], max(reached)) if reached else ({}, 0)
 
 
+# run config keys that set how much a trial trains: a stage that searches one is a
+# scaling grid, not a search for the best value of the others
+BUDGET_KEYS = frozenset(
+    f"trainer.{key}" for key in ("budget_flops", "budget_tokens", "tokens_per_param", "max_steps")
+)
+
+
 def stage_importance(
     params: list[ParamSpec], records: list[dict], reports: Sequence[dict] = (), metric: str = ""
 ) -> dict | None:
@@ -106,6 +113,15 @@ def stage_importance(
     compared on equal terms. "params" is None, with a "note", when neither has enough."""
     if len(params) < 2:
         return None
+    if budget := next((p.name for p in params if p.name in BUDGET_KEYS), None):
+        # a scaling grid: more compute always wins, so the budget would take nearly every
+        # share (0.97 on lr_scaling) and the rest would mix values from unequal budgets
+        note = (
+            f"the stage searches the budget ({budget}), and a larger one lowers "
+            f"{metric or 'the metric'} whatever the rest; the fit compares the rest budget by "
+            "budget (fit.json's hparams)"
+        )
+        return {"method": "fanova", "trials": 0, "tokens": None, "params": None, "note": note}
     searched = {
         r["trial_id"]: r["params"]
         for r in records
