@@ -62,6 +62,7 @@ def collect_results(
         status = trial_status(metrics, result.error, can_prune)
         effective = trial_config(params, base, ctx)
         value = metrics.get(metric)
+        instead = reported_keys(metrics) if metric not in metrics and not result.error else []
         records.append(
             {
                 "trial_id": trial_id,
@@ -82,12 +83,9 @@ def collect_results(
                 # "stage/trial_id" of the run it repeats, replayed rather than trained
                 # (engine.reusable_run): its FLOPs were spent once, there
                 **({"reused_from": metrics["reused_from"]} if "reused_from" in metrics else {}),
-                # a trial that reported, but never the metric: what it did report
-                **(
-                    {"reported": reported_keys(metrics)}
-                    if metrics and metric not in metrics and result.error is None
-                    else {}
-                ),
+                # a trial that reported, but never the metric: what it did report (one a
+                # cap stopped before its first report holds only the keys Tune adds)
+                **({"reported": instead} if instead else {}),
             }
         )
         trainer_cfg = effective.get("trainer", {})
