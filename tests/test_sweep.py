@@ -974,6 +974,12 @@ REFUSED = [
     # overrides of keys the sweep does not have: the fix is in the line
     (["sweep.stages.0.serach=tpe"], "did you mean sweep.stages.0.search?"),
     (["sweep.stages.0.points=[base]"], "to add it, write +sweep.stages.0.points=[base]"),
+    # a key of the schema the file does not set: not "unknown", nor another key's typo
+    (
+        ["sweep.stages.0.extend_trials=2"],
+        "error: sweep.stages.0.extend_trials is not set in this sweep's file: to add it, "
+        "write +sweep.stages.0.extend_trials=2",
+    ),
     (["sweep.stages.0.extend_trial=2"], "did you mean sweep.stages.0.extend_trials?"),
     # a searched param's kind is a key: the line says how to replace it
     (

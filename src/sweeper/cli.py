@@ -247,7 +247,16 @@ def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str |
         return f"{message} ({parent_path or 'the config'} has no '{missing}')"
     # a sweep file sets only some of a level's keys: name every one a + may add
     siblings += [k for k in schema or () if k not in siblings]
-    close = difflib.get_close_matches(missing, [k for k in siblings if k != missing], n=1)
+    # a key the schema has that this sweep file does not set is not a typo: it takes a +
+    unset = schema is not None and missing in schema
+    if unset and adds_the_key:
+        value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
+        return f"{key} is not set in this sweep's file: to add it, write +{key}={value}"
+    close = (
+        []
+        if unset
+        else difflib.get_close_matches(missing, [k for k in siblings if k != missing], n=1)
+    )
     if close:
         message += f": did you mean {'.'.join(filter(None, [parent_path, close[0]]))}?"
     shown = ", ".join(siblings[:12]) + (", ..." if len(siblings) > 12 else "")
