@@ -1255,9 +1255,14 @@ def test_flop_cap_stops_the_sweep(ray_cluster, tmp_path):
     assert summary["total_flops"] < 2 * 5e9
 
 
-def test_time_cap_stops_the_sweep(ray_cluster, tmp_path):
+def test_time_cap_stops_the_sweep(ray_cluster, tmp_path, capsys):
     summary = sweep(tmp_path, "sweep.max_seconds=1", "sweep.stages.0.num_samples=8")
     assert summary["trials"] < 8 + 2
+    # the trials it cut count as pruned, and the line says so (a resume skips them)
+    assert (
+        "[lr] sweep.max_seconds=1 ran out during this stage: trials still training were "
+        "stopped there and count as pruned" in capsys.readouterr().out
+    )
 
 
 def test_training_does_not_wait_for_a_slow_driver_and_every_result_arrives_in_order(

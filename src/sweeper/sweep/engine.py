@@ -658,12 +658,24 @@ def run_stage(
             ),
             run_config=run_config,
         )
+    fitting = time.time()
     with interrupt_watch() as interrupted:
         results = tuner.fit()
     if interrupted():
         # Tune returns normally on Ctrl+C (after saving its state): this stage is not
         # finished and must not be frozen as if it were
         raise KeyboardInterrupt
+    if remaining_seconds is not None and time.time() - fitting >= remaining_seconds:
+        # Tune's time budget stops the trials that are still training, as a scheduler
+        # would: they end as pruned, and the stage as finished, so a resume does not
+        # train them again (only the stages after it)
+        print(
+            f"[{stage.name}] sweep.max_seconds={spec.max_seconds:g} ran out during this "
+            "stage: trials still training were stopped there and count as pruned (their "
+            "values from fewer tokens); a resume with a higher cap runs the later stages, "
+            "not these trials again",
+            flush=True,
+        )
     can_prune = scheduler_name != "fifo" or bool(spec.max_seconds or spec.max_flops)
     return collect_results(results, stage.name, spec.metric, base, ctx, can_prune)
 
