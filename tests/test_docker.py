@@ -118,6 +118,33 @@ def test_compose_builds_from_files_that_exist():
 # --- Dockerfile -----------------------------------------------------------------------------
 
 
+def test_the_images_pin_the_ray_and_mlflow_the_cluster_configs_name():
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    pins = {
+        a.split("=", 1)[0]: Requirement(a.split("=", 1)[1].strip('"'))
+        for s, i, a in dockerfile()
+        if s is None and i == "ARG" and a.startswith(("RAY=", "MLFLOW="))
+    }
+    ray, mlflow = pins["RAY"], pins["MLFLOW"]
+    (ray_pin,), (mlflow_pin,) = ray.specifier, mlflow.specifier
+    assert ray_pin.operator == mlflow_pin.operator == "=="
+    # the releases the tests here run on, and inside pyproject.toml's ranges
+    assert ray_pin.version == version("ray") and mlflow_pin.version == version("mlflow")
+    documents = yaml.safe_load_all((DOCKER / "kuberay-raycluster.yaml").read_text())
+    (cluster,) = [d for d in documents if d and d.get("kind") == "RayCluster"]
+    assert cluster["spec"]["rayVersion"] == ray_pin.version
+    readme = (DOCKER / "README.md").read_text()
+    assert f'"ray[default]=={ray_pin.version}"' in readme
+    assert ray.extras == {"tune", "train", "default"}
+    runs = " ".join(a for i, a in stage_of("gpu") if i == "RUN")
+    assert re.search(r'pip install --quiet -e \. "\$\{RAY\}" "\$\{MLFLOW\}"', runs)
+    assert any(i == "RUN" and '"${MLFLOW}"' in a for i, a in stage_of("mlflow"))
+    assert ("ARG", "RAY") in stage_of("gpu") and ("ARG", "MLFLOW") in stage_of("mlflow")
+
+
 def test_dockerfile_installs_the_project_as_the_makefile_does():
     gpu = stage_of("gpu")
     assert gpu, "no stage named gpu"
