@@ -282,6 +282,10 @@ def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
     stop_on_sigterm_as_on_ctrl_c()  # ray.init put its own SIGTERM handler in place
     resources = ray.cluster_resources()
     url = context.dashboard_url
+    if address:
+        # "auto" joins whichever cluster Ray finds (the latest of several): say which
+        found = (getattr(context, "address_info", None) or {}).get("gcs_address")
+        address += f" (at {found})" if found and found != address else ""
     print(
         f"ray: {'joined ' + address if address else 'local cluster'} with "
         f"{resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs | dashboard: "
