@@ -137,6 +137,20 @@ def test_a_users_function_has_its_trials_planned_and_no_flops(tmp_path):
     assert files_under(tmp_path) == ["mine.py"]
 
 
+def test_a_stages_given_points_are_in_its_plan(tmp_path):
+    points = "+sweep.stages.0.points=[base,{optimizer.matrix_lr:0.03}]"
+    proc = run_cli(["+sweep=smoke", points, *PLAN], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  stage lr "))
+    assert lines[at + 2].strip() == (
+        "first the given points: base (the config the stage starts from); "
+        "{optimizer.matrix_lr=0.03}"
+    )
+    assert not any("given points" in line for line in lines[at + 3 :])  # the batch stage
+    assert files_under(tmp_path) == []
+
+
 def test_a_multirun_plans_each_of_its_sweeps(tmp_path):
     proc = run_cli(["-m", "+sweep=smoke,lr", *PLAN], cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]

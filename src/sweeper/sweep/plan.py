@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sweeper.sweep.space import bounding_values
-from sweeper.sweep.spec import SweepSpec, stage_space
+from sweeper.sweep.spec import SweepSpec, flatten, stage_space
 from sweeper.sweep.stages import apply_params, hydra_value, sweep_run
 
 # value combinations of a stage whose FLOPs are computed one by one; past this, each
@@ -56,6 +56,7 @@ class StagePlan:
     extend_trials: int
     lr_rule: str
     finished: bool = False
+    points: tuple[str, ...] = ()  # the configurations it tries first, as the file gives them
 
     @property
     def most_flops(self) -> float | None:
@@ -228,6 +229,7 @@ def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> lis
                 extend_trials=stage.extend_trials,
                 lr_rule=stage.lr_rule,
                 finished=stage.name in done,
+                points=tuple(point_text(point) for point in stage.points),
             )
         )
     return plans
@@ -239,6 +241,13 @@ def plans_left(spec: SweepSpec, base: dict, target: str | None, state=None) -> l
     done = [s.name for s in spec.stages if state is not None and state.stage_done(s.name)]
     start = (state.base_after_finished_stages() if state is not None else None) or base
     return stage_plans(spec, start, target, done)
+
+
+def point_text(point) -> str:
+    """`base`, or {optimizer.matrix_lr=0.02, optimizer.embedding_lr=0.3}."""
+    if not isinstance(point, dict):
+        return f"{point} (the config the stage starts from)" if point == "base" else str(point)
+    return "{" + ", ".join(f"{k}={hydra_value(v)}" for k, v in flatten(point).items()) + "}"
 
 
 def fraction_text(fraction: float) -> str:
@@ -292,6 +301,8 @@ def plan_text(
         lines.append(f"{head}{plan.search} search, {plan.scheduler} scheduler: {what}")
         pad = " " * len(head)
         lines.append(pad + "; ".join(plan.searched))
+        if plan.points:
+            lines.append(f"{pad}first the given points: {'; '.join(plan.points)}")
         if plan.rungs:
             lines.append(
                 f"{pad}{plan.scheduler} may stop a trial at "
