@@ -251,22 +251,25 @@ def test_the_optimum_on_a_grid_is_a_parabolas_vertex_in_log_value(grid, vertex, 
     assert (value, method) == (pytest.approx(expected, rel=1e-9), how)
 
 
-def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_named():
-    def records(lr_opt):  # lr_opt: the optimum at each budget
-        return [
-            {
-                "N": 1e6,
-                "C": c,
-                "loss": 3.0 - 0.1 * math.log10(c) + 0.1 * math.log2(lr / lr_opt[c]) ** 2,
-                "budget": c,
-                "lr": lr,
-                "batch_size": 1024,
-                "final": True,
-            }
-            for c in lr_opt
-            for lr in (0.01, 0.02, 0.04)
-        ]
+def lr_grid_records(lr_opt: dict, lrs=(0.01, 0.02, 0.04)) -> list[dict]:
+    """One model's final runs at each budget of `lr_opt` (the best LR there) and each LR."""
+    return [
+        {
+            "N": 1e6,
+            "C": c,
+            "loss": 3.0 - 0.1 * math.log10(c) + 0.1 * math.log2(lr / lr_opt[c]) ** 2,
+            "budget": c,
+            "lr": lr,
+            "batch_size": 1024,
+            "final": True,
+        }
+        for c in lr_opt
+        for lr in lrs
+    ]
 
+
+def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_named():
+    records = lr_grid_records
     res = fit_all(records({1e12: 0.04, 1e13: 0.02, 1e14: 0.02}))
     assert "batch_size" not in res["hparams"]  # 1024 in every run: nothing to fit
     # the plot draws the end of the grid hollow (a bound) and the vertex filled
@@ -311,19 +314,7 @@ def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_name
 
 def test_an_lr_law_that_rises_and_a_far_prediction_are_warned_of():
     def records(lr_opt):  # lr_opt: the optimum at each budget, inside the values tried
-        return [
-            {
-                "N": 1e6,
-                "C": c,
-                "loss": 3.0 - 0.1 * math.log10(c) + 0.1 * math.log2(lr / lr_opt[c]) ** 2,
-                "budget": c,
-                "lr": lr,
-                "batch_size": 1024,
-                "final": True,
-            }
-            for c in lr_opt
-            for lr in (0.01, 0.02, 0.04, 0.08)
-        ]
+        return lr_grid_records(lr_opt, lrs=(0.01, 0.02, 0.04, 0.08))
 
     def warned(res):
         return [w for w in res["warnings"] if "vs-compute" in w]
