@@ -575,10 +575,9 @@ def check_multirun_dir(overrides: list[str]) -> None:
     """hydra.sweep.dir as a -m command sets it: an earlier multirun's dir would have its
     jobs' records (result.json, a sweep's state, .hydra/) written over, job by job. Hydra's
     default dir is new each time (it holds the time); a resumed job goes on from its own."""
-    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra.sweep.dir=")]
-    if not values:
+    sweep_dir = hydra_run_dir(overrides, key="hydra.sweep.dir")
+    if sweep_dir is None:
         return
-    sweep_dir = values[-1]
     check_run_dir(sweep_dir, key="hydra.sweep.dir")
     resumes = any(
         o.lstrip("+").split("=")[0] in ("sweep.resume", "trainer.resume")
@@ -620,9 +619,10 @@ def without_print_flags(args: list[str]) -> list[str]:
     return kept
 
 
-def hydra_run_dir(overrides: list[str]) -> str | None:
-    """hydra.run.dir as the command line sets it (the last setting wins), else None."""
-    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra.run.dir=")]
+def hydra_run_dir(overrides: list[str], key: str = "hydra.run.dir") -> str | None:
+    """hydra.run.dir (or `key`) as the command line sets it (the last setting wins), else
+    None."""
+    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"{key}=")]
     return values[-1] if values else None
 
 
