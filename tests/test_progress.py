@@ -27,7 +27,26 @@ def test_paused_trials_are_counted_apart_from_running_ones(capsys):
     progress.on_trial_complete(0, trials, trials[0])
 
     line = capsys.readouterr().out.strip()
-    assert line.startswith("[lr] 1/8 trials done, 1 running, 2 paused | best val_bpb 3.2500 |")
+    # the best is the finished trial's: 3.25 is at fewer tokens (stages.pick_best)
+    assert line.startswith("[lr] 1/8 trials done, 1 running, 2 paused | best val_bpb 3.5000 |")
+
+
+def test_before_any_trial_finishes_the_best_is_marked_unfinished(capsys):
+    """A paused trial's rung value, the best so far, then a finished trial's: the line
+    shows the rung value as unfinished, then the finished one, as the stage's table does."""
+    trials = trials_in(Trial.RUNNING, Trial.RUNNING, Trial.RUNNING)
+    progress = ProgressCallback("lr", planned=3, metric="val_bpb", mode="min", heartbeat=0)
+    progress.on_trial_result(0, trials, trials[0], {"val_bpb": 3.1, "status": "running"})
+    trials[0].set_status(Trial.PAUSED)
+    trials[1].update_last_result({"val_bpb": 3.6, "status": "pruned"})
+    progress.on_trial_complete(0, trials, trials[1])
+    trials[1].set_status(Trial.TERMINATED)
+    trials[2].update_last_result({"val_bpb": 3.3, "status": "completed", "done": True})
+    progress.on_trial_complete(0, trials, trials[2])
+
+    lines = capsys.readouterr().out.splitlines()
+    assert "| best val_bpb 3.1000 (unfinished) |" in lines[0]
+    assert "| best val_bpb 3.3000 |" in lines[1]
 
 
 def test_endings_are_tallied_and_no_paused_count_without_paused_trials(capsys):
@@ -59,7 +78,7 @@ def test_a_trial_that_diverges_takes_its_earlier_values_out_of_the_best(capsys):
     progress.on_trial_complete(0, trials, trials[1])  # its last report unseen: still out
 
     lines = capsys.readouterr().out.splitlines()
-    assert "1/2 trials done (1 diverged), 1 running | best val_bpb 3.6000 |" in lines[0]
+    assert "1/2 trials done (1 diverged), 1 running | best val_bpb 3.6000 (unfinished) |" in lines[0]
     assert "2/2 trials done (2 diverged), 0 running | best val_bpb - |" in lines[1]
 
 
@@ -157,7 +176,9 @@ def test_a_line_comes_while_trials_run_though_none_has_ended(capsys):
     progress.started, progress.last_line = time.time() - 100.0, time.time() - 60.0
     progress.on_step_end(4, trials)
     line = capsys.readouterr().out.strip()
-    assert line.startswith("[lr] 0/8 trials done, 2 running | best val_bpb 4.2000 | 100s elapsed")
+    assert line.startswith(
+        "[lr] 0/8 trials done, 2 running | best val_bpb 4.2000 (unfinished) | 100s elapsed"
+    )
     trained = 2 * 24_000 / 160_000
     assert abs(float(re.search(r"~(\d+)s left", line).group(1)) - 100 / trained * 7.7) <= 2
 

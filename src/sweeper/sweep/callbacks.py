@@ -43,12 +43,17 @@ class ProgressCallback(tune.Callback):
         # each trial's best value so far: a trial that diverges takes its earlier values
         # with it, as the stage's table ranks it nowhere
         self.values: dict[str, float] = {}
+        # the last value of each trial that trained its whole budget: once there is one,
+        # the best is among these, as the stage's table picks it (stages.pick_best). A
+        # value at fewer tokens (a paused or pruned trial's rung) is not comparable.
+        self.finished: dict[str, float] = {}
 
     @property
     def best(self) -> float | None:
-        if not self.values:
+        pool = self.finished or self.values
+        if not pool:
             return None
-        return (min if self.mode == "min" else max)(self.values.values())
+        return (min if self.mode == "min" else max)(pool.values())
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         value = result.get(self.metric)
@@ -76,6 +81,9 @@ class ProgressCallback(tune.Callback):
             self.values.pop(trial.trial_id, None)
         if status not in ("completed", "diverged"):
             status = "completed" if status is None and result.get("done") else "pruned"
+        value = result.get(self.metric)
+        if status == "completed" and isinstance(value, int | float) and math.isfinite(value):
+            self.finished[trial.trial_id] = value
         self._finish(trial, trials, status)
 
     def on_trial_error(self, iteration, trials, trial, **info):
@@ -120,6 +128,8 @@ class ProgressCallback(tune.Callback):
                 self.costs = None
         endings = ", ".join(f"{n} {k}" for k, n in self.counts.items() if n and k != "completed")
         best = f"{self.best:.4f}" if self.best is not None else "-"
+        if self.best is not None and not self.finished:
+            best += " (unfinished)"  # no trial has trained its whole budget yet
         # before any trial has reported, nothing says how long one takes
         left_text = f"~{eta:.0f}s left" if eta is not None else "time left once a trial reports"
         print(
