@@ -78,7 +78,9 @@ def test_a_trial_that_diverges_takes_its_earlier_values_out_of_the_best(capsys):
     progress.on_trial_complete(0, trials, trials[1])  # its last report unseen: still out
 
     lines = capsys.readouterr().out.splitlines()
-    assert "1/2 trials done (1 diverged), 1 running | best val_bpb 3.6000 (unfinished) |" in lines[0]
+    assert (
+        "1/2 trials done (1 diverged), 1 running | best val_bpb 3.6000 (unfinished) |" in lines[0]
+    )
     assert "2/2 trials done (2 diverged), 0 running | best val_bpb - |" in lines[1]
 
 
