@@ -42,6 +42,9 @@ from sweeper.tracking.mlflow_store import (
     ui_hint,
 )
 
+# sweep settings a stage may set for itself (spec.StageSpec), the sweep's being its default
+STAGE_DEFAULTS = ("search", "scheduler", "reports_per_trial")
+
 if TYPE_CHECKING:
     from sweeper.tracking.mlflow_callback import MlflowCallback
 
@@ -329,12 +332,18 @@ class MlflowTracker:
             tags["mlflow.source.git.commit"] = self.commit
         settings = asdict(spec)
         settings.pop("stages"), settings.pop("resume")
+        for key in STAGE_DEFAULTS:
+            # the sweep's value is only the default of a stage that sets none: where every
+            # stage sets its own, logging it would name a search that never ran
+            if all(getattr(stage, key) for stage in spec.stages):
+                settings.pop(key)
         params = {param_key(k): param_value(v) for k, v in flatten(settings).items()}
         for stage in spec.stages:
             prefix = param_key(f"stage.{stage.name}")
             params[f"{prefix}.search"] = spec.stage_search(stage)
             params[f"{prefix}.scheduler"] = spec.stage_scheduler(stage)
             params[f"{prefix}.num_samples"] = str(stage.num_samples)
+            params[f"{prefix}.reports_per_trial"] = str(spec.stage_reports(stage))
             params[f"{prefix}.lr_rule"] = stage.lr_rule
             params[f"{prefix}.space"] = json.dumps(to_builtin(flatten_params(stage.params)))
         match = {"role": "sweep", "run_dir": str(self.out)}
