@@ -202,9 +202,9 @@ def test_a_real_sweep_on_a_tracking_server_has_a_parent_and_a_child_per_trial(
     assert parent.data.params["stage.batch_size.scheduler"] == "fifo"
     # both stages set their own search and scheduler: the sweep's defaults governed nothing
     assert "search" not in parent.data.params and "scheduler" not in parent.data.params
-    assert parent.data.params["reports_per_trial"] == parent.data.params[
-        "stage.lr.reports_per_trial"
-    ]
+    assert (
+        parent.data.params["reports_per_trial"] == parent.data.params["stage.lr.reports_per_trial"]
+    )
     assert parent.data.metrics["best_val_bpb"] == pytest.approx(summary["best"]["value"])
     assert json.loads((run_dir / "mlflow_run.json").read_text())["run_id"] == parent.info.run_id
     parent_files = {a.path for a in client.list_artifacts(parent.info.run_id)}
