@@ -1258,11 +1258,42 @@ def test_flop_cap_stops_the_sweep(ray_cluster, tmp_path):
 def test_time_cap_stops_the_sweep(ray_cluster, tmp_path, capsys):
     summary = sweep(tmp_path, "sweep.max_seconds=1", "sweep.stages.0.num_samples=8")
     assert summary["trials"] < 8 + 2
-    # the trials it cut count as pruned, and the line says so (a resume skips them)
-    assert (
-        "[lr] sweep.max_seconds=1 ran out during this stage: trials still training were "
-        "stopped there and count as pruned" in capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert "[lr] sweep.max_seconds=1 ran out during this stage" in out
+    assert "the sweep's time cap is reached: no further stages. A resume goes on with " in out
+
+
+def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
+    ray_cluster, tmp_path, capsys
+):
+    """sweep.max_seconds stops a stage's trials as Ctrl+C would: a resume with a higher cap
+    (here none) trains the same trials on from their last checkpoint, not again from
+    step 0, and freezes the stage's best only then."""
+    lr_stage_only = [
+        "sweep.budget.tokens_per_trial=240000",  # ~20 s a trial on 2 cores: the cap cuts it
+        "sweep.reports_per_trial=8",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.0.num_samples=2",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",  # replays the best
+    ]
+    first = sweep(tmp_path, *lr_stage_only, "sweep.max_seconds=12")
+    assert "[lr] sweep.max_seconds=12 ran out during this stage" in capsys.readouterr().out
+    assert first["best"] is None  # nothing trained its whole budget: nothing frozen
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    cut = {r["trial_id"]: r for s in state["stages"] for r in s["records"]}
+    assert all(r["capped"] and r["status"] == "pruned" for r in cut.values())
+    assert all(s["capped"] for s in state["stages"])
+
+    second = sweep(tmp_path, *lr_stage_only, "sweep.max_seconds=null", "sweep.resume=true")
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    (lr, batch_size) = state["stages"]
+    assert "capped" not in lr and not any(r.get("capped") for r in lr["records"])
+    assert [r["status"] for r in lr["records"]] == ["completed", "completed"]
+    assert set(cut) <= {r["trial_id"] for r in lr["records"]}  # the same trials, gone on
+    for trial_id in cut:
+        steps = [r["step"] for r in lr["reports"] if r["trial_id"] == trial_id]
+        assert steps == sorted(set(steps)) and len(steps) == 8, steps  # none trained twice
+    assert second["best"]["value"] == pytest.approx(lr["best"]["metric"])
 
 
 def test_training_does_not_wait_for_a_slow_driver_and_every_result_arrives_in_order(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import threading
 import time
@@ -64,6 +65,16 @@ class SweepFailed(Exception):
             f"every trial of stage '{stage}' failed: {error or 'unknown error'}{hint}; "
             f"earlier stages are kept: continue with sweep.resume=true hydra.run.dir={out}"
         )
+
+
+class StageCapped(Exception):
+    """sweep.max_seconds ran out while a stage's Tune run trained: the records and reports
+    of the trials that reported (those it stopped marked `capped`). The stage is kept as
+    far as it went, and a resume with more time goes on with it (reopen_capped_stage)."""
+
+    def __init__(self, records: list[dict], reports: list[dict]):
+        super().__init__("sweep.max_seconds ran out during a stage")
+        self.records, self.reports = records, reports
 
 
 def default_penalty(spec: SweepSpec, base: dict, target: str | None) -> float:
@@ -247,6 +258,7 @@ def finished(spec: SweepSpec, state: SweepState, base: dict) -> bool:
 
     return (
         all(state.stage_done(stage.name) for stage in spec.stages)
+        and not reopens_capped_stage(spec, state)
         and (state.baseline is not None or not spec.baseline)
         and not missing_runs(spec, state, base)
     )
@@ -285,6 +297,7 @@ def run_stages(
     """The stages in order, each starting from the best config of the ones before."""
     from sweeper.sweep import outputs
 
+    reopen_capped_stage(spec, state)
     current = state.base_after_finished_stages() or base
     for index, stage in enumerate(spec.stages):
         if state.stage_done(stage.name):
@@ -307,18 +320,27 @@ def run_stages(
                 f"on, raise it and add sweep.resume=true hydra.run.dir={out}"
             )
             break
-        records, reports = run_stage(
-            spec,
-            index,
-            current,
-            target,
-            out,
-            state,
-            remaining_trials,
-            remaining_seconds,
-            tracker,
-            reusable=reusable_run(spec, stage, state, current, target),
-        )
+        capped = False
+        try:
+            records, reports = run_stage(
+                spec,
+                index,
+                current,
+                target,
+                out,
+                state,
+                remaining_trials,
+                remaining_seconds,
+                tracker,
+                reusable=reusable_run(spec, stage, state, current, target),
+            )
+        except StageCapped as cut:
+            records, reports, capped = cut.records, cut.reports, True
+        if capped and not records:  # a resume restores the stage's Tune run
+            state.elapsed = time.time() - started
+            state.save()
+            print(time_cap_reached(stage.name, out))
+            break
         if not records:
             break
         if all(r["status"] == "failed" for r in records):
@@ -328,23 +350,28 @@ def run_stages(
             raise MetricNotReported(stage.name, spec.metric, instead, target)
         edges = outputs.range_edges(spec, stage.name, current, best, None, not target)
         extended = {}
-        if stage.extend_trials and edges:
-            records, reports, extended = extend(
-                spec,
-                index,
-                current,
-                records,
-                reports,
-                best,
-                edges,
-                target,
-                out,
-                state,
-                started,
-                tracker,
-            )
+        if stage.extend_trials and edges and not capped:
+            try:
+                records, reports, extended = extend(
+                    spec,
+                    index,
+                    current,
+                    records,
+                    reports,
+                    best,
+                    edges,
+                    target,
+                    out,
+                    state,
+                    started,
+                    tracker,
+                )
+            except StageCapped as cut:
+                records, reports, capped = cut.records, cut.reports, True
             best = pick_best(records, spec.metric, spec.mode)
             edges = outputs.range_edges(spec, stage.name, current, best, extended, not target)
+        if capped and best is not None and best["status"] != "completed":
+            best = None  # a value at fewer tokens than the budget: not one to freeze
         incumbent, start = state.carried(), current
         keeps_start = keeps_its_start(incumbent, best, spec.mode)
         if best is not None and not keeps_start:
@@ -353,11 +380,24 @@ def run_stages(
             )
         carried = best if best is not None and not keeps_start else incumbent
         state.finish_stage(
-            stage.name, records, reports, best, current, time.time() - started, extended, carried
+            stage.name,
+            records,
+            reports,
+            best,
+            current,
+            time.time() - started,
+            extended,
+            carried,
+            capped,
         )
         outputs.print_stage_table(stage.name, records, best, spec, edges)
         if keeps_start:
             print(f"[{stage.name}] {outputs.kept_note(spec, incumbent, best, start)}\n")
+        elif best is None and capped:
+            print(
+                f"[{stage.name}] no trial trained its whole budget before the time cap: "
+                "nothing frozen\n"
+            )
         elif best is None:
             print(
                 f"[{stage.name}] no trial has a value to rank "
@@ -367,6 +407,41 @@ def run_stages(
         if state.total_flops() >= (spec.max_flops or math.inf):
             print("the sweep's FLOP cap is reached: no further stages")
             break
+        if capped:
+            print(time_cap_reached(stage.name, out))
+            break
+
+
+def time_cap_reached(stage: str, out: Path) -> str:
+    return (
+        f"the sweep's time cap is reached: no further stages. A resume goes on with stage "
+        f"'{stage}' (its stopped trials from their last report, then those it has yet to "
+        f"start): raise sweep.max_seconds and add sweep.resume=true hydra.run.dir={out}"
+    )
+
+
+def reopens_capped_stage(spec: SweepSpec, state: SweepState) -> bool:
+    """Whether the sweep's last stage is one the time cap ran out in, and this run has
+    more time for it (a higher sweep.max_seconds, or none)."""
+    last = state.stages[-1] if state.stages else None
+    if last is None or not last.get("capped"):
+        return False
+    return spec.max_seconds is None or state.elapsed < spec.max_seconds
+
+
+def reopen_capped_stage(spec: SweepSpec, state: SweepState) -> None:
+    """A resume given more time reopens the stage the cap ran out in: its Tune run goes on
+    from where the cap stopped it (run_stage's restore), the stopped trials from their
+    last checkpoints."""
+    if not reopens_capped_stage(spec, state):
+        return
+    last = state.stages[-1]
+    state.reopen_last_stage()
+    cut = sum(bool(r.get("capped")) for r in last["records"])
+    stopped = {0: "", 1: ", and the trial it stopped trains on"}.get(
+        cut, f", and the {cut} trials it stopped train on"
+    )
+    print(f"[{last['name']}] the time cap ran out during this stage: it goes on{stopped}")
 
 
 def extend(
@@ -398,21 +473,25 @@ def extend(
     remaining_seconds = None
     if spec.max_seconds is not None:
         remaining_seconds = spec.max_seconds - (time.time() - started)
-    extra_records, extra_reports = run_stage(
-        spec,
-        index,
-        after,
-        target,
-        out,
-        state,
-        planned_trials(spec, round_two, after),
-        remaining_seconds,
-        tracker,
-        stage=round_two,
-        experiment_suffix=extension.EXPERIMENT_SUFFIX,
-        spent_flops=spent,
-        earlier_reports=reports,
-    )
+    try:
+        extra_records, extra_reports = run_stage(
+            spec,
+            index,
+            after,
+            target,
+            out,
+            state,
+            planned_trials(spec, round_two, after),
+            remaining_seconds,
+            tracker,
+            stage=round_two,
+            experiment_suffix=extension.EXPERIMENT_SUFFIX,
+            spent_flops=spent,
+            earlier_reports=reports,
+        )
+    except StageCapped as cut:  # the stage as far as both rounds went
+        merged = extension.merge_round(records, best, cut.records)
+        raise StageCapped(merged, reports + cut.reports) from None
     return (
         extension.merge_round(records, best, extra_records),
         reports + extra_reports,
@@ -652,32 +731,86 @@ def run_stage(
                 scheduler=scheduler,
                 num_samples=1 if grid else planned // per_sample,
                 # no max_concurrent_trials: the searcher built above enforces
-                # sweep.concurrency itself, and Tune, given both, only warns that it ignores it
-                time_budget_s=remaining_seconds,
+                # sweep.concurrency itself, and Tune, given both, only warns that it ignores it.
+                # No time_budget_s either: sweep.max_seconds is time_cap's, below
                 reuse_actors=True,
             ),
             run_config=run_config,
         )
-    fitting = time.time()
-    with interrupt_watch() as interrupted:
+    with interrupt_watch() as interrupted, time_cap(remaining_seconds) as capped:
         results = tuner.fit()
-    if interrupted():
+    if not capped() and interrupted():
         # Tune returns normally on Ctrl+C (after saving its state): this stage is not
         # finished and must not be frozen as if it were
         raise KeyboardInterrupt
-    if remaining_seconds is not None and time.time() - fitting >= remaining_seconds:
-        # Tune's time budget stops the trials that are still training, as a scheduler
-        # would: they end as pruned, and the stage as finished, so a resume does not
-        # train them again (only the stages after it)
+    can_prune = scheduler_name != "fifo" or bool(spec.max_seconds or spec.max_flops)
+    records, reports = collect_results(results, stage.name, spec.metric, base, ctx, can_prune)
+    unfinished = {
+        str(result.path)
+        for result in results
+        if result.error is None and not (result.metrics or {}).get("done")
+    }
+    if capped() and (unfinished or len(records) < planned):
+        # a trial that never reported (not started yet) is not kept: the resume starts it
+        records = [r for r in records if r["path"] not in unfinished or r["tokens"] is not None]
+        for record in records:
+            if record["path"] in unfinished:
+                record["capped"] = True  # ranked as pruned until a resume trains it on
+        cut = sum(bool(r.get("capped")) for r in records)
+        stopped = (
+            f": {cut} trial{'s' * (cut > 1)} stopped at {'their' if cut > 1 else 'its'} last "
+            "report (ranked as pruned until a resume trains "
+            f"{'them' if cut > 1 else 'it'} on)"
+            if cut
+            else ", before the trials it stopped had reported"
+        )
         print(
             f"[{stage.name}] sweep.max_seconds={spec.max_seconds:g} ran out during this "
-            "stage: trials still training were stopped there and count as pruned (their "
-            "values from fewer tokens); a resume with a higher cap runs the later stages, "
-            "not these trials again",
+            f"stage{stopped}",
             flush=True,
         )
-    can_prune = scheduler_name != "fifo" or bool(spec.max_seconds or spec.max_flops)
-    return collect_results(results, stage.name, spec.metric, base, ctx, can_prune)
+        raise StageCapped(records, reports)
+    return records, reports
+
+
+@contextlib.contextmanager
+def time_cap(seconds: float | None):
+    """Stops Tune's run after `seconds` as a Ctrl+C would: Tune keeps the trials still
+    training resumable (their checkpoints, the searcher's state), where its own
+    time_budget_s ends them for good. The stop is Tune's SIGUSR1, which it handles as it
+    does SIGINT, sent once Tune's handler is in place; yields whether it fired. Without
+    a cap, or off the main thread (no signals there), it never fires."""
+    from sweeper.sweep.ray_cluster import TIME_CAP_STOP
+
+    fired, done = threading.Event(), threading.Event()
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield fired.is_set
+        return
+
+    def before_tune(signum, frame):  # the default action of SIGUSR1 ends the process
+        pass
+
+    def watch():
+        if done.wait(max(seconds, 0.0)):
+            return
+        while not done.is_set():
+            if signal.getsignal(signal.SIGUSR1) is not before_tune:
+                fired.set()
+                TIME_CAP_STOP.set()
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return
+            done.wait(0.05)
+
+    previous = signal.signal(signal.SIGUSR1, before_tune)
+    watcher = threading.Thread(target=watch, name="sweep-time-cap", daemon=True)
+    watcher.start()
+    try:
+        yield fired.is_set
+    finally:
+        done.set()
+        watcher.join()
+        signal.signal(signal.SIGUSR1, previous)
+        TIME_CAP_STOP.clear()
 
 
 @contextlib.contextmanager

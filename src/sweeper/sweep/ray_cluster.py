@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 
 from sweeper.cli import stop_on_sigterm_as_on_ctrl_c
 from sweeper.config import ConfigError
@@ -251,6 +252,25 @@ class DropsTunesResumeAdvice(logging.Filter):
 
 
 logging.getLogger("ray.tune.tune").addFilter(DropsTunesResumeAdvice())
+
+# set while sweep.max_seconds stops a stage's Tune run (engine.time_cap)
+TIME_CAP_STOP = threading.Event()
+
+
+class DropsTimeCapStopNotices(logging.Filter):
+    """The time cap stops Tune by the signal it takes for Ctrl+C: Tune then warns of a
+    "Stop signal (e.g. via SIGINT/Ctrl+C)" and lists the trials that did not complete.
+    The stage prints its own line on the cap, which this leaves as the only one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (
+            TIME_CAP_STOP.is_set()
+            and message.startswith(("Stop signal received", "Trials did not complete"))
+        )
+
+
+logging.getLogger("ray.tune.tune").addFilter(DropsTimeCapStopNotices())
 logging.getLogger("ray.tune.analysis.experiment_analysis").addFilter(DropsTunesResumeAdvice())
 
 

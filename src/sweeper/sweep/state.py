@@ -88,7 +88,16 @@ class SweepState:
         return self.stages[-1].get("carried", self.stages[-1]["best"])
 
     def finish_stage(
-        self, name, records, reports, best, base_after, elapsed, extended=None, carried=None
+        self,
+        name,
+        records,
+        reports,
+        best,
+        base_after,
+        elapsed,
+        extended=None,
+        carried=None,
+        capped=False,
     ) -> None:
         self.stages.append(
             {
@@ -100,9 +109,17 @@ class SweepState:
                 "carried": carried,
                 # ranges an extend_trials round searched past the stage's own: {param: [lo, hi]}
                 **({"extended": extended} if extended else {}),
+                # sweep.max_seconds ran out during it: a resume with more time reopens it
+                **({"capped": True} if capped else {}),
             }
         )
         self.elapsed = elapsed
+        self.save()
+
+    def reopen_last_stage(self) -> None:
+        """Takes the last stage back out of the finished ones (a stage the time cap cut
+        short, resumed with more time): its elapsed time stays counted."""
+        self.stages.pop()
         self.save()
 
     def set_baseline(self, baseline: dict) -> None:
