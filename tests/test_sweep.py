@@ -1283,6 +1283,8 @@ def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
     cut = {r["trial_id"]: r for s in state["stages"] for r in s["records"]}
     assert all(r["capped"] and r["status"] == "pruned" for r in cut.values())
     assert all(s["capped"] for s in state["stages"])
+    # a stopped trial's last value is not a whole run's: the scaling fits leave it out
+    assert not any(r["final"] for s in state["stages"] for r in s["reports"])
 
     second = sweep(tmp_path, *lr_stage_only, "sweep.max_seconds=null", "sweep.resume=true")
     state = json.loads((tmp_path / "sweep_state.json").read_text())
@@ -1293,6 +1295,8 @@ def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
     for trial_id in cut:
         steps = [r["step"] for r in lr["reports"] if r["trial_id"] == trial_id]
         assert steps == sorted(set(steps)) and len(steps) == 8, steps  # none trained twice
+        finals = [r["final"] for r in lr["reports"] if r["trial_id"] == trial_id]
+        assert finals == [False] * 7 + [True]
     assert second["best"]["value"] == pytest.approx(lr["best"]["metric"])
 
 

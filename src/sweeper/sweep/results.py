@@ -96,6 +96,10 @@ def collect_results(
             continue
         rows = frame.to_dict("records")
         for i, row in enumerate(rows):
+            # the end of a run that trained its whole budget: what the scaling fits read as
+            # a run of that many tokens. A stopped trial's last value is from before its
+            # LR decayed (wsd), or a diverged or failed one's from a broken run.
+            whole = i == len(rows) - 1 and status == "completed"
             reports.append(
                 to_builtin(
                     {
@@ -110,8 +114,8 @@ def collect_results(
                         "total_batch_size": trainer_cfg.get("total_batch_size"),
                         "peak_lr": peak_lr,
                         # the compute budget of an IsoFLOP grid point, on final reports only
-                        "budget": trainer_cfg.get("budget_flops") if i == len(rows) - 1 else None,
-                        "final": i == len(rows) - 1,
+                        "budget": trainer_cfg.get("budget_flops") if whole else None,
+                        "final": whole,
                         # runs that differ only in it are averaged by the fits
                         "seed": trainer_cfg.get("seed"),
                         **({"reused_from": row["reused_from"]} if row.get("reused_from") else {}),
