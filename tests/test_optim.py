@@ -1,5 +1,7 @@
 """Optimizer groups and LR schedules."""
 
+import math
+
 import pytest
 import torch
 
@@ -66,6 +68,18 @@ def test_schedule_shapes(name, kw, checks):
     for step, expected in checks:
         assert values[step] == pytest.approx(expected, abs=0.011), (step, values[step])
     assert all(0 < v <= 1.0 + 1e-9 for v in values)
+
+
+@pytest.mark.parametrize("name", ["wsd", "cosine", "constant"])
+@pytest.mark.parametrize("total", [15, 37, 74, 100])
+@pytest.mark.parametrize("warmup", [0.02, 0.05, 0.15])
+def test_warmup_rises_to_the_peak_and_never_past_it(name, total, warmup):
+    """Where warmup_ratio x total is no whole number of steps (0.02 of the default run's 74,
+    full.yaml's 0.05 and 0.15 of 37), the warm-up still ends at the peak, not above it."""
+    values = _shape(name, total=total, warmup_ratio=warmup, warmdown_ratio=0.2)
+    steps = math.ceil(warmup * total)
+    assert values[:steps] == sorted(values[:steps]) and values[steps - 1] == pytest.approx(1.0)
+    assert max(values) <= 1.0 + 1e-12, max(values)
 
 
 def test_decays_are_monotone():

@@ -19,9 +19,12 @@ def lr_multiplier(
 ) -> float:
     """Multiplier of each group's peak LR at optimizer step `step` (0-based) of `total_steps`."""
     progress = step / max(total_steps, 1)
-    # 1) linear warm-up from near zero
-    if warmup_ratio > 0 and progress < warmup_ratio:
-        return (step + 1) / max(warmup_ratio * total_steps, 1.0)
+    # 1) linear warm-up from near zero over whole steps, the fraction's rounded up, the last
+    # of them at the peak: 0.02 of 74 steps is 1.48, and 2/1.48 would overshoot it 1.35x
+    if warmup_ratio > 0:
+        warmup_steps = max(math.ceil(warmup_ratio * total_steps - 1e-9), 1)
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
     if name == "constant":
         return 1.0
     if name == "cosine":
