@@ -647,3 +647,33 @@ def test_the_loop_trains_the_model_with_the_residual_stream_its_device_calls_for
     assert (asked, built) == ([("cpu", torch.bfloat16)], [torch.bfloat16])
     assert result["status"] == "completed"
     assert result["loss_trace"][-1] < result["loss_trace"][0] - 0.5, result["loss_trace"]
+
+
+def test_mfu_counts_every_device_that_trained_the_tokens():
+    """A DDP step's tokens are all ranks' together: two GPUs training 2e5 tokens/s of a
+    6 GFLOP/token model use 1.2e15 of their 2 x 1e15 FLOP/s, 60%, not 120%."""
+    from sweeper.runtime import utilization
+
+    assert utilization(6e9, 2e5, 1e15, devices=2) == pytest.approx(0.6)
+    assert utilization(6e9, 1e5, 1e15, devices=1) == pytest.approx(0.6)
+    assert utilization(6e9, 1e5, None, devices=1) is None  # CPU: no peak, no MFU
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L40", 181e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("Tesla T4", None),
+    ],
+)
+def test_a_gpu_variant_gets_its_own_peak_not_its_familys(name, peak):
+    from sweeper.runtime import peak_bf16_flops
+
+    assert peak_bf16_flops(name) == peak

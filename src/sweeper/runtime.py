@@ -15,13 +15,17 @@ import torch
 from sweeper.config import ConfigError
 
 # dense bf16 tensor-core peaks (no sparsity), for MFU; add a GPU here to get its MFU
+# matched in this order, the first name the device's contains: a variant before its family
+# ("H100 PCIe" before "H100", "L40S" and "L40" before "L4")
 GPU_PEAK_BF16_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
     "H100": 989e12,
     "H200": 989e12,
-    "GH200": 989e12,
     "B200": 2250e12,
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "A10G": 125e12,
     "L4": 121e12,
     "RTX 4090": 165e12,
@@ -35,6 +39,9 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but no CUDA device is available")
         torch.cuda.set_device(local_rank)
+        # float32 matmuls on tensor cores (TF32), as peak_flops assumes for a float32 run;
+        # bf16 autocast is unaffected
+        torch.set_float32_matmul_precision("high")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -233,12 +240,27 @@ def distributed_info() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
+def utilization(
+    flops_per_token: float, tokens_per_s: float, peak: float | None, devices: int
+) -> float | None:
+    """MFU: the model FLOPs trained a second over the peak of every device that trained
+    them. `tokens_per_s` counts all ranks' tokens (a DDP step's whole batch), and `peak`
+    is one device's."""
+    if not peak:
+        return None
+    return flops_per_token * tokens_per_s / (peak * devices)
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """Peak FLOP/s of the device for MFU; None on CPU or an unknown GPU (MFU is then null)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in GPU_PEAK_BF16_FLOPS.items():
-        if key in name:
-            return flops if dtype == torch.bfloat16 else flops / 2  # TF32 is half bf16 peak
-    return None
+    bf16 = peak_bf16_flops(torch.cuda.get_device_name(device))
+    if bf16 is None:
+        return None
+    return bf16 if dtype == torch.bfloat16 else bf16 / 2  # TF32 is half bf16 peak
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU by its name (torch.cuda.get_device_name)."""
+    return next((f for key, f in GPU_PEAK_BF16_FLOPS.items() if key in device_name), None)

@@ -35,6 +35,7 @@ from sweeper.runtime import (
     reset_peak_memory,
     resolve_device,
     resolve_dtype,
+    utilization,
 )
 from sweeper.schedule import lr_multiplier, muon_momentum, weight_decay_multiplier
 
@@ -396,7 +397,7 @@ def train(
                 train_seconds += elapsed
                 tok_s = window_tokens / max(elapsed, 1e-9)
                 eta = (total_steps - step) * train_seconds / max(step - start_step - 1, 1)
-                mfu = flops_per_token * tok_s / peak if peak else None
+                mfu = utilization(flops_per_token, tok_s, peak, world)
                 say(
                     f"step {step:5d}/{total_steps} | loss {train_loss:.4f} | "
                     f"grad norm {grad_norm.item():.3f} | lr x{lrm:.3f} | "
@@ -492,7 +493,7 @@ def train(
         "params_non_embedding": counts["non_embedding"],
         "flops_per_token": flops_per_token,
         "tokens_per_s": overall_tok_s,
-        "mfu": flops_per_token * overall_tok_s / peak if peak else None,
+        "mfu": utilization(flops_per_token, overall_tok_s, peak, world),
         "peak_memory_gib": peak_memory_gib(),
         "steps": step,
         "workers": world,
