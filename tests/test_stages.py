@@ -1024,3 +1024,27 @@ def test_a_log_axis_names_the_values_tried():
     shown = [t.get_text() for t in wide.get_xticklabels() if t.get_text()]
     assert {"0.005", "0.01", "0.02"} <= set(shown), shown
     plt.close(fig)
+
+
+@pytest.mark.parametrize(
+    "metric, mode, bytes_per_token, penalty",
+    [
+        ("val_bpb", "min", None, 8.0),  # log2(256) bits: a uniform guess over the bytes
+        ("val_bpb", "min", 4.0, 4.0),  # 16 bits per token over 4 bytes
+        ("train_loss", "min", 4.0, math.log(65536)),  # the same guess in nats per token
+        ("tokens_per_s", "max", None, 0.0),
+    ],
+)
+def test_a_diverged_trials_penalty_is_a_uniform_guess_in_the_metrics_unit(
+    metric, mode, bytes_per_token, penalty
+):
+    """A diverged trial must rank below every trial that learned anything: a val_bpb
+    penalty (3.5 bits/byte on a 50k-token vocabulary) given as train_loss (nats per
+    token, a uniform guess 10.8) would rank it above them all."""
+    from sweeper.sweep.engine import default_penalty
+    from sweeper.sweep.spec import SweepSpec
+
+    vocab = 256 if bytes_per_token is None else 65536
+    base = {"data": {"vocab_size": vocab, "bytes_per_token": bytes_per_token}}
+    spec = SweepSpec(metric=metric, mode=mode)
+    assert default_penalty(spec, base, None) == pytest.approx(penalty)

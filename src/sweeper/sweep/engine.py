@@ -78,13 +78,20 @@ class StageCapped(Exception):
 
 
 def default_penalty(spec: SweepSpec, base: dict, target: str | None) -> float:
+    """The value a diverged trial reports to the searcher in place of its NaN: worse than
+    any trial that learned something, in the metric's own unit."""
     if spec.penalty is not None:
         return float(spec.penalty)
+    worst = 1e9 if spec.mode == "min" else -1e9
     if target:
-        return 1e9 if spec.mode == "min" else -1e9
-    # a uniform guess over the vocabulary: worse than any model that learned anything
+        return worst
     data = base["data"]
-    return math.log2(data["vocab_size"]) / (data.get("bytes_per_token") or 1.0)
+    if spec.metric == "val_bpb":  # a uniform guess over the vocabulary, in bits per byte
+        return math.log2(data["vocab_size"]) / (data.get("bytes_per_token") or 1.0)
+    if spec.metric == "train_loss":  # the same guess in nats per token
+        return math.log(data["vocab_size"])
+    # tokens_per_s: a diverged run trained nothing worth its speed
+    return 0.0 if spec.mode == "max" else worst
 
 
 def idle_gpus_hint(spec: SweepSpec, base: dict, target: str | None, gpus: float) -> str | None:
