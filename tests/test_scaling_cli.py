@@ -149,6 +149,15 @@ def test_cli_reads_sweep_directory(tmp_path):
     assert any("dropped 1 of 73" in w for w in res["warnings"])
     assert (tmp_path / "fit.json").is_file()
 
+    # the flags label a CSV's columns and convert nothing: a sweep's N is total params
+    before = (tmp_path / "fit.json").read_text()
+    proc = run_fit(tmp_path, "--params-convention", "non_embedding")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --params-convention non_embedding: a sweep's run dir holds total (the "
+        "flag names what a CSV's columns hold; it converts nothing)"
+    ]
+    assert (tmp_path / "fit.json").read_text() == before
+
 
 def lr_grid_sweep_dir(
     path: Path, overrides: list[str] | None, seed: int | None = None, luck: float = 0.0

@@ -116,13 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--params-convention",
         choices=("total", "non_embedding", "matmul"),
         default="total",
-        help="what N counts (default total)",
+        help="what the data's N counts, written into fit.json; it converts nothing "
+        "(default total, what a sweep's run dir holds)",
     )
     p.add_argument(
         "--flops-convention",
         choices=("6ND", "per_token_with_attention", "given"),
-        help="how C was computed (default: per_token_with_attention for a sweep's run dir; "
-        "given if other data have a compute column, else 6ND)",
+        help="how the data's C was computed, written into fit.json; it converts nothing "
+        "(default: per_token_with_attention for a sweep's run dir; given if other data "
+        "have a compute column, else 6ND)",
     )
     p.add_argument(
         "--loss-unit",
@@ -198,6 +200,17 @@ def _conventions(args, columns: dict, sweep_dir: bool) -> dict:
     the fit a sweep writes names them (so a refit labels them the same)."""
     if sweep_dir:
         flops, unit = "per_token_with_attention", columns["loss"]
+        # the flags name what a file's columns hold; they convert nothing, and a sweep's
+        # reports.csv holds total params and FLOPs per token with attention
+        for flag, given, held in (
+            ("--params-convention", args.params_convention, "total"),
+            ("--flops-convention", args.flops_convention, flops),
+        ):
+            if given not in (None, held):
+                raise InputError(
+                    f"{flag} {given}: a sweep's run dir holds {held} (the flag names what "
+                    "a CSV's columns hold; it converts nothing)"
+                )
     else:
         flops = "given" if "C" in columns else "6ND"
         unit = "bpb" if "bpb" in columns["loss"].lower() else "nats"
