@@ -60,7 +60,9 @@ def test_endings_are_tallied_and_no_paused_count_without_paused_trials(capsys):
     progress.on_trial_complete(0, trials, trials[1])
 
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("[bs] 1/3 trials done (1 pruned), 2 running | best val_bpb - |")
+    assert lines[0].startswith(
+        "[bs] 1/3 trials done (1 pruned), 2 running | best val_bpb 3.9000 (unfinished) |"
+    )
     assert lines[1].startswith("[bs] 2/3 trials done (1 pruned, 1 diverged), 1 running | ")
     assert "paused" not in "".join(lines)
 
@@ -229,3 +231,29 @@ def test_the_baseline_starts_once(baseline_waiting):
     idle_slot.on_step_end(1, trials_in(Trial.RUNNING))
     IdleSlot("run", "batch_size", planned=1, slots=2).on_step_end(0, trials_in(Trial.RUNNING))
     assert len(baseline_waiting) == 1
+
+
+def test_a_resumed_stage_counts_the_trials_that_ended_before_and_restarts_its_clock(capsys):
+    """Tuner.restore runs a stage with the callback pickled when it first started: the
+    trials that ended in the earlier run count as done (in no time, so the time left comes
+    from the trials trained now), the clock leaves out the time between the runs, and a
+    trial Tune ends a second time counts once."""
+    import time
+
+    trials = trials_in(Trial.TERMINATED, Trial.TERMINATED, Trial.ERROR, Trial.PENDING)
+    trials[0].update_last_result({"val_bpb": 3.3, "status": "completed", "done": True})
+    trials[1].update_last_result({"val_bpb": 3.6, "status": "pruned"})
+    progress = ProgressCallback("lr", planned=4, metric="val_bpb", mode="min")
+    progress.started -= 3600  # the stage first started an hour ago
+    progress.setup()
+    progress.on_step_end(0, trials)
+    progress.on_trial_complete(1, trials, trials[0])  # ended again by Tune: counted once
+    trials[3].set_status(Trial.RUNNING)
+    trials[3].update_last_result({"val_bpb": 3.2, "status": "completed", "done": True})
+    progress.on_trial_complete(2, trials, trials[3])
+
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(
+        "[lr] 4/4 trials done (1 pruned, 1 failed), 0 running | best val_bpb 3.2000 | 0s elapsed"
+    )
+    assert time.time() - progress.started < 60

@@ -4,6 +4,7 @@ failing trials are retried a bounded number of times; many short trials lose not
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -299,3 +300,56 @@ def test_tunes_superseded_state_upload_is_dropped_and_other_failures_are_not():
     assert logger.filter(record(FileNotFoundError("[Errno 2] no such file: 'ray/stage0_lr'")))
     assert logger.filter(record(PermissionError("read-only storage")))
     assert logger.filter(logger.makeRecord(logger.name, logging.ERROR, __file__, 1, "x", (), None))
+
+
+def _interrupt_after_finished_trials(tmp_path: Path, *extra: str) -> set[str]:
+    proc = _start(tmp_path, *extra)
+    _wait_for_finished_trials(tmp_path, proc, 3)
+    finished = _finished(_executions(tmp_path))
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "sweep.resume=true" in out, out[-3000:]
+    return finished
+
+
+# a rung every report: the function reports 3 times, and its clock is its report count
+RANKED = ["sweep.budget.tokens_per_trial=null", "sweep.reports_per_trial=3"]
+
+
+def test_an_interrupted_asha_stage_resumes_with_the_values_its_rungs_held(tmp_path):
+    """Ray rebuilds a restored stage's scheduler with empty rungs (ray-project/ray#30838):
+    the resume gives ASHA back every value reported before, and no finished trial runs
+    again; the progress counts them as done."""
+    asha = ["sweep.stages.0.search=random", "sweep.stages.0.scheduler=asha", *RANKED]
+    finished = _interrupt_after_finished_trials(tmp_path, *asha)
+    proc = _start(tmp_path, *asha, "sweep.resume=true")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    replayed = re.search(r"ASHA's rungs hold the values of its (\d+) trials that reported", out)
+    assert replayed and int(replayed.group(1)) >= len(finished), out[-3000:]
+    first_line = next(line for line in out.splitlines() if "trials done" in line)
+    assert int(first_line.split("/")[0].removeprefix("[lr] ")) >= len(finished), first_line
+    counts = _executions(tmp_path)
+    for trial in finished:
+        assert [counts[(trial, str(s))] for s in (1, 2, 3)] == [1, 1, 1], trial
+    state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
+    assert len(state["stages"][0]["records"]) == PLANNED
+
+
+def test_an_interrupted_hyperband_stage_starts_over_and_finishes(tmp_path):
+    """A HyperBand's brackets cannot be restored (its paused trials then waited for ever):
+    the resumed stage starts over, says so, and finishes with every planned trial."""
+    hyperband = ["sweep.stages.0.search=random", "sweep.stages.0.scheduler=hyperband", *RANKED]
+    _interrupt_after_finished_trials(tmp_path, *hyperband)
+    proc = _start(tmp_path, *hyperband, "sweep.resume=true")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "[lr] the interrupted hyperband stage starts over" in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["trials"] == PLANNED
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("sweeper").experiment_id])
+    assert "RUNNING" not in {r.info.status for r in runs}

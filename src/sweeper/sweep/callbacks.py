@@ -33,9 +33,11 @@ class ProgressCallback(tune.Callback):
         costs: GridCosts | None = None,
         clock: tuple[str, float] | None = None,
         heartbeat: float | None = None,  # null: HEARTBEAT_S
+        scheduler: str = "fifo",
     ):
         self.stage, self.planned, self.metric, self.mode = stage, planned, metric, mode
-        self.costs, self.clock = costs, clock
+        self.costs, self.clock, self.scheduler = costs, clock, scheduler
+        self.unclocked = False  # a report without the clock was named once
         self.heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
         self.started = self.last_line = time.time()
         self.counts = {"completed": 0, "pruned": 0, "diverged": 0, "failed": 0}
@@ -47,6 +49,16 @@ class ProgressCallback(tune.Callback):
         # the best is among these, as the stage's table picks it (stages.pick_best). A
         # value at fewer tokens (a paused or pruned trial's rung) is not comparable.
         self.finished: dict[str, float] = {}
+        self.counted: set[str] = set()  # trials whose end is in `counts`
+        self.look_back = False  # at the next step: count the trials that ended before it
+
+    def setup(self, **info):
+        """Tune calls this as each run of the stage starts. A resumed stage (Tuner.restore)
+        runs with the callback pickled when the stage first started: its clock starts
+        again now, and the trials that ended in the earlier run are counted at the first
+        step, as done in no time."""
+        self.started = self.last_line = time.time()
+        self.look_back = True
 
     @property
     def best(self) -> float | None:
@@ -56,6 +68,16 @@ class ProgressCallback(tune.Callback):
         return (min if self.mode == "min" else max)(pool.values())
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
+        clock = self.clock[0] if self.clock else None
+        if self.scheduler != "fifo" and clock not in result and not self.unclocked:
+            self.unclocked = True
+            print(
+                f"[{self.stage}] trial {trial.trial_id}'s reports hold no `{clock}`, the "
+                f"{self.scheduler} scheduler's time axis: it cannot rank them, and they train "
+                f"their whole budget. Report {clock} with each result, or set "
+                f"sweep.budget.{clock}_per_trial=null to count reports instead",
+                flush=True,
+            )
         value = result.get(self.metric)
         if result.get("status") == "diverged":
             self.values.pop(trial.trial_id, None)
@@ -67,6 +89,8 @@ class ProgressCallback(tune.Callback):
             self.values[trial.trial_id] = value
 
     def on_trial_complete(self, iteration, trials, trial, **info):
+        if trial.trial_id in self.counted:  # Tune ends some restored trials a second time
+            return
         result = trial.last_result or {}
         if source := result.get("reused_from"):
             self.replayed += 1
@@ -76,17 +100,28 @@ class ProgressCallback(tune.Callback):
                 "again",
                 flush=True,
             )
+        self._finish(trial, trials, self._ending(trial))
+
+    def _ending(self, trial) -> str:
+        """completed | pruned | diverged, from the trial's last result (and its value kept)."""
+        result = trial.last_result or {}
         status = result.get("status")
         if status == "diverged":
             self.values.pop(trial.trial_id, None)
         if status not in ("completed", "diverged"):
             status = "completed" if status is None and result.get("done") else "pruned"
         value = result.get(self.metric)
-        if status == "completed" and isinstance(value, int | float) and math.isfinite(value):
-            self.finished[trial.trial_id] = value
-        self._finish(trial, trials, status)
+        if isinstance(value, int | float) and math.isfinite(value) and status != "diverged":
+            known = self.values.get(trial.trial_id)
+            if known is None or (value < known if self.mode == "min" else value > known):
+                self.values[trial.trial_id] = value
+            if status == "completed":
+                self.finished[trial.trial_id] = value
+        return status
 
     def on_trial_error(self, iteration, trials, trial, **info):
+        if trial.trial_id in self.counted:
+            return
         self._finish(trial, trials, "failed")
         error_file = Path(trial.local_path or ".") / "error.txt"
         reason = _error_line(error_file)
@@ -97,6 +132,17 @@ class ProgressCallback(tune.Callback):
         )
 
     def on_step_end(self, iteration, trials, **info):
+        if self.look_back:
+            self.look_back = False
+            for trial in trials:
+                if trial.trial_id not in self.counted and trial.status in (
+                    trial.TERMINATED,
+                    trial.ERROR,
+                ):
+                    ending = "failed" if trial.status == trial.ERROR else self._ending(trial)
+                    self.counts[ending] += 1
+                    self.counted.add(trial.trial_id)
+                    self.replayed += 1
         # Tune calls this after each step of its loop (many a second): a clock check only
         if time.time() - self.last_line >= self.heartbeat and any(
             t.status == t.RUNNING for t in trials
@@ -105,6 +151,7 @@ class ProgressCallback(tune.Callback):
 
     def _finish(self, trial, trials, status: str) -> None:
         self.counts[status] += 1
+        self.counted.add(trial.trial_id)
         self._line(trials, finished=trial)
 
     def _line(self, trials, finished) -> None:

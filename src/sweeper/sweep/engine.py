@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -668,7 +669,13 @@ def run_stage(
         with contextlib.suppress(ConfigError):  # a grid point no run takes fails as it starts
             costs = GridCosts(base, fixed, grid) if grid else None
     progress = ProgressCallback(
-        stage.name, planned, spec.metric, spec.mode, costs, clock=(time_attr, max_t)
+        stage.name,
+        planned,
+        spec.metric,
+        spec.mode,
+        costs,
+        clock=(time_attr, max_t),
+        scheduler=scheduler_name,
     )
     run_config = tune.RunConfig(
         name=f"stage{index}_{stage.name}{experiment_suffix}",
@@ -720,8 +727,19 @@ def run_stage(
         f"{budget_text(time_attr, max_t)}: {', '.join(space.names)}"
         + "".join(f"; {note}" for note in notes if note)
     )
-    if spec.resume and tune.Tuner.can_restore(str(experiment)):
-        print(f"[{stage.name}] resuming the interrupted stage from {experiment}")
+    restorable = spec.resume and tune.Tuner.can_restore(str(experiment))
+    if restorable and scheduler_name in ("hyperband", "bohb"):
+        # Ray restores no scheduler's state (ray-project/ray#30838): Tuner.restore hands the
+        # restored trials, most recent first, to a HyperBand as it was made, whose brackets
+        # then never fill, and its paused trials wait for ever (measured: the resumed stage
+        # hung at "1 paused"). Its decisions cannot be replayed as ASHA's can: it starts over.
+        print(
+            f"[{stage.name}] the interrupted {scheduler_name} stage starts over: Ray cannot "
+            "restore its brackets, so its trials so far are trained again"
+        )
+        shutil.rmtree(experiment)
+        restorable = False
+    if restorable:
         tuner = tune.Tuner.restore(
             str(experiment),
             trainable,
@@ -729,6 +747,15 @@ def run_stage(
             resume_errored=True,
             param_space=param_space,
         )
+        replayed = ""
+        if scheduler_name == "asha":
+            from sweeper.sweep.hyperband import replay_restored_rungs
+
+            count = replay_restored_rungs(
+                tuner, time_attr, RUNG_METRIC if ctx.rungs else spec.metric
+            )
+            replayed = f"; ASHA's rungs hold the values of its {count} trials that reported"
+        print(f"[{stage.name}] resuming the interrupted stage from {experiment}{replayed}")
     else:
         tuner = tune.Tuner(
             trainable,

@@ -156,10 +156,14 @@ def grace_unit_scheduler(base: type) -> type:
             )
 
         def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-            if self._source_time_attr in result:
-                # rounded: the full budget must read as exactly `units`, not 8.999999
-                units = round(result[self._source_time_attr] / self._unit, 9)
-                result[budget_key(self._source_time_attr)] = units
+            if self._source_time_attr not in result:
+                # a user's function that does not report the stage's time axis (tokens):
+                # Ray's HyperBand fails the whole run on it (a KeyError), its ASHA lets the
+                # trial go on unranked, as this does; the progress display says so
+                return self.CONTINUE
+            # rounded: the full budget must read as exactly `units`, not 8.999999
+            units = round(result[self._source_time_attr] / self._unit, 9)
+            result[budget_key(self._source_time_attr)] = units
             decision = super().on_trial_result(tune_controller, trial, result)
             if decision == self.PAUSE:
                 _tell_searcher(tune_controller, "on_pause", trial)
@@ -226,7 +230,35 @@ def grace_unit_scheduler(base: type) -> type:
     return GraceUnitScheduler
 
 
-def record_earlier_trials(scheduler: Any, reports: list[dict], time_attr: str, metric: str) -> int:
+def replay_restored_rungs(tuner: Any, time_attr: str, metric: str) -> int:
+    """Gives a restored stage's ASHA the values its trials reported before the interrupt;
+    returns how many trials it records.
+
+    Tuner.restore rebuilds the scheduler as it was made, with empty rungs (Ray saves no
+    scheduler's state, ray-project/ray#30838): trials that ended before the interrupt
+    report nothing again, so the rungs would rank the resumed trials against each other
+    only, and a resumed trial past a rung would be recorded there at a later, lower value.
+    Replayed under the trials' own ids, each rung holds what an uninterrupted run's would,
+    and a resumed trial goes on past the rungs it had passed (Ray's `_Bracket.on_result`
+    skips a rung that holds its id). The scheduler is the one the restored Tuner runs
+    with (its TunerInternal's TuneConfig, Ray 2.60)."""
+    config = getattr(getattr(tuner, "_local_tuner", None), "_tune_config", None)
+    scheduler = getattr(config, "scheduler", None)
+    if scheduler is None:
+        return 0
+    rows = []
+    for result in tuner.get_results():
+        trial_id = (result.metrics or {}).get("trial_id")
+        frame = result.metrics_dataframe
+        if trial_id is None or frame is None:
+            continue
+        rows += [{**row, "trial_id": trial_id} for row in frame.to_dict("records")]
+    return record_earlier_trials(scheduler, rows, time_attr, metric, own_ids=True)
+
+
+def record_earlier_trials(
+    scheduler: Any, reports: list[dict], time_attr: str, metric: str, own_ids: bool = False
+) -> int:
     """Record trials of an earlier run of a stage at the rungs of Ray's ASHA, as if they had
     run under it; returns how many trials were recorded.
 
@@ -240,7 +272,8 @@ def record_earlier_trials(scheduler: Any, reports: list[dict], time_attr: str, m
     given each trial one bracket; with Ray's default of one bracket, that is the same).
     `reports` are a stage's report rows (sweep/results.py), in the order each trial made
     them. Tune pickles the scheduler into the round's tuner.pkl when its Tuner is made, so
-    a resumed round (`Tuner.restore`) keeps these records."""
+    a resumed round (`Tuner.restore`) keeps these records. `own_ids`: record each trial
+    under its own id (a restored run's own trials, replay_restored_rungs)."""
     from types import SimpleNamespace
 
     op = getattr(scheduler, "_metric_op", None)
@@ -252,7 +285,7 @@ def record_earlier_trials(scheduler: Any, reports: list[dict], time_attr: str, m
         rows_by_trial.setdefault(str(row["trial_id"]), []).append(row)
     recorded = 0
     for trial_id, rows in rows_by_trial.items():
-        earlier = SimpleNamespace(trial_id=f"earlier round: {trial_id}")
+        earlier = SimpleNamespace(trial_id=trial_id if own_ids else f"earlier round: {trial_id}")
         for iteration, row in enumerate(rows, 1):
             # a user's function's clock is its report count, which Tune does not keep here
             when = iteration if time_attr == "training_iteration" else row.get(time_attr)
