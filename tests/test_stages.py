@@ -1048,3 +1048,33 @@ def test_a_diverged_trials_penalty_is_a_uniform_guess_in_the_metrics_unit(
     base = {"data": {"vocab_size": vocab, "bytes_per_token": bytes_per_token}}
     spec = SweepSpec(metric=metric, mode=mode)
     assert default_penalty(spec, base, None) == pytest.approx(penalty)
+
+
+@pytest.mark.parametrize(
+    "tried, labels",
+    [
+        ([0.001, 0.01, 0.1], ["0.001", "0.01", "0.1"]),  # a grid: its own values
+        ([512, 2048, 8192], ["512", "2048", "8192"]),  # whole numbers in full
+        ([0.00930586, 0.0216736], ["0.00931", "0.0217"]),  # to 3 figures, not 6
+        ([0.0156424, 0.0163599, 0.04], None),  # 5% apart: decade ticks, not one over another
+    ],
+)
+def test_a_log_axis_labels_the_values_tried_only_where_they_read_apart(tried, labels):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sweeper.sweep.plots import log_axis_labelled
+
+    fig, ax = plt.subplots()
+    ax.plot(tried, [1.0] * len(tried))
+    log_axis_labelled(ax.xaxis, tried)
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    shown = [t for t, v in zip(ticks, ax.get_xticks()) if tried[0] <= v <= tried[-1] and t]
+    plt.close(fig)
+    if labels is not None:
+        assert shown == labels
+    else:
+        assert not set(shown) & {f"{v:.3g}" for v in tried[:2]} and shown, shown

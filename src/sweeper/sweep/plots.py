@@ -106,10 +106,16 @@ def _positive(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
+# neighbouring values labelled on a log axis at least this ratio apart (a plot ~5 inches
+# wide over a decade or two): the 1, 2, 5 of a grid are, 0.0156 and 0.0164 are not
+MIN_LABELLED_RATIO = 1.4
+
+
 def log_axis_labelled(axis, tried: list[float]) -> None:
     """A log scale on `axis` whose labels name values: a range of a decade or two has one
-    power of ten to label, if any. A grid's few values are labelled themselves, else 1, 2
-    and 5 of each decade."""
+    power of ten to label, if any. A few values far enough apart for their labels (a
+    grid's) are labelled themselves, to 3 figures, else 1, 2 and 5 of each decade: two
+    sampled LRs 5% apart would print one label over the other."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     if axis.get_scale() != "log":  # a colour bar's axis over a LogNorm is one already
@@ -119,8 +125,9 @@ def log_axis_labelled(axis, tried: list[float]) -> None:
             axis.axes.set_yscale("log")
     axis.set_minor_formatter(NullFormatter())  # minor labels overlap
     tried = sorted(set(tried))
-    if len(tried) <= 6:
-        axis.set_ticks(tried, [f"{v:g}" for v in tried])
+    apart = all(high / low >= MIN_LABELLED_RATIO for low, high in zip(tried, tried[1:]))
+    if len(tried) <= 6 and apart:
+        axis.set_ticks(tried, [f"{v:g}" if float(v).is_integer() else f"{v:.3g}" for v in tried])
     else:
         axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
