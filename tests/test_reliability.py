@@ -87,6 +87,11 @@ def _resume_and_check(tmp_path: Path, finished_before: set[str]) -> None:
     # the best config is the best over all finished trials
     assert summary["best"]["value"] == min(r["metric"] for r in records)
     _searcher_saw_each_result_once(tmp_path / "run", records)
+    # the report names the command the sweep started with, not the resume's
+    (launched,) = [
+        x for x in (tmp_path / "run" / "report.md").read_text().splitlines() if "Launched" in x
+    ]
+    assert "+sweep=lr" in launched and "sweep.resume" not in launched, launched
     _one_mlflow_run_per_trial_none_running(tmp_path, records)
 
 

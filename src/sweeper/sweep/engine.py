@@ -166,7 +166,12 @@ def run_sweep(cfg, out_dir: str) -> float | None:
 
         if hint := idle_gpus_hint(spec, base, target, ray.cluster_resources().get("GPU", 0)):
             print(hint)
-    state = state or SweepState.new(out, spec.name, base, sweep_definition(spec))
+    if state is None:
+        from sweeper.sweep.report import command_overrides
+
+        state = SweepState.new(
+            out, spec.name, base, sweep_definition(spec), launched=command_overrides(out)
+        )
 
     started = time.time() - state.elapsed
     baseline = None

@@ -77,7 +77,7 @@ def render_report(summary: dict, spec: SweepSpec, state: SweepState, out: Path, 
         f"{duration_text(summary['elapsed_s'])}, {flops_text(summary['total_flops'])} training FLOPs; "
         f"written {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}."
     )
-    if launched := _launch_overrides(out):
+    if launched := launch_overrides(out, state):
         lines += ["", f"Launched with `{reproduce_command(launched)}`."]
     final = state.stages[-1]["base_after"] if state.stages else base
     tuned = {k for stage in summary["stages"] for k in stage["params"]} | set(spec.lr_keys)
@@ -216,7 +216,17 @@ def _fit_section(fit: dict, out: Path) -> list[str]:
     return lines
 
 
-def _launch_overrides(out: Path) -> list[str] | None:
+def launch_overrides(out: Path, state: SweepState) -> list[str] | None:
+    """The overrides the sweep was started with: kept in its state when it started, as
+    Hydra's record in the run dir is the last command's (a resume's). A state from before
+    they were kept: that record, less the resume."""
+    if state.launched is not None:
+        return state.launched
+    overrides = command_overrides(out)
+    return [o for o in overrides if not o.startswith("sweep.resume=")] if overrides else None
+
+
+def command_overrides(out: Path) -> list[str] | None:
     """The command line's overrides, from Hydra's record of them in the run dir."""
     path = out / ".hydra" / "overrides.yaml"
     if not path.exists():

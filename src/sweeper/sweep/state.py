@@ -41,11 +41,20 @@ class SweepState:
     elapsed: float = 0.0
     # what made the trials (sweep_definition); None in states written before it was kept
     definition: dict | None = None
+    # the command line's overrides when the sweep started (a resume's are Hydra's record)
+    launched: list[str] | None = None
 
     @classmethod
-    def new(cls, out: Path, name: str, base: dict, definition: dict | None = None) -> SweepState:
+    def new(
+        cls,
+        out: Path,
+        name: str,
+        base: dict,
+        definition: dict | None = None,
+        launched: list[str] | None = None,
+    ) -> SweepState:
         out.mkdir(parents=True, exist_ok=True)
-        state = cls(out, name, base, definition=definition)
+        state = cls(out, name, base, definition=definition, launched=launched)
         state.save()
         return state
 
