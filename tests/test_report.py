@@ -48,7 +48,9 @@ def finished_sweep(baseline: dict | None, best_value: float | None = 3.42):
         "trainer": {**BASE["trainer"], "device": "cpu", "threads": 1},
     }
     best = next(r for r in RECORDS if r["trial_id"] == "b") if best_value else None
-    state = SimpleNamespace(stages=[{"name": "lr", "records": RECORDS, "best": best}])
+    state = SimpleNamespace(
+        stages=[{"name": "lr", "records": RECORDS, "best": best}], launched=None
+    )
     state.stages[0]["base_after"] = final
     improvement = None
     if baseline and baseline.get("value") is not None and best_value is not None:
@@ -119,12 +121,17 @@ def test_what_the_sweep_changed_leaves_out_where_the_trials_ran():
         (
             {"value": 3.55, "status": "completed"},
             "**Best val_bpb 3.4200** against 3.5500 for the unmodified config under the same "
-            "budget: 0.1300 better.",
+            "budget: +0.1300 better.",
+        ),
+        (
+            {"value": 3.42002, "status": "completed"},
+            "**Best val_bpb 3.4200** against 3.4200 for the unmodified config under the same "
+            "budget: the same to 4 decimals: the sweep found nothing better.",
         ),
         (
             {"value": 3.40, "status": "completed"},
             "**Best val_bpb 3.4200** against 3.4000 for the unmodified config under the same "
-            "budget: 0.0200 worse: the unmodified config won.",
+            "budget: 0.0200 worse: the unmodified config did better.",
         ),
         (
             {"value": None, "status": "diverged"},

@@ -640,17 +640,10 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
     if baseline.get("status") in ("diverged", "failed"):
         print(f"  baseline (the unmodified config) {baseline['status']} under the same budget")
     elif base is not None and best is not None and math.isfinite(base):
-        gain = summary["improvement"]
-        print(
-            f"  baseline {spec.metric} {base:.4f} -> best {best:.4f} "
-            + (
-                "(the same to 4 decimals: the sweep found nothing better)"
-                if abs(gain) < 5e-5
-                else f"(+{gain:.4f} better)"
-                if gain > 0
-                else f"({-gain:.4f} worse: the unmodified config did better)"
-            )
-        )
+        from sweeper.sweep.report import gain_text
+
+        gain = gain_text(summary["improvement"])
+        print(f"  baseline {spec.metric} {base:.4f} -> best {best:.4f} ({gain})")
     if summary.get("confirmation"):
         from sweeper.sweep.confirm import confirmation_lines
 

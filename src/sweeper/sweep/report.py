@@ -113,11 +113,20 @@ def _outcome(summary: dict, metric: str) -> list[str]:
         return [f"{text}; the unmodified config {baseline['status']} under the same budget."]
     if base is None or not math.isfinite(base):
         return [f"{text}."]
-    gain = summary["improvement"]
-    verdict = f"{gain:.4f} better" if gain >= 0 else f"{-gain:.4f} worse: the unmodified config won"
+    verdict = gain_text(summary["improvement"])
     return [
         f"{text} against {base:.4f} for the unmodified config under the same budget: {verdict}."
     ]
+
+
+def gain_text(gain: float) -> str:
+    """The best's improvement over the unmodified config, as the console and report.md
+    word it: "+0.0234 better", "0.3124 worse: ...", or the same where 4 decimals show none."""
+    if abs(gain) < 5e-5:
+        return "the same to 4 decimals: the sweep found nothing better"
+    if gain > 0:
+        return f"+{gain:.4f} better"
+    return f"{-gain:.4f} worse: the unmodified config did better"
 
 
 def _stage_section(
