@@ -911,3 +911,34 @@ def test_one_model_size_is_named_as_why_the_size_fits_are_skipped():
     assert isoflop == [
         "isoflop: a single model size N = 3e+06 at every budget (need >= 3 per budget); skipped"
     ]
+
+
+def test_an_excluded_isoflop_vertex_far_off_the_sizes_tried_is_not_drawn(tmp_path, monkeypatch):
+    """A budget's parabola can put its (excluded) vertex decades away, at a negative loss:
+    drawn, it stretched the plot over 9 decades. One inside the sizes tried is drawn, as
+    an x, with no edge colour for matplotlib to warn about."""
+    import warnings
+
+    from matplotlib.axes import Axes
+
+    from sweeper.scaling.plots import plot_isoflop
+    from sweeper.scaling.records import to_points
+
+    records = make_sweep()
+    res = fit_all(records)
+    profiles = [p for p in res["isoflop"]["profiles"] if p.get("coeffs")]
+    far, near = profiles[0], profiles[1]
+    far.update(valid=False, n_opt=3.5e-4, loss_opt=-0.26)
+    near.update(valid=False, n_opt=float(np.sqrt(np.prod(near["n_range"]))))
+    drawn = []
+    scatter = Axes.scatter
+    monkeypatch.setattr(
+        Axes,
+        "scatter",
+        lambda ax, x, y, **kw: drawn.append((x[0], kw.get("marker"))) or scatter(ax, x, y, **kw),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_isoflop(res, to_points(records), tmp_path / "isoflop.png")
+    vertices = {x: marker for x, marker in drawn if marker in ("*", "x")}
+    assert far["n_opt"] not in vertices and vertices[near["n_opt"]] == "x"

@@ -110,15 +110,19 @@ def plot_isoflop(result: dict, pts, path: Path) -> Path:
         lo, hi = np.log(prof["n_range"])
         x = np.linspace(lo, hi, 100)
         ax.plot(np.exp(x), c0 + c1 * x + c2 * x**2, color=color, label=f"{prof['flops']:.2g}")
-        if prof.get("n_opt"):
-            marker = "*" if prof["valid"] else "x"
+        # an excluded vertex is drawn only inside the sizes tried: outside them (a
+        # parabola's far vertex, N = 3.5e-4 at a negative loss) it would stretch the axes
+        # over decades and squeeze the data into a corner
+        n_opt = prof.get("n_opt")
+        inside = n_opt and prof["n_range"][0] <= n_opt <= prof["n_range"][1]
+        if n_opt and (prof["valid"] or (inside and prof["loss_opt"] > 0)):
             ax.scatter(
-                [prof["n_opt"]],
+                [n_opt],
                 [prof["loss_opt"]],
-                marker=marker,
+                marker="*" if prof["valid"] else "x",
                 s=90,
                 color=color,
-                edgecolors="k",
+                edgecolors="k" if prof["valid"] else None,  # an "x" has no edge to colour
                 zorder=5,
             )
     ax.set_xscale("log")
