@@ -186,9 +186,14 @@ def test_a_real_sweep_on_a_tracking_server_has_a_parent_and_a_child_per_trial(
     ray_cluster, mlflow_server, tmp_path, capsys
 ):
     run_dir = tmp_path / "run"
-    summary = sweep(run_dir, f"mlflow.tracking_uri={mlflow_server}")
+    summary = sweep(run_dir, f"mlflow.tracking_uri={mlflow_server}", "sweep.baseline=true")
     client, parents, children = logged(mlflow_server, run_dir)
     assert_one_run_per_trial_none_running(parents, children, run_dir)
+    # the baseline's run holds the config it trained: evaluated once, at the end
+    (baseline,) = [c for c in children if c.data.tags["role"] == "baseline"]
+    assert baseline.data.params["trainer.num_evals"] == "1"
+    assert list(baseline.data.metrics) and baseline.info.status == "FINISHED"
+    children = [c for c in children if c.data.tags["role"] == "trial"]
     # MLflow prints two lines as each of the 4 runs ends; the sweep's last names the parent's page
     out = capsys.readouterr().out
     assert "View run" not in out and "View experiment" not in out

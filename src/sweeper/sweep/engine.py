@@ -194,7 +194,7 @@ def run_sweep(cfg, out_dir: str) -> float | None:
             run_stages(spec, base, target, out, state, started, tracker)
         if baseline is not None:
             state.set_baseline(baseline.collect())
-            tracker.log_baseline(state.baseline)
+            tracker.log_baseline(state.baseline, baseline.base)
         run_confirmation(spec, state, base, target)
     except BaseException as error:
         # Ctrl+C or a crash: close the tracker's runs honestly, keep the state on disk

@@ -23,7 +23,7 @@ class NullTracker:
     ) -> list:
         return []
 
-    def log_baseline(self, baseline: dict) -> None:
+    def log_baseline(self, baseline: dict, config: dict | None = None) -> None:
         return None
 
     def finish(self, summary: dict, out_dir: Any, status: str = "FINISHED") -> None:

@@ -137,12 +137,15 @@ class MlflowTracker:
 
         return [MlflowCallback(str(self.out), stage, base, ctx, search, scheduler)]
 
-    def log_baseline(self, baseline: dict) -> None:
+    def log_baseline(self, baseline: dict, config: dict | None = None) -> None:
+        """The baseline's run; `config`: what it trained (the sweep's base config,
+        evaluated once), else the base config."""
         status = baseline.get("status") or "completed"
         tags = {**self.common, "role": "baseline", "stage": "baseline", "status": status}
         if baseline.get("error"):
             tags["error"] = str(baseline["error"])[:500]
-        self.queue.put(self._open_op("baseline", "baseline", {"role": "baseline"}, tags, self.base))
+        trained = config or self.base
+        self.queue.put(self._open_op("baseline", "baseline", {"role": "baseline"}, tags, trained))
         values = {self.spec.metric: baseline.get("value"), **baseline}
         self._metrics("baseline", values, step=0)
         self._end("baseline", status)
