@@ -156,6 +156,9 @@ def test_ctrl_c_stops_cleanly_and_resume_loses_nothing(tmp_path, sig):
     assert "interrupted" in out and "sweep.resume=true" in out, out[-2000:]
     # the sweep's own way on is the only advice: not Tune's Python (Tuner.restore)
     assert "Tuner.restore" not in out and "Failed to fetch metrics" not in out, out[-3000:]
+    # the interrupted stage's time is kept: the sweep's elapsed (and time cap) count it
+    state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
+    assert state["elapsed"] > 3.0  # 3 trials of 3 one-second steps had finished
     _resume_and_check(tmp_path, finished)
 
 

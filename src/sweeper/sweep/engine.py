@@ -199,6 +199,9 @@ def run_sweep(cfg, out_dir: str) -> float | None:
     except BaseException as error:
         # Ctrl+C or a crash: close the tracker's runs honestly, keep the state on disk
         if isinstance(error, KeyboardInterrupt):
+            # the time the interrupted stage trained counts, as its trials go on from it
+            state.elapsed = time.time() - started
+            state.save()
             print(
                 f"sweep interrupted: finished stages and trials are saved in {out}; "
                 "continue it with the same command plus sweep.resume=true "
