@@ -619,6 +619,11 @@ def test_a_scaling_grid_run_on_two_seeds_is_fitted_on_each_points_mean(
         and not all(on_seed[(*point, s)] > on_seed[budget, lr, s] for s in (0, 1))
     )
     assert [r["mean"] for r in stage["not_resolved_from"]] == pytest.approx([m for m, _ in split])
+    # the sweep's best value is that mean; its overrides freeze no seed: they train seed 0
+    best = json.loads((tmp_path / "summary.json").read_text())["best"]
+    assert best["value"] == pytest.approx(np.mean(values)) and best["seeds"] == [0, 1]
+    assert best["overrides_seed"] == 0
+    assert best["overrides_value"] == pytest.approx(on_seed[(budget, lr, 0)])
     for rival, (_, (c, rate)) in zip(stage["not_resolved_from"], split, strict=True):
         changed = {"trainer.budget_flops": c, "optimizer.matrix_lr": rate}
         assert rival["params"] == {k: v for k, v in changed.items() if stage["best_params"][k] != v}

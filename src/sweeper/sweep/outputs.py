@@ -290,6 +290,28 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
         writer.writerows(reports)
 
 
+def seed_note(best: dict, records: list[dict], final: dict) -> dict:
+    """For a best ranked by its mean over seeds (a grid with trainer.seed as an axis): the
+    seeds, and what its overrides give. They freeze no seed, so they train the one the
+    config holds: its own value, not the mean summary.json's `value` is."""
+    from sweeper.sweep.stages import SEED_KEY
+
+    seed = final.get("trainer", {}).get("seed")
+    own = next(
+        (
+            r["metric"]
+            for r in records
+            if r["trial_id"] in best.get("trial_ids", ()) and r["params"].get(SEED_KEY) == seed
+        ),
+        None,
+    )
+    return {
+        "seeds": best["seeds"],
+        "value_is": f"the mean over seeds {', '.join(map(str, best['seeds']))}",
+        **({"overrides_value": own, "overrides_seed": seed} if own is not None else {}),
+    }
+
+
 def write_all(
     out: Path,
     spec: SweepSpec,
@@ -357,6 +379,8 @@ def write_all(
         "total_flops": state.total_flops(),
         "elapsed_s": state.elapsed,
     }
+    if carried and "seeds" in carried:
+        summary["best"].update(seed_note(carried, records, final))
     plots = [plot_learning_curves(out / "learning_curves.png", reports, spec.metric)]
     for stage, start in zip(state.stages, stage_starts(state, base), strict=True):
         name = stage["name"]
