@@ -78,15 +78,19 @@ class ProgressCallback(tune.Callback):
                 f"sweep.budget.{clock}_per_trial=null to count reports instead",
                 flush=True,
             )
-        value = result.get(self.metric)
         if result.get("status") == "diverged":
             self.values.pop(trial.trial_id, None)
             return
+        self._keep(trial.trial_id, result.get(self.metric))
+
+    def _keep(self, trial_id: str, value) -> bool:
+        """Keeps `value` as the trial's best so far where it is one; whether it is a value."""
         if not isinstance(value, int | float) or not math.isfinite(value):
-            return
-        known = self.values.get(trial.trial_id)
+            return False
+        known = self.values.get(trial_id)
         if known is None or (value < known if self.mode == "min" else value > known):
-            self.values[trial.trial_id] = value
+            self.values[trial_id] = value
+        return True
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         if trial.trial_id in self.counted:  # Tune ends some restored trials a second time
@@ -111,12 +115,8 @@ class ProgressCallback(tune.Callback):
         if status not in ("completed", "diverged"):
             status = "completed" if status is None and result.get("done") else "pruned"
         value = result.get(self.metric)
-        if isinstance(value, int | float) and math.isfinite(value) and status != "diverged":
-            known = self.values.get(trial.trial_id)
-            if known is None or (value < known if self.mode == "min" else value > known):
-                self.values[trial.trial_id] = value
-            if status == "completed":
-                self.finished[trial.trial_id] = value
+        if status != "diverged" and self._keep(trial.trial_id, value) and status == "completed":
+            self.finished[trial.trial_id] = value
         return status
 
     def on_trial_error(self, iteration, trials, trial, **info):
