@@ -1288,7 +1288,10 @@ def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
     assert first["best"] is None  # nothing trained its whole budget: nothing frozen
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     cut = {r["trial_id"]: r for s in state["stages"] for r in s["records"]}
-    assert len(cut) == 2 and all(r["capped"] and r["status"] == "pruned" for r in cut.values())
+    # on a loaded machine the second trial may not have reported yet (Ray starting its
+    # worker): it then has no record and starts from step 0 on resume, as it should
+    assert 1 <= len(cut) <= 2, cut
+    assert all(r["capped"] and r["status"] == "pruned" for r in cut.values())
     assert all(s["capped"] for s in state["stages"])
     # a stopped trial's last value is not a whole run's: the scaling fits leave it out
     assert not any(r["final"] for s in state["stages"] for r in s["reports"])
