@@ -152,6 +152,31 @@ def test_the_time_left_counts_how_far_the_running_trials_are(capsys):
     assert abs(eta - 100 / trained * (8 - trained)) <= 2
 
 
+def test_the_time_left_leaves_out_the_wait_for_the_first_trial_to_start(capsys):
+    """Ray takes seconds to start a stage's first worker: the rate the ETA uses is the
+    training done since the first trial started, while `elapsed` stays the stage's."""
+    import re
+    import time
+
+    trials = trials_in(Trial.RUNNING, Trial.RUNNING)
+    progress = ProgressCallback(
+        "lr", planned=4, metric="val_bpb", mode="min", clock=("tokens", 100_000.0)
+    )
+    progress.started = time.time() - 30.0
+    progress.on_trial_start(0, trials, trials[0])
+    progress.first_trial_started = time.time() - 20.0  # 10 s of start-up before it
+    progress.on_trial_start(0, trials, trials[1])  # a later start moves nothing
+    trials[0].update_last_result({"val_bpb": 3.5, "status": "completed", "tokens": 100_000})
+    trials[1].update_last_result({"val_bpb": 3.6, "status": "running", "tokens": 100_000})
+
+    progress.on_trial_complete(0, trials, trials[0])
+
+    line = capsys.readouterr().out
+    assert "| 30s elapsed," in line
+    # 2 trials' worth trained in 20 s of training: 2 left take 20 s, not 30
+    assert abs(float(re.search(r"~(\d+)s left", line).group(1)) - 20) <= 1
+
+
 def test_a_line_comes_while_trials_run_though_none_has_ended(capsys):
     """A stage's first trial can take minutes on a slow CPU: after `heartbeat` seconds
     without a line, one comes anyway, with the time left from how far the trials are."""

@@ -18,6 +18,7 @@ HEARTBEAT_S = 60.0
 class ProgressCallback(tune.Callback):
     """One line per finished trial, and one after `heartbeat` seconds without a line while
     trials run: done (pruned, diverged, failed), running, paused, best so far, ETA. The ETA
+    is the training left at the rate trained since the stage's first trial started. It
     counts trials, or, given `costs` (`GridCosts`), compute: a grid over budgets or model
     sizes has trials 10x apart in cost. Counting trials, the ones still running count by
     how far along their budget they are (`clock`: the time axis and one trial's budget on
@@ -40,6 +41,9 @@ class ProgressCallback(tune.Callback):
         self.unclocked = False  # a report without the clock was named once
         self.heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
         self.started = self.last_line = time.time()
+        # when the stage's first trial started: the ETA's rate is the training done since
+        # then, so Ray starting its workers (~6-8 s here) is not taken for training time
+        self.first_trial_started: float | None = None
         self.counts = {"completed": 0, "pruned": 0, "diverged": 0, "failed": 0}
         self.replayed = 0  # done, but in no time: left out of the rate the ETA uses
         # each trial's best value so far: a trial that diverges takes its earlier values
@@ -58,6 +62,7 @@ class ProgressCallback(tune.Callback):
         again now, and the trials that ended in the earlier run are counted at the first
         step, as done in no time."""
         self.started = self.last_line = time.time()
+        self.first_trial_started = None
         self.look_back = True
 
     @property
@@ -66,6 +71,11 @@ class ProgressCallback(tune.Callback):
         if not pool:
             return None
         return (min if self.mode == "min" else max)(pool.values())
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        # Tune calls this once the trial's actor is up, not when it asks Ray for one
+        if self.first_trial_started is None:
+            self.first_trial_started = time.time()
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         clock = self.clock[0] if self.clock else None
@@ -163,14 +173,16 @@ class ProgressCallback(tune.Callback):
         running = sum(t.status == t.RUNNING for t in rest)
         paused = sum(t.status == t.PAUSED for t in rest)
         done = sum(self.counts.values())
-        elapsed = time.time() - self.started
+        now = time.time()
+        elapsed = now - self.started
+        training = now - (self.first_trial_started or self.started)
         trained = done + sum(self._along(t) for t in rest if t.status in (t.RUNNING, t.PAUSED))
         left = max(self.planned - trained, 0)
         took_time = trained - self.replayed
-        eta = elapsed / took_time * left if took_time > 0 else None
+        eta = training / took_time * left if took_time > 0 else None
         if self.costs is not None:
             try:
-                eta = self.costs.eta(trials, finished, elapsed) or eta
+                eta = self.costs.eta(trials, finished, training) or eta
             except Exception:  # an exception in a Tune callback ends the sweep: not for an ETA
                 self.costs = None
         endings = ", ".join(f"{n} {k}" for k, n in self.counts.items() if n and k != "completed")
