@@ -233,6 +233,15 @@ BAD_INPUTS = [
         ["+sweep=smoke", "+sweep.stages.1.params.model.depth.grid=[2,1000]"],
         "sweep stage 'batch_size': model.depth=1000 (grid) is not a valid run: model.depth=1000",
     ),
+    # found by a new user's bad-input hunt: each ran, and the value changed nothing
+    (["optimizer=adamw", "optimizer.matrix_lr=0.01"], "optimizer=adamw does not read optimizer."),
+    (["optimizer.lr=0.01"], "optimizer=muon_adamw does not read optimizer.lr (its LR keys: "),
+    (
+        ["+sweep=lr", "optimizer=adamw"],
+        "sweep.stages.0.params.optimizer.matrix_lr: optimizer=adamw does not read",
+    ),
+    (["data.path=train.bin"], "data.path=train.bin: the stdlib corpus reads no files of yours"),
+    (["hydra.job.chdir=true"], "hydra.job.chdir=true: sweeper writes into the run dir itself"),
     (["--cfg", "nope"], "--cfg nope: Hydra prints job, hydra or all"),
     (["model=tiny", "--cfg"], "--cfg: Hydra prints job, hydra or all"),
     # Hydra's three readings of a,b come on three more lines: all in the one line

@@ -1248,16 +1248,46 @@ def test_a_reached_trial_cap_is_named_with_the_way_to_go_on(ray_cluster, tmp_pat
 
 
 def test_flop_cap_stops_the_sweep(ray_cluster, tmp_path):
-    # 8192 tokens x ~0.8 MFLOP/token ~ 7 GFLOP per trial: a 5 GFLOP cap ends stage 1 early
+    # 8192 tokens x ~0.79 MFLOP/token = 6.44 GFLOP per trial: one at a time, a 10 GFLOP cap
+    # lets the first finish and stops the second part way
     summary = sweep(
         tmp_path,
-        "sweep.max_flops=5e9",
+        "sweep.max_flops=1e10",
         "sweep.stages.0.num_samples=4",
         "sweep.stages.0.scheduler=fifo",
         "sweep.concurrency=1",
     )
-    assert summary["trials"] < 4 + 2 and [s["name"] for s in summary["stages"]] == ["lr"]
-    assert summary["total_flops"] < 2 * 5e9
+    assert [s["name"] for s in summary["stages"]] == ["lr"]
+    assert 1e10 <= summary["total_flops"] < 2 * 6.44e9
+    records = json.loads((tmp_path / "sweep_state.json").read_text())["stages"][0]["records"]
+    assert [r["status"] for r in records] == ["completed", "pruned"]
+    assert summary["best"]["value"] == pytest.approx(records[0]["metric"])
+
+
+def test_a_stage_the_flop_cap_stops_freezes_no_trial_it_cut_short(ray_cluster, tmp_path, capsys):
+    """Two trials side by side under a cap of about one trial: the cap stops both part
+    way (or, if one started late, one finishes). A value at fewer tokens than the budget
+    is not one to freeze, so the best is a finished trial's or none."""
+    summary = sweep(
+        tmp_path,
+        "sweep.max_flops=6.5e9",
+        "sweep.stages.0.num_samples=2",
+        "sweep.stages.0.scheduler=fifo",
+    )
+    records = json.loads((tmp_path / "sweep_state.json").read_text())["stages"][0]["records"]
+    assert len(records) == 2 and "pruned" in {r["status"] for r in records}
+    finished = [r for r in records if r["status"] == "completed"]
+    if finished:
+        assert summary["best"]["value"] == pytest.approx(finished[0]["metric"])
+    else:
+        assert summary["best"] is None
+        out = capsys.readouterr().out
+        assert "[lr] no trial trained its whole budget before the FLOP cap: nothing frozen" in out
+
+
+def test_a_flop_cap_under_one_trial_is_refused_before_ray_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"sweep.max_flops=5e\+09 is less than one trial"):
+        validate_sweep(compose([*TINY, "sweep.max_flops=5e9"]))
 
 
 def test_time_cap_stops_the_sweep(ray_cluster, tmp_path, capsys):

@@ -23,7 +23,12 @@ from sweeper.cli import (
     skip_the_collection_at_exit,
     stop_on_sigterm_as_on_ctrl_c,
 )
-from sweeper.config import ConfigError, check_platform_sections, load_run_config
+from sweeper.config import (
+    ConfigError,
+    check_optimizer_reads,
+    check_platform_sections,
+    load_run_config,
+)
 from sweeper.paths import config_dir
 
 # Hydra's flags that print something of their own and run nothing
@@ -339,7 +344,20 @@ def validate(overrides: list[str], printing: bool = False):
         )
     check_platform_sections(cfg)
     run = load_run_config(cfg)
+    if not is_users_function(cfg):  # a user's function reads its optimizer section its way
+        for override in overrides:
+            if not override.startswith("~"):  # removing a key sets nothing
+                key = override.split("=", 1)[0].lstrip("+")
+                check_optimizer_reads(run.optimizer.name, key, override)
     run_dir = None if printing else hydra_run_dir(overrides)
+    chdir = hydra_run_dir(overrides, key="hydra.job.chdir")
+    if chdir is not None and chdir.strip().lower() not in ("false", "null", "0", "no", "off"):
+        # it was checked here, from where the command starts: a relative data.path or
+        # MLflow store would name another file, or none, from inside the run dir
+        raise ConfigError(
+            f"hydra.job.chdir={chdir}: sweeper writes into the run dir itself and reads "
+            "relative paths (data.path, the MLflow store) from where it starts; leave it false"
+        )
     if run_dir is not None:
         check_run_dir(run_dir)
     if run.trainer.resume:

@@ -23,6 +23,17 @@ OPTIMIZER_LRS = {
     "muon_adamw": ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr"),
     "adamw": ("lr",),
 }
+# the keys of the optimizer section each optimizer leaves unread (its conf file says
+# "unused by this optimizer"): a value set or searched there would change nothing
+UNREAD_OPTIMIZER_KEYS = {
+    "muon_adamw": ("lr",),
+    "adamw": (
+        *OPTIMIZER_LRS["muon_adamw"],
+        "muon_momentum",
+        "muon_momentum_start",
+        "muon_momentum_warmup",
+    ),
+}
 SCHEDULES = ("wsd", "cosine", "constant")
 WEIGHT_DECAY_SCHEDULES = ("constant", "linear")
 DATASETS = ("stdlib", "shards")
@@ -48,6 +59,19 @@ def _smaller_micro_batch(total: int, sequence_tokens: int, device_batch: int) ->
     batch (a batch below lr_bs's 16 x 256 tokens), else nothing."""
     fits = micro_batch_dividing(total, sequence_tokens, device_batch)
     return f"; trainer.device_batch_size={fits} makes it one" if fits else ""
+
+
+def check_optimizer_reads(optimizer: str, key: str, where: str) -> None:
+    """Refuses `key` (optimizer.X, set or searched at `where`) if `optimizer` leaves it
+    unread: every run would train as if it were not there."""
+    name = key.removeprefix("optimizer.")
+    if not key.startswith("optimizer.") or name not in UNREAD_OPTIMIZER_KEYS.get(optimizer, ()):
+        return
+    reads = ", ".join(f"optimizer.{lr}" for lr in OPTIMIZER_LRS[optimizer])
+    raise ConfigError(
+        f"{where}: optimizer={optimizer} does not read {key} (its LR keys: {reads}); "
+        "drop it or choose the optimizer that reads it"
+    )
 
 
 def _require(ok: bool, message: str) -> None:
@@ -192,6 +216,13 @@ class DataConfig:
                     f"data.val_path matches no file: {self.val_path}",
                 )
         if self.name == "stdlib":
+            for key in ("path", "val_path"):  # the run would train on the stdlib unseen
+                value = getattr(self, key)
+                _require(
+                    value is None,
+                    f"data.{key}={value}: the stdlib corpus reads no files of yours; add "
+                    "data=shards to train on them",
+                )
             _require(
                 self.vocab_size == 256,
                 f"data.vocab_size must be 256 for the byte-level stdlib corpus, got {self.vocab_size}",

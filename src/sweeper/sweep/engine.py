@@ -36,7 +36,7 @@ from sweeper.sweep.stages import (
     keeps_its_start,
     pick_best,
 )
-from sweeper.sweep.state import SweepState, sweep_definition
+from sweeper.sweep.state import SweepState, spent_flops, sweep_definition
 from sweeper.sweep.trainable import (
     RUNG_METRIC,
     EarlierRun,
@@ -386,7 +386,10 @@ def run_stages(
                 records, reports, capped = cut.records, cut.reports, True
             best = pick_best(records, spec.metric, spec.mode)
             edges = outputs.range_edges(spec, stage.name, current, best, extended, not target)
-        if capped and best is not None and best["status"] != "completed":
+        flop_capped = spec.max_flops is not None and (
+            state.total_flops() + spent_flops(records) >= spec.max_flops
+        )
+        if (capped or flop_capped) and best is not None and best["status"] != "completed":
             best = None  # a value at fewer tokens than the budget: not one to freeze
         incumbent, start = state.carried(), current
         keeps_start = keeps_its_start(incumbent, best, spec.mode)
@@ -409,10 +412,10 @@ def run_stages(
         outputs.print_stage_table(stage.name, records, best, spec, edges)
         if keeps_start:
             print(f"[{stage.name}] {outputs.kept_note(spec, incumbent, best, start)}\n")
-        elif best is None and capped:
+        elif best is None and (capped or flop_capped):
             print(
-                f"[{stage.name}] no trial trained its whole budget before the time cap: "
-                "nothing frozen\n"
+                f"[{stage.name}] no trial trained its whole budget before the "
+                f"{'time' if capped else 'FLOP'} cap: nothing frozen\n"
             )
         elif best is None:
             print(

@@ -16,7 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sweeper.config import BUILTIN_TRAINABLE, RUN_SECTIONS, ConfigError, load_run_config
+from sweeper.config import (
+    BUILTIN_TRAINABLE,
+    RUN_SECTIONS,
+    ConfigError,
+    check_optimizer_reads,
+    load_run_config,
+)
 from sweeper.sweep.space import bounding_values
 from sweeper.sweep.spec import (
     SweepSpec,
@@ -66,8 +72,11 @@ def validate_sweep(cfg) -> SweepSpec:
         load_user_function(target)
     else:
         spec.lr_keys = lr_keys_read(spec, run_values.get("optimizer.name"))
+        check_searched_keys_are_read(spec, run_values.get("optimizer.name"))
         check_no_placement_searched(spec)
-        check_stage_values(spec, base_config(cfg, spec, None), local_trial_memory(spec, cfg))
+        base = base_config(cfg, spec, None)
+        check_stage_values(spec, base, local_trial_memory(spec, cfg))
+        check_flop_cap(spec, base)
         threads = cfg.trainer.get("threads")
         if threads is not None and threads != spec.trial_threads:  # it would be ignored
             raise ConfigError(
@@ -87,6 +96,34 @@ def validate_sweep(cfg) -> SweepSpec:
         workers = 1 if target else int(cfg.trainer.workers)
         check_trial_fits(spec, workers, *local_cluster_size(cfg.ray))
     return spec
+
+
+def check_searched_keys_are_read(spec: SweepSpec, optimizer: str | None) -> None:
+    """No stage searches an optimizer key the sweep's optimizer leaves unread (+sweep=lr
+    with optimizer=adamw: Muon's LRs), where every trial would train the same run. A sweep
+    with a stage that chooses optimizer.name may search them all."""
+    stages = [flatten_params(stage.params) for stage in spec.stages]
+    if optimizer is None or any("optimizer.name" in params for params in stages):
+        return
+    for index, params in enumerate(stages):
+        for key in params:
+            check_optimizer_reads(optimizer, key, f"sweep.stages.{index}.params.{key}")
+
+
+def check_flop_cap(spec: SweepSpec, base: dict) -> None:
+    """sweep.max_flops lets at least one trial of sweeper's training train its budget:
+    under one, the cap stops every trial part way and no stage has a value to freeze."""
+    if spec.max_flops is None:
+        return
+    from sweeper.sweep.plan import stage_plans
+
+    plans = stage_plans(spec, base, None, [])
+    cheapest = min((plan.trial_flops[0] for plan in plans if plan.trial_flops), default=None)
+    if cheapest is not None and spec.max_flops < cheapest:
+        raise ConfigError(
+            f"sweep.max_flops={spec.max_flops:.3g} is less than one trial (the cheapest "
+            f"trains {cheapest:.3g} FLOPs): no trial could finish its budget"
+        )
 
 
 # where and on how much a trial runs, which the cluster's resources are reserved for before
