@@ -238,9 +238,59 @@ def test_auto_is_looked_up_as_ray_would_and_probed_before_anything_runs(monkeypa
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")
     with pytest.raises(ConfigError, match=r"ray.address=auto \(found [\d.]+:\d+\): no Ray"):
         probe("auto", timeout=2)
-    with socket.create_server(("", 0)) as listening:  # something answers there: accepted
-        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{listening.getsockname()[1]}")
+    grpc_port = free_port()
+    with grpc_server(grpc_port):  # a gRPC server answers there, as a GCS does: accepted
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{grpc_port}")
         probe("auto", timeout=2)
+
+
+@contextlib.contextmanager
+def grpc_server(port: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    server.add_insecure_port(f"0.0.0.0:{port}")  # Ray names this host by its node IP
+    server.start()
+    try:
+        yield
+    finally:
+        server.stop(None)
+
+
+def test_a_port_that_answers_but_not_as_ray_does_is_refused_in_seconds(tmp_path):
+    """ray.address at the dashboard's port (what the sweep's first line prints) or any
+    other server that is not Ray's: ray.init would retry for minutes; the probe asks for
+    the gRPC handshake Ray's GCS answers, and says what is wrong before anything runs."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, 30, server)
+        started = time.monotonic()
+        proc = run_cli(
+            ["+sweep=smoke", f"ray.address=127.0.0.1:{port}", "hydra.run.dir=sweep"],
+            cwd=tmp_path,
+            timeout=60,
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        server.kill()
+        server.wait()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        proc.stderr.startswith(
+            f"error: ray.address=127.0.0.1:{port}: 127.0.0.1:{port} answers, but not as Ray does"
+        )
+        and proc.stderr.count("\n") == 1
+    ), proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run dir, no MLflow store
+    assert elapsed < 30, f"{elapsed:.1f}s"
 
 
 def test_the_local_gpu_count_is_the_one_ray_registers(monkeypatch):

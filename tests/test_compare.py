@@ -113,6 +113,8 @@ def test_the_default_store_is_mlflow_db_in_the_working_directory(tmp_path, monke
         "an unknown flag",
         "last without runs",
         "last zero",
+        "unknown run id",
+        "plot cannot be written",
     ],
 )
 def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
@@ -143,9 +145,18 @@ def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
             f"no MLflow store at {tmp_path / 'elsewhere' / 'mlflow.db'}, where "
             f"{run_dir}/mlflow_run.json says the sweep logged: pass --tracking-uri if it has moved"
         )
+    elif case == "unknown run id":  # named as an unknown name is, not by MLflow's words
+        make_store(tmp_path)
+        capsys.readouterr()
+        argv, expected = ["0123456789abcdef" * 2], "no sweep '0123456789abcdef0123456789abcdef'"
     elif case == "not a database":
         (tmp_path / "notes.db").write_text("not a database\n")
         argv, expected = ["--tracking-uri", "sqlite:///notes.db"], "file is not a database"
+        # and not SQLAlchemy's statement and link after it
+        expected = "MLflow store: DatabaseError: (sqlite3.DatabaseError) file is not a database"
+    elif case == "plot cannot be written":  # as root, os.access allows /proc
+        argv = ["--runs", "--plot", "/proc/curves.png"]
+        expected = "--plot /proc/curves.png: cannot be written"
     elif case == "a plain path":  # MLflow 3 refuses its file store
         argv, expected = ["--tracking-uri", str(tmp_path)], "MLflow's file store is retired"
     elif case == "last without runs":  # a sweep's table is whole: --last would do nothing
@@ -169,8 +180,13 @@ def test_errors_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
     assert exit_info.value.code == 2 and time.monotonic() - started < 10
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert "[SQL:" not in err[0]
     # none created
-    assert not (tmp_path / "mlflow.db").exists() or case in ("unknown sweep", "no sweep yet")
+    assert not (tmp_path / "mlflow.db").exists() or case in (
+        "unknown sweep",
+        "no sweep yet",
+        "unknown run id",
+    )
 
 
 def test_large_whole_numbers_print_as_hydra_writes_them():

@@ -370,6 +370,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, setup, needle):
     "option, value",
     [
         ("--bootstrap", "-1"),
+        ("--bootstrap", "abc"),
         ("--drop-highest", "-2"),
         ("--target-flops", "0"),
         ("--target-flops", "inf"),

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as error:
         fail(str(error))
     except Exception as error:  # the store's own failure (a file that is no database)
-        fail(f"MLflow store: {type(error).__name__}: {' '.join(str(error).split()[:40])}")
+        fail(f"MLflow store: {type(error).__name__}: {_line(error)}")
 
 
 def compare(sweep: str | None, tracking_uri: str | None, experiment: str | None) -> str:
@@ -107,6 +107,13 @@ def check_plot_path(plot: str, runs: bool) -> None:
     if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
         where = "is a directory" if path.is_dir() else f"cannot be written in {folder}"
         raise ConfigError(f"--plot {plot}: {where}")
+    existed = path.exists()
+    try:  # as root, os.access allows what the file system may still refuse (/proc)
+        path.open("ab").close()
+    except OSError as error:
+        raise ConfigError(f"--plot {plot}: cannot be written ({error.strerror})") from None
+    if not existed:
+        path.unlink()
 
 
 def compare_runs(
@@ -197,7 +204,9 @@ def _find_sweep(client, experiments, sweep, run_dir, recorded_id):
         if run_dir is not None:
             where = f"tags.run_dir = {quote(str(run_dir.resolve()))}"
         elif sweep and RUN_ID.fullmatch(sweep):
-            run = client.get_run(sweep)
+            run = _run_or_none(client, sweep)
+            if run is None:
+                raise LookupError  # not a run of this store: said below, as for a name
             parent = run.data.tags.get("mlflow.parentRunId")
             return (
                 client.get_run(parent) if run.data.tags.get("role") != "sweep" and parent else run
@@ -210,6 +219,8 @@ def _find_sweep(client, experiments, sweep, run_dir, recorded_id):
         found = client.search_runs(
             experiments, clauses, order_by=["attributes.start_time DESC"], max_results=1
         )
+    except LookupError:
+        found = []
     except Exception as error:
         raise ConfigError(f"cannot read the MLflow store: {_line(error)}") from None
     if not found:
@@ -223,6 +234,17 @@ def _find_sweep(client, experiments, sweep, run_dir, recorded_id):
             "or see its single runs with --runs"
         )
     return found[0]
+
+
+def _run_or_none(client, run_id: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(run_id)
+    except MlflowException as error:
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
 
 
 def _children(client, parent) -> list:

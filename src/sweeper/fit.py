@@ -49,7 +49,10 @@ JSON, with --json) on stdout."""
 
 
 def _at_least_zero(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:  # argparse would name this function in its message
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -184,7 +187,10 @@ def load_records(args) -> tuple[list[dict], Path, dict, dict | None]:
     usable = sum(1 for r in records if r["loss"] == r["loss"] and r["loss"] > 0)
     if usable < MIN_ROWS:
         named = csv_path if len(args.paths) == 1 else f"{len(args.paths)} inputs"
-        raise InputError(f"{named}: {usable} usable row(s) with a loss; need >= {MIN_ROWS}")
+        raise InputError(
+            f"{named}: {usable} usable row(s) of {len(records)}, with a loss that is a number "
+            f"> 0; need >= {MIN_ROWS}"
+        )
     if len(args.paths) > 1:
         default_out = Path.cwd() / "combined-fit"
     return records, args.out or default_out, first[1][1], sweep

@@ -64,6 +64,29 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
             f"ray.address={label}: no Ray cluster answers at {target[0]}:{target[1]} "
             f"({reason}); start one (ray start --head) or fix the address"
         ) from None
+    if not speaks_grpc(target, timeout):
+        # ray.init would retry for minutes, printing a line every few seconds
+        raise ConfigError(
+            f"ray.address={label}: {target[0]}:{target[1]} answers, but not as Ray does "
+            "(no gRPC server: the dashboard's port? a cluster's GCS is on 6379 unless "
+            "`ray start --port` said otherwise, its Ray Client on ray://host:10001)"
+        )
+
+
+def speaks_grpc(target: tuple[str, int], timeout: float) -> bool:
+    """Whether a gRPC server (what Ray's GCS and its Ray Client server are) answers at
+    `target`: its HTTP/2 handshake, asked of grpc's own channel, in at most `timeout`."""
+    import grpc
+
+    host = f"[{target[0]}]" if ":" in target[0] else target[0]
+    channel = grpc.insecure_channel(f"{host}:{target[1]}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
 
 
 def find_auto_address() -> str:

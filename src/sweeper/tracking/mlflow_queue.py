@@ -71,6 +71,9 @@ def short_error(error: BaseException) -> str:
     ):
         if needle in lowered:
             return reason
+    # SQLAlchemy appends the statement and a link: "(sqlite3.DatabaseError) file is not a
+    # database [SQL: SELECT ...] (Background on this error at: https://sqlalche.me/...)"
+    text = text.split("[SQL:")[0].split("(Background on this error")[0]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return (lines[0][:200] if lines else "") or type(error).__name__
 
