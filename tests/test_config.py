@@ -77,6 +77,10 @@ def test_hydra_s_short_flags_work_as_its_long_ones(tmp_path):
         proc = run_cli([flag, "query=bash"], cwd=tmp_path, env=env)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.split() == ["model.", "model="]
+    proc = run_cli(["-sc"], cwd=tmp_path)  # with nothing to do: Hydra's ValueError traceback
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: --shell-completion: add what to do, install=SHELL")
+    assert proc.stderr.count("\n") == 1
     proc = run_cli(["--version"], cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("Hydra "), proc.stderr
     proc = run_cli(["-r", "model=tiny", "--cfg", "job"], cwd=tmp_path)  # -r with -c: refused

@@ -682,6 +682,12 @@ def main() -> None:
             value = value or (args[at + 1] if at + 1 < len(args) else "")
             if value not in ("job", "hydra", "all"):
                 fail(f"{' '.join(filter(None, [flag, value]))}: Hydra prints job, hydra or all")
+    completes = "--shell-completion" in modes
+    if completes and not any(a.split("=")[0] in ("install", "uninstall", "query") for a in args):
+        fail(  # Hydra raises a ValueError: a traceback
+            "--shell-completion: add what to do, install=SHELL, uninstall=SHELL or query=..., "
+            "e.g. --shell-completion install=bash"
+        )
     if len(modes) > 1:  # Hydra's own check raises a ValueError: a traceback
         fail(f"{' and '.join(sorted(modes))}: Hydra takes only one of them at a time")
     multirun = any(a in MULTIRUN_FLAGS for a in args)
