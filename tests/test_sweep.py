@@ -1299,13 +1299,28 @@ def test_time_cap_stops_the_sweep(ray_cluster, tmp_path, capsys):
 
 
 def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
-    ray_cluster, tmp_path, capsys
+    ray_cluster, tmp_path, capsys, monkeypatch
 ):
     """sweep.max_seconds stops a stage's trials as Ctrl+C would: a resume with a higher cap
     (here none) trains the same trials on from their last checkpoint, not again from
     step 0, and freezes the stage's best only then."""
-    # a report every 120k tokens (~4 s with two trials on 2 cores), the whole run ~40 s:
-    # a 14 s cap cuts it after a report or more on a machine 2x slower or 2x faster
+    import time
+
+    from sweeper.sweep import engine
+
+    def until_both_trials_reported(seconds, done):
+        """The cap runs out once both trials have reported (of 10 reports, ~40 s), not
+        after its seconds: on a loaded machine 14 s went by before either reported, on a
+        fast one both would finish first. The stop itself is time_cap's own."""
+        deadline = time.monotonic() + 300
+        while not done.is_set() and time.monotonic() < deadline:
+            results = list((tmp_path / "ray" / "stage0_lr").glob("*/result.json"))
+            if len(results) == 2 and all(p.read_text().strip() for p in results):
+                return True
+            time.sleep(0.05)
+        return not done.is_set()
+
+    monkeypatch.setattr(engine, "wait_for_time_cap", until_both_trials_reported)
     lr_stage_only = [
         "sweep.budget.tokens_per_trial=1200000",
         "sweep.reports_per_trial=10",
@@ -1318,10 +1333,7 @@ def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
     assert first["best"] is None  # nothing trained its whole budget: nothing frozen
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     cut = {r["trial_id"]: r for s in state["stages"] for r in s["records"]}
-    # on a loaded machine the second trial may not have reported yet (Ray starting its
-    # worker): it then has no record and starts from step 0 on resume, as it should
-    assert 1 <= len(cut) <= 2, cut
-    assert all(r["capped"] and r["status"] == "pruned" for r in cut.values())
+    assert len(cut) == 2 and all(r["capped"] and r["status"] == "pruned" for r in cut.values())
     assert all(s["capped"] for s in state["stages"])
     # a stopped trial's last value is not a whole run's: the scaling fits leave it out
     assert not any(r["final"] for s in state["stages"] for r in s["reports"])
