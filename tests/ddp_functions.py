@@ -2,12 +2,23 @@
 
 import os
 import time
+from pathlib import Path
+
+
+def started(config: dict) -> None:
+    """Notes when this rank began its loop, as a file rank<N> in config's run_dir: the
+    test times the failure from there, not from Ray Train's start-up of the ranks."""
+    import torch.distributed as dist
+
+    if config.get("run_dir"):
+        Path(config["run_dir"], f"rank{dist.get_rank()}").write_text(str(time.time()))
 
 
 def rank1_hangs(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    started(config)
     if dist.get_rank() == 1:
         time.sleep(600)  # never joins the all-reduce below
     dist.all_reduce(torch.ones(1))
@@ -17,6 +28,7 @@ def rank1_dies(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    started(config)
     if dist.get_rank() == 1:
         os._exit(1)
     dist.all_reduce(torch.ones(1))

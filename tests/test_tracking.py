@@ -310,7 +310,7 @@ def test_ctrl_c_leaves_no_run_running_and_resume_continues_the_same_runs(ray_clu
     overrides = [
         *TINY_SWEEP,
         *CURVE,
-        *("+probe.reports=8", "+probe.sleep=0.5", f"+probe.dir={tmp_path}"),
+        *("+probe.reports=20", "+probe.sleep=0.5", f"+probe.dir={tmp_path}"),
     ]
     run_dir = tmp_path / "run"
     env = dict(
@@ -327,11 +327,11 @@ def test_ctrl_c_leaves_no_run_running_and_resume_continues_the_same_runs(ray_clu
         text=True,
     )
     deadline = time.monotonic() + 120
-    while not (tmp_path / "started").exists():
+    started = tmp_path / "started"  # a line per trial that has reported (of 20, 0.5 s each)
+    while not (started.exists() and len(started.read_text().splitlines()) == 2):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
         time.sleep(0.1)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)  # Ctrl+C, with two trials half done
+    proc.send_signal(signal.SIGINT)  # Ctrl+C, with both trials under way
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
     client, parents, children = logged(f"sqlite:///{tmp_path}/mlflow.db", run_dir)
@@ -428,7 +428,8 @@ def test_a_server_dying_mid_sweep_costs_seconds_and_keeps_the_calls(
         output = capsys.readouterr().out
         # training (3 trials of ~2 s) went on: seconds, where MLflow's own retries of
         # a refused connection take about 4 minutes per call
-        assert wall < 60 and finishing[0] < 10, (wall, finishing)
+        # (wall: 55 s of 60 once on a loaded machine; finish() took 0.5 s there)
+        assert wall < 150 and finishing[0] < 10, (wall, finishing)
         print(f"dead server: sweep {wall:.1f}s, finish() {finishing[0]:.1f}s")
         pending = run_dir / "mlflow_pending.jsonl"
         kept = len(pending.read_text().splitlines()) - 1  # a header line, then one per call
@@ -447,7 +448,23 @@ def test_a_server_dying_mid_sweep_costs_seconds_and_keeps_the_calls(
 
 
 @pytest.mark.slow
-def test_a_server_stopped_for_30_s_and_restarted_loses_and_repeats_no_step(ray_cluster, tmp_path):
+def test_a_server_stopped_for_30_s_and_restarted_loses_and_repeats_no_step(
+    ray_cluster, tmp_path, monkeypatch
+):
+    from sweeper.tracking.mlflow_callback import MlflowCallback
+
+    longest = [0.0]  # the longest the tracker held Tune's loop: where an outage would stall
+
+    def timed(original):
+        def call(self, *args, **kwargs):
+            started = time.monotonic()
+            original(self, *args, **kwargs)
+            longest[0] = max(longest[0], time.monotonic() - started)
+
+        return call
+
+    for name in ("on_trial_start", "on_trial_result", "on_trial_complete"):
+        monkeypatch.setattr(MlflowCallback, name, timed(getattr(MlflowCallback, name)))
     port = free_port()
     uri = f"http://127.0.0.1:{port}"
     server = start_server(tmp_path / "server", port)
@@ -484,9 +501,12 @@ def test_a_server_stopped_for_30_s_and_restarted_loses_and_repeats_no_step(ray_c
         assert_one_run_per_trial_none_running(parents, children, run_dir)
         assert_histories_match(client, children, run_dir)
         assert all(len(v) == 20 for v in reported(run_dir).values()) and len(children) == 3
-        # two rounds of 40 s trials: the outage added no stall (Ray start-up and the
-        # end-of-sweep fit and plots are the rest)
-        assert wall < 80 + 45, wall
+        # the outage stalled no trial event: MLflow's own retries of a call to a server
+        # that is away take minutes, and the 30 s outage would show here
+        assert longest[0] < 10, longest
+        # two rounds of 40 s trials; Ray start-up and the end-of-sweep fit and plots are the
+        # rest (~125 s in all on a loaded machine): a generous bound, the check is above
+        assert wall < 80 + 150, wall
     finally:
         stop_server(outage.get("server", server), signal.SIGKILL)
 

@@ -16,7 +16,7 @@ def _probe(config: dict) -> dict:
 
 def curve(config: dict, report) -> None:
     """A learning curve whose floor depends on the LR (lowest at 0.01); `probe.sleep`
-    seconds per report; writes `started` in `probe.dir` at its first report."""
+    seconds per report; adds a line to `started` in `probe.dir` at its first report."""
     probe = _probe(config)
     lr = config["optimizer"]["matrix_lr"]
     for step in range(1, int(probe["reports"]) + 1):
@@ -25,8 +25,9 @@ def curve(config: dict, report) -> None:
         accuracy = 1.0 - 1.0 / (step + 1)  # a number of the user's own
         metrics = {"val_bpb": value, "step": step * 10, "tokens": step * 100, "lr": lr}
         report({**metrics, "acc": accuracy, "acc@1": accuracy})  # MLflow refuses the last name
-        if probe["dir"] and step == 1:
-            open(os.path.join(probe["dir"], "started"), "a").close()
+        if probe["dir"] and step == 1:  # a line per trial that has reported
+            with open(os.path.join(probe["dir"], "started"), "a") as started:
+                started.write(f"{lr}\n")
 
 
 def fails_once(config: dict, report) -> None:
