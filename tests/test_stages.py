@@ -54,11 +54,18 @@ def test_trial_config_applies_params_then_the_rule():
     assert config["optimizer"] == {"matrix_lr": 0.01, "embedding_lr": 0.1}
 
 
+ADAMW_LR_STAGE = [
+    "~sweep.stages.0.params.optimizer",
+    "+sweep.stages.0.params.optimizer.lr.log_uniform=[0.0003,0.01]",
+]
+
+
 @pytest.mark.parametrize(
     "overrides, rescaled, left",
     [
         ([], "matrix_lr", "lr"),  # muon_adamw does not read optimizer.lr
-        (["optimizer=adamw"], "lr", "matrix_lr"),  # adamw reads nothing else
+        # adamw reads nothing else; its LR stage searches the one LR it reads
+        (["optimizer=adamw", *ADAMW_LR_STAGE], "lr", "matrix_lr"),
     ],
 )
 def test_only_the_lrs_the_optimizer_reads_follow_the_batch_size(overrides, rescaled, left):
