@@ -26,6 +26,7 @@ from sweeper.config import (
 from sweeper.sweep.space import bounding_values
 from sweeper.sweep.spec import (
     SweepSpec,
+    chooses_optimizer,
     flatten,
     flatten_params,
     load_sweep_spec,
@@ -102,11 +103,10 @@ def check_searched_keys_are_read(spec: SweepSpec, optimizer: str | None) -> None
     """No stage searches an optimizer key the sweep's optimizer leaves unread (+sweep=lr
     with optimizer=adamw: Muon's LRs), where every trial would train the same run. A sweep
     with a stage that chooses optimizer.name may search them all."""
-    stages = [flatten_params(stage.params) for stage in spec.stages]
-    if optimizer is None or any("optimizer.name" in params for params in stages):
+    if optimizer is None or chooses_optimizer(spec):
         return
-    for index, params in enumerate(stages):
-        for key in params:
+    for index, stage in enumerate(spec.stages):
+        for key in flatten_params(stage.params):
             check_optimizer_reads(optimizer, key, f"sweep.stages.{index}.params.{key}")
 
 

@@ -172,13 +172,17 @@ def flatten_params(params: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def chooses_optimizer(spec: SweepSpec) -> bool:
+    """Whether a stage searches optimizer.name: which LRs are read then depends on the trial."""
+    return any("optimizer.name" in flatten_params(stage.params) for stage in spec.stages)
+
+
 def lr_keys_read(spec: SweepSpec, optimizer: str) -> list[str]:
     """sweep.lr_keys less the optimizer LRs that sweeper's `optimizer` does not read. Such an
     LR would otherwise follow the batch size (and show in the reproduce line as a change
     that does nothing) or get an lr_rule=retune band (a searched dimension that does
     nothing). A sweep with a stage that sets optimizer.name keeps them all."""
-    chosen = any("optimizer.name" in flatten_params(stage.params) for stage in spec.stages)
-    if chosen or optimizer not in OPTIMIZER_LRS:
+    if chooses_optimizer(spec) or optimizer not in OPTIMIZER_LRS:
         return list(spec.lr_keys)
     read = {f"optimizer.{key}" for key in OPTIMIZER_LRS[optimizer]}
     known = {f"optimizer.{key}" for keys in OPTIMIZER_LRS.values() for key in keys}
