@@ -18,6 +18,7 @@ from sweeper.cli import (
     compose,
     end_quietly_when_output_closes,
     fail,
+    interrupts_held,
     one_line,
     other_budgets_cleared,
     skip_the_collection_at_exit,
@@ -320,7 +321,8 @@ def interruptible(fit, tick) -> None:
     try:
         while thread.is_alive():
             thread.join(timeout=0.5)
-            tick()
+            with interrupts_held():  # what a tick took off the queue reaches the logger
+                tick()
     except KeyboardInterrupt:
         tick()  # what rank 0 sent before the interrupt
         ray.shutdown()  # the ranks stop with the cluster; rank 0's checkpoint is whole

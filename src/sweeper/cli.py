@@ -5,6 +5,7 @@ users get one line naming the problem and exit code 2 instead."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import re
 import sys
@@ -170,6 +171,42 @@ def stop_on_sigterm_as_on_ctrl_c() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Holds a Ctrl+C (or SIGTERM) that arrives inside the block until the block is done,
+    then raises it as KeyboardInterrupt; a second one is raised at once, so a block that
+    hangs can still be left. For the few steps that must not stop half way: an evaluation
+    taken off the DDP run's queue and not yet handed to the logger was lost with the
+    interrupt (seen once in CI), and a line half written to the logger breaks the rest.
+
+    Only the main thread can set signal handlers; elsewhere the block runs as it is. An
+    ignored signal (SIGINT in a background job) stays ignored."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum, frame):
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if callable(signal.getsignal(signum)):
+            previous[signum] = signal.signal(signum, hold)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def chosen_budgets(overrides: Sequence[str]) -> dict[str, str]:

@@ -23,6 +23,8 @@ import math
 import subprocess
 import sys
 
+from sweeper.cli import interrupts_held
+
 FINISH_TIMEOUT_S = 150.0  # the queue's own close gives a dead server ~2 tries in 120 s
 
 
@@ -75,8 +77,9 @@ class RunLogger:
         if not self.alive or self.process.stdin is None:
             return
         try:
-            self.process.stdin.write(json.dumps(message) + "\n")
-            self.process.stdin.flush()
+            with interrupts_held():  # half a line would break the logger's reading of the rest
+                self.process.stdin.write(json.dumps(message) + "\n")
+                self.process.stdin.flush()
         except (BrokenPipeError, OSError, ValueError):  # the logger has gone: its note said why
             self.alive = False
 
