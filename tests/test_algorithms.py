@@ -21,6 +21,7 @@ from sweeper.sweep.algorithms import (
     build_searcher,
     check_compatible,
     hyperband_units,
+    metric_reader,
     random_start,
     rungs,
     startup_trials,
@@ -81,6 +82,25 @@ def test_allowed_pairs_pass_the_check():
     assert len(ALLOWED) == 13
     for search, scheduler in ALLOWED:
         check_compatible(search, scheduler, parse_space(SPACE_FOR_SEARCH[search]))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # hpbandster calls old ConfigSpace APIs
+@pytest.mark.parametrize(("search", "scheduler"), ALLOWED)
+def test_metric_reader_names_what_ray_checks_every_report_for(search, scheduler):
+    """Ray refuses a report without the metric where the scheduler or the searcher holds
+    one (TuneController._validate_result_metrics): metric_reader must say so for the same
+    pairs, or a user's function's trials fail where Ray would not (or the other way)."""
+    built = [
+        build_scheduler(scheduler, metric=METRIC, mode=MODE, time_attr=TIME_ATTR, max_t=9e9,
+                        grace_period=1e9),
+        build_searcher(search, parse_space(SPACE_FOR_SEARCH[search]), metric=METRIC, mode=MODE,
+                       seed=0, num_samples=8)[0],
+    ]  # fmt: skip
+    ray_checks = any(getattr(alg, "metric", None) == METRIC for alg in built)
+    assert (metric_reader(search, scheduler) is not None) == ray_checks
+    assert metric_reader(search, scheduler) in (
+        None, f"the {scheduler} scheduler", f"the {search} search"
+    )  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # hpbandster calls old ConfigSpace APIs

@@ -852,20 +852,30 @@ def test_a_users_function_that_reports_nan_ends_as_diverged(ray_cluster, tmp_pat
     assert "baseline (the unmodified config) diverged under the same budget" in out
 
 
-def test_a_users_function_that_never_reports_the_metric_stops_the_sweep(ray_cluster, tmp_path):
+@pytest.mark.parametrize(
+    ("scheduler", "every"),
+    [
+        ("fifo", ""),  # ranks a trial's last report: the trial runs on, reports and all
+        # ranks every report, which Ray refuses without the metric: the trial ends there
+        ("asha", " in every report, which the asha scheduler ranks"),
+    ],
+)
+def test_a_users_function_that_never_reports_the_metric_stops_the_sweep(
+    ray_cluster, tmp_path, scheduler, every
+):
     from sweeper.sweep.engine import MetricNotReported
 
     message = (
-        "no trial of stage 'lr' reported val_bpb (sweep.metric); their reports held loss, "
-        "step: report val_bpb from tests.user_functions.reports_its_own_loss, or rank by one "
-        "of these with sweep.metric=NAME"
+        f"no trial of stage 'lr' reported val_bpb (sweep.metric){every}; their reports held "
+        "loss, step: report val_bpb from tests.user_functions.reports_its_own_loss"
+        f"{' each time' if every else ''}, or rank by one of these with sweep.metric=NAME"
     )
     with pytest.raises(MetricNotReported, match=re.escape(message)):
         sweep(
             tmp_path,
             "trainable._target_=tests.user_functions.reports_its_own_loss",
             "sweep.stages.0.num_samples=2",
-            "sweep.stages.0.scheduler=fifo",
+            f"sweep.stages.0.scheduler={scheduler}",
             "sweep.stages.1.params.trainer.total_batch_size.grid=[512,1024]",
         )
     state = json.loads((tmp_path / "sweep_state.json").read_text())
@@ -915,6 +925,28 @@ def test_a_stage_worse_than_its_start_freezes_nothing(ray_cluster, tmp_path, cap
     assert "[mlflow] run " in proc.stdout  # it is tracked, as the sweep's trials were
     result = json.loads((again / "result.json").read_text())
     assert result["status"] == "completed" and result["val_bpb"] == summary["best"]["value"]
+
+
+def test_the_command_names_a_missing_metric_in_one_line_under_the_default_scheduler(tmp_path):
+    """Under ASHA (+sweep=lr's default), Ray's own check of the first report without the
+    metric ended the command with its traceback (exit 1, 74 lines)."""
+    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}  # not the checkout's
+    args = [
+        "+sweep=lr",
+        "trainable._target_=tests.user_functions.reports_its_own_loss",
+        "sweep.stages.0.num_samples=2",
+        "sweep.baseline=false",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    proc = run_cli(args, cwd=REPO, env=store, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: no trial of stage 'lr' reported val_bpb (sweep.metric) in every report, "
+        "which the asha scheduler ranks; their reports held loss, step: report val_bpb from "
+        "tests.user_functions.reports_its_own_loss each time, or rank by one of these with "
+        "sweep.metric=NAME"
+    )
 
 
 REFUSED = [

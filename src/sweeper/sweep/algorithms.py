@@ -63,6 +63,15 @@ def _check_mode(mode: object) -> None:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
 
 
+def metric_reader(search: str, scheduler: str) -> str | None:
+    """What ranks every report of a trial by the metric ("the asha scheduler", "the tpe
+    search"), so that Ray refuses a report without it; None for fifo with random or grid,
+    which look only at a trial's last report (their Ray objects hold no metric)."""
+    if scheduler != "fifo":
+        return f"the {scheduler} scheduler"
+    return f"the {search} search" if search in MODEL_BASED else None
+
+
 def startup_trials(num_samples: int) -> int:
     """Random trials before TPE/GP start modelling.
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from sweeper.config import ConfigError, load_run_config
+from sweeper.sweep.algorithms import metric_reader
 from sweeper.sweep.preflight import (
     base_config,
     resumable_state,
@@ -228,7 +229,7 @@ def run_sweep(cfg, out_dir: str) -> float | None:
 def reported_instead(records: list[dict]) -> list[str] | None:
     """What the stage's trials reported where not one of them reported the metric (a
     user's function with its own name for it), else None."""
-    ran = [r for r in records if r["status"] != "failed"]
+    ran = [r for r in records if r["status"] != "failed" or "reported" in r]
     if not ran or any("reported" not in r for r in ran):
         return None
     return sorted({key for r in ran for key in r["reported"]})
@@ -238,13 +239,22 @@ class MetricNotReported(SweepFailed):
     """No trial of a stage reported the sweep's metric: every later stage would rank
     nothing the same way, so the sweep stops at once with what the trials did report."""
 
-    def __init__(self, stage: str, metric: str, reported: list[str], target: str | None):
+    def __init__(
+        self,
+        stage: str,
+        metric: str,
+        reported: list[str],
+        target: str | None,
+        read_by: str | None = None,
+    ):
         where = target or "the trainable"
+        every = f" in every report, which {read_by} ranks" if read_by else ""
         Exception.__init__(
             self,
-            f"no trial of stage '{stage}' reported {metric} (sweep.metric); their reports "
-            f"held {', '.join(reported) or 'no values'}: report {metric} from {where}, or "
-            "rank by one of these with sweep.metric=NAME",
+            f"no trial of stage '{stage}' reported {metric} (sweep.metric){every}; their "
+            f"reports held {', '.join(reported) or 'no values'}: report {metric} from "
+            f"{where}{' each time' if read_by else ''}, or rank by one of these with "
+            "sweep.metric=NAME",
         )
 
 
@@ -359,11 +369,15 @@ def run_stages(
             break
         if not records:
             break
-        if all(r["status"] == "failed" for r in records):
-            raise SweepFailed(stage.name, records[0]["error"], out)
         best = pick_best(records, spec.metric, spec.mode)
         if best is None and (instead := reported_instead(records)) is not None:
-            raise MetricNotReported(stage.name, spec.metric, instead, target)
+            every_report = any(r["status"] == "failed" for r in records if "reported" in r)
+            reader = metric_reader(spec.stage_search(stage), spec.stage_scheduler(stage))
+            raise MetricNotReported(
+                stage.name, spec.metric, instead, target, reader if every_report else None
+            )
+        if all(r["status"] == "failed" for r in records):
+            raise SweepFailed(stage.name, records[0]["error"], out)
         edges = outputs.range_edges(spec, stage.name, current, best, None, not target)
         extended = {}
         if stage.extend_trials and edges and not capped:
@@ -564,6 +578,7 @@ def stage_context(
         storage=storage,
         rungs=rung_fractions(spec, stage, target) if spec.rung_cooldown else (),
         rung_cooldown=spec.rung_cooldown,
+        metric_read_by=metric_reader(spec.stage_search(stage), scheduler),
     )
 
 

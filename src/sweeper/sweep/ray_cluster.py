@@ -276,6 +276,20 @@ class DropsTunesResumeAdvice(logging.Filter):
 
 logging.getLogger("ray.tune.tune").addFilter(DropsTunesResumeAdvice())
 
+
+class DropsMissingMetricTraceback(logging.Filter):
+    """A user's function that reports without the metric where every report is ranked
+    ends its trial with trainable.MissingMetricError; the stage then stops the sweep with one
+    line naming what the function did report. Tune's traceback of each such trial, from
+    Ray's internals down to the report() call, would only bury that line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (error is not None and "MissingMetricError: " in str(error))
+
+
+logging.getLogger("ray.tune.execution.tune_controller").addFilter(DropsMissingMetricTraceback())
+
 # set while sweep.max_seconds stops a stage's Tune run (engine.time_cap)
 TIME_CAP_STOP = threading.Event()
 

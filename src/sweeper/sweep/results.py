@@ -7,7 +7,13 @@ import re
 from typing import Any
 
 from sweeper.sweep.space import to_builtin
-from sweeper.sweep.trainable import REPORT_COLUMNS, RUNG_METRIC, TrialContext, trial_config
+from sweeper.sweep.trainable import (
+    REPORT_COLUMNS,
+    RUNG_METRIC,
+    MissingMetricError,
+    TrialContext,
+    trial_config,
+)
 
 # a Python exception line ("ValueError: ...", "ray.exceptions.RayTaskError(...): ...")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b\S*:")
@@ -62,7 +68,10 @@ def collect_results(
         status = trial_status(metrics, result.error, can_prune)
         effective = trial_config(params, base, ctx)
         value = metrics.get(metric)
-        instead = reported_keys(metrics) if metric not in metrics and not result.error else []
+        if result.error:  # a report without the metric, where every report is ranked
+            instead = MissingMetricError.keys_in(str(result.error)) or []
+        else:
+            instead = reported_keys(metrics) if metric not in metrics else []
         records.append(
             {
                 "trial_id": trial_id,
@@ -83,8 +92,9 @@ def collect_results(
                 # "stage/trial_id" of the run it repeats, replayed rather than trained
                 # (engine.reusable_run): its FLOPs were spent once, there
                 **({"reused_from": metrics["reused_from"]} if "reused_from" in metrics else {}),
-                # a trial that reported, but never the metric: what it did report (one a
-                # cap stopped before its first report holds only the keys Tune adds)
+                # a trial that reported, but never the metric (or, where every report is
+                # ranked, once without it): what it did report (one a cap stopped before
+                # its first report holds only the keys Tune adds)
                 **({"reported": instead} if instead else {}),
             }
         )

@@ -13,6 +13,7 @@ import functools
 import importlib
 import math
 import queue
+import re
 import shutil
 import tempfile
 import threading
@@ -43,6 +44,10 @@ class TrialContext:
     storage: str | None = None  # the sweep's Ray storage path (DDP trials put their runs there)
     rungs: tuple[float, ...] = ()  # where the scheduler ranks trials, as fractions of the budget
     rung_cooldown: float = 0.0  # sweep.rung_cooldown: the cooled-down fork ranked there
+    # "the asha scheduler", "the tpe search": what reads the metric from every report, so
+    # that Ray refuses a report without it (None: fifo with random or grid, which rank only
+    # a trial's last report)
+    metric_read_by: str | None = None
 
 
 # the metric a stage's scheduler ranks when sweep.rung_cooldown forks trials at its rungs
@@ -121,6 +126,34 @@ REPLAYED_COLUMNS = tuple(c for c in REPORT_COLUMNS if c != "wall_time")
 
 class Diverged(Exception):
     """A user's function reported a non-finite metric: the trial ends as diverged."""
+
+
+class MissingMetricError(Exception):
+    """A user's function reported without the sweep's metric in a stage whose scheduler or
+    search reads it from every report. Ray's own check would end the whole sweep with a
+    traceback; this ends the trial, and its message is how the driver learns what the
+    function did report (`reported_instead`)."""
+
+    HEAD = "not in a report, which {} ranks; the report held: "
+
+    @classmethod
+    def of(cls, metric: str, read_by: str, keys: list[str]) -> MissingMetricError:
+        # the message is its only argument: Ray re-raises a trial's error from a copy
+        return cls(f"{metric} {cls.HEAD.format(read_by)}{', '.join(keys) or 'nothing'}")
+
+    @classmethod
+    def keys_in(cls, error: str) -> list[str] | None:
+        """The keys a report held, from the text of a trial's error; None: another error."""
+        match = re.search(
+            r"MissingMetricError: \S+ not in a report, which .+? ranks; "
+            r"the report held: (.*)$",
+            error,
+            re.MULTILINE,
+        )
+        if match is None:
+            return None
+        held = match.group(1).strip()
+        return [] if held == "nothing" else held.split(", ")
 
 
 def trial_config(params: dict[str, Any], base: dict, ctx: TrialContext) -> dict:
@@ -265,6 +298,10 @@ def run_trial(
     reporter = BackgroundReporter()
 
     def report(metrics: dict, state=None) -> None:
+        if ctx.target and ctx.metric_read_by and ctx.metric not in metrics:
+            from sweeper.sweep.results import reported_keys
+
+            raise MissingMetricError.of(ctx.metric, ctx.metric_read_by, reported_keys(metrics))
         metrics, diverged = penalise(metrics, ctx.metric, ctx.penalty)
         metrics["wall_time"] = time.time()  # orders reports across trials (bench/bench_search.py)
         folder = None
