@@ -941,6 +941,11 @@ def test_the_command_names_a_missing_metric_in_one_line_under_the_default_schedu
     proc = run_cli(args, cwd=REPO, env=store, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Trials did not complete" not in proc.stderr  # each trial's own FAILED line said it
+    assert (
+        "FAILED after its retries: sweeper.sweep.trainable.MissingMetricError: val_bpb not in"
+        in proc.stdout
+    )
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: no trial of stage 'lr' reported val_bpb (sweep.metric) in every report, "
         "which the asha scheduler ranks; their reports held loss, step: report val_bpb from "

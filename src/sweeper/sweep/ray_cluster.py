@@ -296,15 +296,16 @@ TIME_CAP_STOP = threading.Event()
 
 class DropsTimeCapStopNotices(logging.Filter):
     """The time cap stops Tune by the signal it takes for Ctrl+C: Tune then warns of a
-    "Stop signal (e.g. via SIGINT/Ctrl+C)" and lists the trials that did not complete.
-    The stage prints its own line on the cap, which this leaves as the only one."""
+    "Stop signal (e.g. via SIGINT/Ctrl+C)". The stage prints its own line on the cap, which
+    this leaves as the only one. Tune's "Trials did not complete: [run_trial_1b2c, ...]"
+    goes always: each failed trial has had its own line (callbacks.ProgressCallback), with
+    its reason, and a stopped stage says how to resume."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not (
-            TIME_CAP_STOP.is_set()
-            and message.startswith(("Stop signal received", "Trials did not complete"))
-        )
+        if message.startswith("Trials did not complete"):
+            return False
+        return not (TIME_CAP_STOP.is_set() and message.startswith("Stop signal received"))
 
 
 logging.getLogger("ray.tune.tune").addFilter(DropsTimeCapStopNotices())
