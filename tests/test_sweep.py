@@ -165,15 +165,31 @@ def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(
 
 
 def test_the_reproduce_line_trains_the_best_trial_again_bit_for_bit(ray_cluster, tmp_path):
-    summary = sweep(tmp_path / "sweep", "sweep.stages.0.num_samples=2")
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    summary = sweep(
+        tmp_path / "sweep", "sweep.stages.0.num_samples=2", "mlflow.enabled=true",
+        f"mlflow.tracking_uri={uri}",
+    )  # fmt: skip
     overrides = summary["best"]["overrides"]
     # where and how the trials ran is part of it: float sums depend on the thread count (a
     # run on both cores ended 0.013 bpb away from the same tiny trial)
     assert {"trainer.threads=1", "trainer.device=cpu"} <= set(overrides)
-    proc = run_cli([*overrides, "hydra.run.dir=again"], cwd=tmp_path, timeout=300)
+    proc = run_cli([*overrides, "hydra.run.dir=again", f"mlflow.tracking_uri={uri}"], cwd=tmp_path, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     again = json.loads((tmp_path / "again" / "result.json").read_text())
     assert again["val_bpb"] == summary["best"]["val_bpb"]
+    # in MLflow, the best trial's run and the reproduced run have the same config: a
+    # "show diff only" of the two shows no row (model.vocab_size null was one)
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("sweeper").experiment_id])
+    (single,) = [r for r in runs if r.data.tags.get("role") == "run"]
+    trials = [
+        r for r in runs if r.data.tags.get("role") == "trial" and "reused_from" not in r.data.tags
+    ]
+    best = [r for r in trials if r.data.metrics.get("val_bpb") == summary["best"]["val_bpb"]]
+    assert best and single.data.params == best[-1].data.params
 
 
 def test_a_diverging_trial_is_stopped_with_a_penalty_and_the_sweep_finishes(ray_cluster, tmp_path):

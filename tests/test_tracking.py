@@ -193,6 +193,12 @@ def test_a_real_sweep_on_a_tracking_server_has_a_parent_and_a_child_per_trial(
     (baseline,) = [c for c in children if c.data.tags["role"] == "baseline"]
     assert baseline.data.params["trainer.num_evals"] == "1"
     assert list(baseline.data.metrics) and baseline.info.status == "FINISHED"
+    # logged after the stages, it shows when it trained, its value at its last step
+    took = baseline.info.end_time - baseline.info.start_time
+    assert 0 < took < parents[0].info.end_time - parents[0].info.start_time
+    (point,) = client.get_metric_history(baseline.info.run_id, "val_bpb")
+    assert point.step == summary["baseline"]["steps"] > 0
+    assert "started_ms" not in summary["baseline"]
     children = [c for c in children if c.data.tags["role"] == "trial"]
     # MLflow prints two lines as each of the 4 runs ends; the sweep's last names the parent's page
     out = capsys.readouterr().out

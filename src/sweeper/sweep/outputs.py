@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import math
 import shlex
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,10 +19,19 @@ from sweeper.sweep.stages import fit_micro_batch, rounded_text, unresolved_rival
 from sweeper.sweep.state import SweepState, write_json_atomic
 from sweeper.sweep.trainable import RUNG_METRIC
 
-
 # --- the baseline: the unmodified config under the same budget --------------------------
+RUN_TIMES = ("started_ms", "ended_ms")  # train_once's, for its MLflow run
+
+
 def train_once(base: dict, metric: str, target: str | None, threads: int, gpus: float) -> dict:
-    """One run of a config outside Tune, placed as a trial is (the baseline, confirmations)."""
+    """One run of a config outside Tune, placed as a trial is (the baseline, confirmations).
+    Its result holds when it started and ended (ms): the driver logs it to MLflow later."""
+    started_ms = int(time.time() * 1000)
+    result = _train_once(base, metric, target, threads, gpus)
+    return {**result, RUN_TIMES[0]: started_ms, RUN_TIMES[1]: int(time.time() * 1000)}
+
+
+def _train_once(base: dict, metric: str, target: str | None, threads: int, gpus: float) -> dict:
     import torch
 
     if target:
@@ -72,6 +82,7 @@ def train_once(base: dict, metric: str, target: str | None, threads: int, gpus: 
         "tokens": result["tokens"],
         "flops": result["flops"],
         "params": result["params"],
+        "steps": result.get("steps"),
     }
 
 
@@ -370,7 +381,12 @@ def write_all(
         }
         if carried
         else None,
-        "baseline": {spec.metric: baseline.get("value"), **baseline} if baseline else None,
+        "baseline": {
+            spec.metric: baseline.get("value"),
+            **{k: v for k, v in baseline.items() if k not in RUN_TIMES},
+        }
+        if baseline
+        else None,
         "improvement": (baseline["value"] - best_value) * (1 if spec.mode == "min" else -1)
         if baseline.get("value") is not None and best_value is not None
         else None,

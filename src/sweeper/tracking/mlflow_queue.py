@@ -318,7 +318,10 @@ class OpQueue:
             self.suspect(key)  # it may hold metric steps from an earlier driver
         else:
             run = client.create_run(
-                self.experiment_id, run_name=op.get("name"), tags={**tags, **match}
+                self.experiment_id,
+                run_name=op.get("name"),
+                tags={**tags, **match},
+                start_time=op.get("start_time"),  # None: now
             )
             run_id = run.info.run_id
             self.seen[key] = {}

@@ -145,10 +145,15 @@ class MlflowTracker:
         if baseline.get("error"):
             tags["error"] = str(baseline["error"])[:500]
         trained = config or self.base
-        self.queue.put(self._open_op("baseline", "baseline", {"role": "baseline"}, tags, trained))
+        # it is logged once the stages are done, but ran in a slot a stage left idle: its
+        # run shows when it trained, and its values at its last step, as a trial's do
+        started, ended = baseline.get("started_ms"), baseline.get("ended_ms")
+        opened = self._open_op("baseline", "baseline", {"role": "baseline"}, tags, trained)
+        self.queue.put({**opened, "start_time": started})
         values = {self.spec.metric: baseline.get("value"), **baseline}
-        self._metrics("baseline", values, step=0)
-        self._end("baseline", status)
+        values = {k: v for k, v in values.items() if k not in ("started_ms", "ended_ms", "steps")}
+        self._metrics("baseline", values, step=int(baseline.get("steps") or 0), at=ended)
+        self._end("baseline", status, end_time=ended)
 
     def finish(self, summary: dict, out_dir: Any, status: str = "FINISHED") -> None:
         if self.finished:
@@ -282,6 +287,8 @@ class MlflowTracker:
 
     # --- ops -----------------------------------------------------------------------------
     def _open_op(self, key: str, name: str, match: dict, tags: dict, config: dict) -> dict:
+        if not self.users_function:
+            config = vocab_as_trained(config)
         return {
             "op": "open",
             "run": key,
@@ -293,7 +300,7 @@ class MlflowTracker:
             "text": {"config.yaml": config_yaml(config)},
         }
 
-    def _metrics(self, key: str, values: dict, step: int) -> None:
+    def _metrics(self, key: str, values: dict, step: int, at: int | None = None) -> None:
         """A trial run gets the training metrics, or every number a user's function
         reported; the sweep and baseline runs every number they are given."""
         if key in (PARENT, "baseline"):
@@ -311,11 +318,13 @@ class MlflowTracker:
             if isinstance(value, bool) or not isinstance(value, int | float) or name == "value":
                 continue
             if math.isfinite(value) and metric_name_taken(name):  # NaN/inf would not plot
-                rows.append([name, float(value), step, now_ms()])
+                rows.append([name, float(value), step, at or now_ms()])
         if rows:
             self.queue.put({"op": "metrics", "run": key, "metrics": rows})
 
-    def _end(self, key: str, status: str, tags: dict | None = None) -> None:
+    def _end(
+        self, key: str, status: str, tags: dict | None = None, end_time: int | None = None
+    ) -> None:
         self.open.discard(key)
         self.ended[key] = status
         self.queue.put(
@@ -323,7 +332,7 @@ class MlflowTracker:
                 "op": "end",
                 "run": key,
                 "status": RUN_STATUS.get(status, "FAILED"),
-                "end_time": now_ms(),
+                "end_time": end_time or now_ms(),
                 "tags": {"status": status, **(tags or {})},
             }
         )
@@ -391,6 +400,15 @@ def write_run_file(out: Path, uri: str, experiment: str, experiment_id: str, run
 
 def trial_key(stage: str, trial) -> str:
     return f"{stage}/{trial.trial_id}"
+
+
+def vocab_as_trained(config: dict) -> dict:
+    """model.vocab_size null is the data's (config.RunConfig), as a single run's params
+    record it: MLflow's diff of a trial and its reproduced run shows no false difference."""
+    model, data = config.get("model") or {}, config.get("data") or {}
+    if model.get("vocab_size") is not None or data.get("vocab_size") is None:
+        return config
+    return {**config, "model": {**model, "vocab_size": data["vocab_size"]}}
 
 
 def now_ms() -> int:
