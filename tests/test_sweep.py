@@ -815,6 +815,89 @@ def test_a_users_function_is_swept_with_the_same_dsl(ray_cluster, tmp_path, caps
     assert "every fresh seed gave the same value" in capsys.readouterr().out
 
 
+def test_asha_ranks_a_users_function_at_its_rungs_but_lets_it_report_to_its_end(
+    ray_cluster, tmp_path
+):
+    """Without a compute budget a user's function's clock is its report count: ASHA's rungs
+    sit at fractions of sweep.reports_per_trial (4 here), but a trial that passes them is
+    not cut there. Cut at its 4th of 12 reports, a trial was ranked against a baseline
+    (and a reproduce line) that ran all 12."""
+    summary = sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.reports_past_the_sweeps_count",
+        "sweep.budget.tokens_per_trial=null",
+        "sweep.baseline=true",
+        "sweep.stages.0.search=grid",
+        "sweep.stages.0.num_samples=1",
+        "~sweep.stages.0.params.optimizer.matrix_lr",
+        "+sweep.stages.0.params.optimizer.lr.grid=[0.01]",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    assert summary["stages"][0]["best_value"] == pytest.approx(1.0 + 1.0 / 12)  # ASHA's stage
+    # the baseline (optimizer.lr 0.001, a decade off the bowl's floor) reports 12 times too
+    assert summary["baseline"]["value"] == pytest.approx(2.0 + 1.0 / 12)
+    rows = list(csv.DictReader((tmp_path / "reports.csv").open()))
+    assert len([r for r in rows if r["stage"] == "lr"]) == 12
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("returns_without_reporting", "their reports held no values"),
+        ("reports_a_word", "val_bpb must be a number, got 'good' (str)"),
+    ],
+)
+def test_a_users_function_whose_reports_cannot_be_ranked_stops_the_sweep_in_a_line(
+    ray_cluster, tmp_path, target, message
+):
+    from sweeper.sweep.engine import SweepFailed
+
+    with pytest.raises(SweepFailed, match=re.escape(message)):
+        sweep(
+            tmp_path,
+            f"trainable._target_=tests.user_functions.{target}",
+            "sweep.stages.0.num_samples=2",
+            "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+        )
+
+
+def test_numpy_and_torch_values_in_a_users_reports_are_plain_numbers(ray_cluster, tmp_path):
+    summary = sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.reports_numpy_and_torch",
+        "sweep.budget.tokens_per_trial=null",
+        "sweep.stages.0.num_samples=2",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    assert summary["best"]["value"] == 2.5
+
+
+@pytest.mark.parametrize(
+    ("target", "code", "last_line", "result"),
+    [
+        ("reports_numpy_and_torch", 0, "completed: val_bpb 2.5000 after 2 reports",
+         {"status": "completed", "reports": 2, "val_bpb": 2.5, "step": 2}),
+        ("diverges_after_a_report", 0, "diverged: val_bpb was nan at report 2",
+         {"status": "diverged", "reason": "val_bpb was nan", "reports": 2}),
+        ("reports_a_word", 1, "error: report 1: val_bpb must be a number, got 'good' (str)",
+         {"status": "failed", "error": "val_bpb must be a number, got 'good' (str)"}),
+    ],
+)  # fmt: skip
+def test_a_users_function_run_once_ends_as_its_trials_would(
+    tmp_path, target, code, last_line, result
+):
+    """numpy and torch numbers are numbers, NaN is a divergence, a word is a one-line error;
+    result.json is valid JSON in each case (it was cut off at a numpy value)."""
+    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    args = [f"trainable._target_=tests.user_functions.{target}", f"hydra.run.dir={tmp_path}/run"]
+    proc = run_cli(args, cwd=REPO, env=store)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    out = (proc.stdout if code == 0 else proc.stderr).strip().splitlines()
+    assert out[-1] == f"{last_line} -> {tmp_path}/run/result.json", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert json.loads((tmp_path / "run" / "result.json").read_text()) == result
+
+
 def test_a_stage_of_two_parameters_ends_with_each_ones_importance(ray_cluster, tmp_path, capsys):
     # noisy_bowl's value follows optimizer.lr alone; optimizer.wd is along for the ride
     summary = sweep(

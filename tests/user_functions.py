@@ -60,3 +60,33 @@ def bowl_in_lr_and_batch(config: dict, report) -> None:
     for step in range(1, 5):
         distance = (math.log10(lr) + 2.0) ** 2 + abs(math.log2(batch / 512))
         report({"val_bpb": 1.0 + distance + 1.0 / step, "step": step, "tokens": step * 100})
+
+
+def reports_past_the_sweeps_count(config: dict, report) -> None:
+    """noisy_bowl's bowl over 12 reports, with no compute figure: its budget is its own."""
+    lr = config["optimizer"]["lr"]
+    for step in range(1, 13):
+        report({"val_bpb": 1.0 + (math.log10(lr) + 2.0) ** 2 + 1.0 / step, "step": step})
+
+
+def returns_without_reporting(config: dict, report) -> float:
+    return 2.5  # a user's mistake: the sweep reads reports, not what the function returns
+
+
+def reports_numpy_and_torch(config: dict, report) -> None:
+    """The metric as a numpy scalar, then as a one-element torch tensor."""
+    import numpy as np
+    import torch
+
+    report({"val_bpb": np.float32(3.0), "step": np.int64(1)})
+    report({"val_bpb": torch.tensor(2.5), "step": 2})
+
+
+def reports_a_word(config: dict, report) -> None:
+    report({"val_bpb": "good", "step": 1})
+
+
+def diverges_after_a_report(config: dict, report) -> None:
+    report({"val_bpb": 3.0, "step": 1})
+    report({"val_bpb": float("nan"), "step": 2})
+    raise AssertionError("a diverged run must be ended by its report, not run on")

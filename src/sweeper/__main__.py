@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import threading
@@ -187,23 +188,48 @@ def run_user_function(cfg, target: str, out_dir: str) -> float | None:
     report printed and sent to MLflow: what the reproduce line of a sweep of that function
     runs. Its last report goes to result.json."""
     from sweeper.sweep.preflight import load_user_function, user_function_config
+    from sweeper.sweep.trainable import BadReportError, Diverged, plain_numbers
     from sweeper.tracking.run_logger import start_run_logger
 
+    METRIC = "val_bpb"  # what result.json and the last line give, as a sweep's default metric
     reports: list[dict] = []
     config = user_function_config(cfg)
     logger = start_run_logger(cfg, config, out_dir, resume=False, trainable=target)
 
     def report(metrics: dict, state=None) -> None:  # `state`: a checkpoint, not kept here
-        reports.append(dict(metrics))
+        metrics = plain_numbers(metrics, METRIC)  # a metric that is no number: BadReportError
+        reports.append(metrics)
         shown = " ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
         )
         print(f"report {len(reports)}: {shown}", flush=True)
         if logger is not None:
             logger.report(metrics)
+        value = metrics.get(METRIC)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise Diverged  # as a sweep's trial of it ends
 
     try:
         load_user_function(target)(config, report)
+    except Diverged:
+        value = reports[-1][METRIC]
+        diverged = {
+            "status": "diverged",
+            "reason": f"{METRIC} was {value}",
+            "reports": len(reports),
+        }
+        write_result(out_dir, diverged)
+        end_logging(logger, "diverged", diverged)
+        print(f"diverged: {METRIC} was {value} at report {len(reports)} -> {out_dir}/result.json")
+        return None
+    except BadReportError as error:
+        failed = {"status": "failed", "error": str(error)}
+        write_result(out_dir, failed)
+        end_logging(logger, "failed", failed)
+        print(
+            f"error: report {len(reports) + 1}: {error} -> {out_dir}/result.json", file=sys.stderr
+        )
+        sys.exit(1)
     except BaseException as error:
         failed = {"status": "failed", "error": failure_text(error)}
         write_result(out_dir, failed)
@@ -249,8 +275,14 @@ def failure_text(error: BaseException) -> str:
 
 
 def write_result(out_dir: str, result: dict) -> None:
+    """result.json, valid JSON whatever a user's function reported (NaN: null, an object
+    JSON has no form for: its text), written whole or not at all."""
+    clean = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()
+    }
+    text = json.dumps(clean, indent=2, default=str)
     with open(f"{out_dir}/result.json", "w") as f:
-        json.dump(result, f, indent=2)
+        f.write(text)
 
 
 def run_ddp(cfg, out_dir: str, checkpointing: bool, logger) -> dict:

@@ -290,6 +290,9 @@ def build_scheduler(
             grace_period=grace_period,
             reduction_factor=reduction_factor,
             brackets=brackets or 1,
+            # a user's function's budget is its own: counted in reports (no compute budget),
+            # max_t only places the rungs, and the trial is not cut at its max_t-th report
+            stop_last_trials=time_attr != "training_iteration",
         )
     from sweeper.sweep.hyperband import grace_unit_scheduler
 

@@ -371,7 +371,7 @@ def run_stages(
             break
         best = pick_best(records, spec.metric, spec.mode)
         if best is None and (instead := reported_instead(records)) is not None:
-            every_report = any(r["status"] == "failed" for r in records if "reported" in r)
+            every_report = any(r["status"] == "failed" for r in records if r.get("reported"))
             reader = metric_reader(spec.stage_search(stage), spec.stage_scheduler(stage))
             raise MetricNotReported(
                 stage.name, spec.metric, instead, target, reader if every_report else None

@@ -35,12 +35,12 @@ def _train_once(base: dict, metric: str, target: str | None, threads: int, gpus:
     import torch
 
     if target:
-        from sweeper.sweep.trainable import Diverged, load_target, penalise
+        from sweeper.sweep.trainable import Diverged, load_target, penalise, plain_numbers
 
         seen: list[dict] = []
 
         def report(metrics: dict, state=None) -> None:
-            seen.append(dict(metrics))
+            seen.append(plain_numbers(metrics, metric))
             if penalise(metrics, metric, math.nan)[1]:  # ended as a trial would be
                 raise Diverged
 

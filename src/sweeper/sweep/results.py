@@ -68,10 +68,11 @@ def collect_results(
         status = trial_status(metrics, result.error, can_prune)
         effective = trial_config(params, base, ctx)
         value = metrics.get(metric)
-        if result.error:  # a report without the metric, where every report is ranked
-            instead = MissingMetricError.keys_in(str(result.error)) or []
+        if result.error:  # a report without the metric where every report is ranked, or none
+            instead = MissingMetricError.keys_in(str(result.error))
         else:
             instead = reported_keys(metrics) if metric not in metrics else []
+            instead = instead or None  # only the keys Tune adds: stopped before a report
         records.append(
             {
                 "trial_id": trial_id,
@@ -95,7 +96,7 @@ def collect_results(
                 # a trial that reported, but never the metric (or, where every report is
                 # ranked, once without it): what it did report (one a cap stopped before
                 # its first report holds only the keys Tune adds)
-                **({"reported": instead} if instead else {}),
+                **({"reported": instead} if instead is not None else {}),
             }
         )
         trainer_cfg = effective.get("trainer", {})

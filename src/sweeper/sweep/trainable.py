@@ -134,26 +134,50 @@ class MissingMetricError(Exception):
     traceback; this ends the trial, and its message is how the driver learns what the
     function did report (`reported_instead`)."""
 
-    HEAD = "not in a report, which {} ranks; the report held: "
+    NO_REPORT = "the function returned without a report"
 
     @classmethod
     def of(cls, metric: str, read_by: str, keys: list[str]) -> MissingMetricError:
         # the message is its only argument: Ray re-raises a trial's error from a copy
-        return cls(f"{metric} {cls.HEAD.format(read_by)}{', '.join(keys) or 'nothing'}")
+        held = ", ".join(keys) or "nothing"
+        return cls(f"{metric} not in a report, which {read_by} ranks; the report held: {held}")
+
+    @classmethod
+    def never(cls, metric: str) -> MissingMetricError:
+        return cls(f"{metric} in no report: {cls.NO_REPORT}")
 
     @classmethod
     def keys_in(cls, error: str) -> list[str] | None:
-        """The keys a report held, from the text of a trial's error; None: another error."""
-        match = re.search(
-            r"MissingMetricError: \S+ not in a report, which .+? ranks; "
-            r"the report held: (.*)$",
-            error,
-            re.MULTILINE,
-        )
-        if match is None:
+        """The keys a report held, from the text of a trial's error ([] if it made none);
+        None: another error."""
+        if "MissingMetricError: " not in error:
             return None
-        held = match.group(1).strip()
-        return [] if held == "nothing" else held.split(", ")
+        match = re.search(r"MissingMetricError: .*; the report held: (.*)$", error, re.MULTILINE)
+        if match is None or match.group(1).strip() == "nothing":
+            return []
+        return match.group(1).strip().split(", ")
+
+
+class BadReportError(Exception):
+    """A user's function reported its metric as something other than a number."""
+
+
+def plain_numbers(metrics: dict, metric: str) -> dict:
+    """A user's report with numpy scalars and one-element arrays or tensors as Python
+    numbers (Tune refuses tensors, JSON refuses numpy); a metric that is not a number
+    (a string, a bool) is refused in one line, where Ray's ASHA would fail on it deep
+    in its own code."""
+    plain = {}
+    for key, value in metrics.items():
+        item = getattr(value, "item", None)
+        if callable(item) and not isinstance(value, str | bytes):
+            with contextlib.suppress(ValueError, RuntimeError):  # more than one element
+                value = item()
+        plain[key] = value
+    value = plain.get(metric)
+    if metric in plain and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise BadReportError(f"{metric} must be a number, got {value!r} ({type(value).__name__})")
+    return plain
 
 
 def trial_config(params: dict[str, Any], base: dict, ctx: TrialContext) -> dict:
@@ -296,12 +320,17 @@ def run_trial(
         return
 
     reporter = BackgroundReporter()
+    made: list[int] = []  # reports so far
 
     def report(metrics: dict, state=None) -> None:
-        if ctx.target and ctx.metric_read_by and ctx.metric not in metrics:
-            from sweeper.sweep.results import reported_keys
+        made.append(1)
+        if ctx.target:
+            metrics = plain_numbers(metrics, ctx.metric)
+            if ctx.metric_read_by and ctx.metric not in metrics:
+                from sweeper.sweep.results import reported_keys
 
-            raise MissingMetricError.of(ctx.metric, ctx.metric_read_by, reported_keys(metrics))
+                keys = reported_keys(metrics)
+                raise MissingMetricError.of(ctx.metric, ctx.metric_read_by, keys)
         metrics, diverged = penalise(metrics, ctx.metric, ctx.penalty)
         metrics["wall_time"] = time.time()  # orders reports across trials (bench/bench_search.py)
         folder = None
@@ -319,6 +348,8 @@ def run_trial(
             _run_one_process_trial(run_cfg, ctx, report)
     finally:
         reporter.close()
+    if ctx.target and not made:  # Tune would end the sweep on its empty last result
+        raise MissingMetricError.never(ctx.metric)
 
 
 def with_run_settings(run_cfg: dict, ctx: TrialContext) -> None:
