@@ -1434,29 +1434,56 @@ def test_time_cap_stops_the_sweep(ray_cluster, tmp_path, capsys):
     assert "the sweep's time cap is reached: no further stages. A resume goes on with " in out
 
 
+def until_both_trials_reported(run_dir: Path):
+    """A stand-in for engine.wait_for_time_cap: the cap runs out once both trials of the
+    LR stage have reported, not after its seconds: on a loaded machine 14 s went by before
+    either of two ~40 s trials reported, on a fast one both would finish first. The stop
+    itself is time_cap's own."""
+    import time
+
+    def wait(seconds, done):
+        deadline = time.monotonic() + 300
+        while not done.is_set() and time.monotonic() < deadline:
+            results = list((run_dir / "ray" / "stage0_lr").glob("*/result.json"))
+            if len(results) == 2 and all(p.read_text().strip() for p in results):
+                return True
+            time.sleep(0.05)
+        return not done.is_set()
+
+    return wait
+
+
+def test_the_time_cap_keeps_a_users_trials_that_reported_no_tokens(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """A trial the cap stopped is kept if it reported: its metric says so where a user's
+    function reports no tokens (all of them were lost, and the stage said none reported)."""
+    from sweeper.sweep import engine
+
+    monkeypatch.setattr(engine, "wait_for_time_cap", until_both_trials_reported(tmp_path))
+    sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.paced_reports_without_tokens",
+        "sweep.budget.tokens_per_trial=null",
+        "sweep.max_seconds=60",
+        "sweep.baseline=false",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.0.num_samples=2",
+    )
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    cut = [r for s in state["stages"] for r in s["records"]]
+    assert len(cut) == 2 and all(r["capped"] and r["metric"] is not None for r in cut)
+
+
 def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
     ray_cluster, tmp_path, capsys, monkeypatch
 ):
     """sweep.max_seconds stops a stage's trials as Ctrl+C would: a resume with a higher cap
     (here none) trains the same trials on from their last checkpoint, not again from
     step 0, and freezes the stage's best only then."""
-    import time
-
     from sweeper.sweep import engine
 
-    def until_both_trials_reported(seconds, done):
-        """The cap runs out once both trials have reported (of 10 reports, ~40 s), not
-        after its seconds: on a loaded machine 14 s went by before either reported, on a
-        fast one both would finish first. The stop itself is time_cap's own."""
-        deadline = time.monotonic() + 300
-        while not done.is_set() and time.monotonic() < deadline:
-            results = list((tmp_path / "ray" / "stage0_lr").glob("*/result.json"))
-            if len(results) == 2 and all(p.read_text().strip() for p in results):
-                return True
-            time.sleep(0.05)
-        return not done.is_set()
-
-    monkeypatch.setattr(engine, "wait_for_time_cap", until_both_trials_reported)
+    monkeypatch.setattr(engine, "wait_for_time_cap", until_both_trials_reported(tmp_path))
     lr_stage_only = [
         "sweep.budget.tokens_per_trial=1200000",
         "sweep.reports_per_trial=10",

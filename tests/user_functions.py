@@ -90,3 +90,12 @@ def diverges_after_a_report(config: dict, report) -> None:
     report({"val_bpb": 3.0, "step": 1})
     report({"val_bpb": float("nan"), "step": 2})
     raise AssertionError("a diverged run must be ended by its report, not run on")
+
+
+def paced_reports_without_tokens(config: dict, report) -> None:
+    """40 reports of a falling val_bpb, 0.5 s apart, and no compute figure."""
+    import time
+
+    for step in range(1, 41):
+        time.sleep(0.5)
+        report({"val_bpb": 2.0 + 1.0 / step, "step": step})

@@ -811,8 +811,13 @@ def run_stage(
         if result.error is None and not (result.metrics or {}).get("done")
     }
     if capped() and (unfinished or len(records) < planned):
-        # a trial that never reported (not started yet) is not kept: the resume starts it
-        records = [r for r in records if r["path"] not in unfinished or r["tokens"] is not None]
+        # a trial that never reported (not started yet) is not kept: the resume starts it.
+        # (A user's function may report no tokens: its metric says it reported.)
+        records = [
+            r
+            for r in records
+            if r["path"] not in unfinished or r["tokens"] is not None or r["metric"] is not None
+        ]
         for record in records:
             if record["path"] in unfinished:
                 record["capped"] = True  # ranked as pruned until a resume trains it on
