@@ -1475,6 +1475,26 @@ def test_the_time_cap_keeps_a_users_trials_that_reported_no_tokens(
     assert len(cut) == 2 and all(r["capped"] and r["metric"] is not None for r in cut)
 
 
+def test_the_time_cap_stops_a_baseline_that_would_not_end(ray_cluster, tmp_path, capsys):
+    """The baseline trains in a slot a stage leaves idle; the cap stops it too (a sweep of a
+    function that hangs waited on it for ever)."""
+    import time
+
+    start = time.monotonic()
+    summary = sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.hangs_after_a_report",
+        "sweep.budget.tokens_per_trial=null",
+        "sweep.max_seconds=10",
+        "sweep.baseline=true",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.0.num_samples=1",
+    )
+    assert time.monotonic() - start < 120
+    assert summary["baseline"] is None
+    assert "baseline: sweep.max_seconds=10 ran out before it finished" in capsys.readouterr().out
+
+
 def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
     ray_cluster, tmp_path, capsys, monkeypatch
 ):

@@ -99,3 +99,12 @@ def paced_reports_without_tokens(config: dict, report) -> None:
     for step in range(1, 41):
         time.sleep(0.5)
         report({"val_bpb": 2.0 + 1.0 / step, "step": step})
+
+
+def hangs_after_a_report(config: dict, report) -> None:
+    """Reports once, then never returns (a user's function stuck on I/O, say)."""
+    import time
+
+    report({"val_bpb": 2.0, "step": 1})
+    while True:
+        time.sleep(0.1)

@@ -194,8 +194,16 @@ def run_sweep(cfg, out_dir: str) -> float | None:
         with reaper:
             run_stages(spec, base, target, out, state, started, tracker)
         if baseline is not None:
-            state.set_baseline(baseline.collect())
-            tracker.log_baseline(state.baseline, baseline.base)
+            left = spec.max_seconds - (time.time() - started) if spec.max_seconds else None
+            result = baseline.collect(timeout=left)
+            if result is None:
+                print(
+                    f"baseline: sweep.max_seconds={spec.max_seconds:g} ran out before it "
+                    "finished: this sweep has none (a resume with more time trains it)"
+                )
+            else:
+                state.set_baseline(result)
+                tracker.log_baseline(state.baseline, baseline.base)
         run_confirmation(spec, state, base, target)
     except BaseException as error:
         # Ctrl+C or a crash: close the tracker's runs honestly, keep the state on disk

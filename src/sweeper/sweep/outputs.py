@@ -113,12 +113,19 @@ class Baseline:
         print(f"baseline: training the unmodified config under the same budget, {where}")
         self.job = launch_once(self.base, self.spec, self.target)
 
-    def collect(self) -> dict:
+    def collect(self, timeout: float | None = None) -> dict | None:
+        """Its result; None if `timeout` (what sweep.max_seconds leaves, in seconds) ran
+        out first, or had run out before it started: it is stopped, and a resume trains it."""
         import ray
 
+        if timeout is not None and timeout <= 0 and self.job is None:
+            return None
         self.launch("after the stages")
         try:
-            return ray.get(self.job)
+            return ray.get(self.job, timeout=timeout if timeout is None else max(timeout, 0.0))
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(self.job, force=True)
+            return None
         except Exception as error:  # a failed baseline must not lose the sweep's results
             return {"value": None, "status": "failed", "error": str(error).splitlines()[0]}
 
