@@ -1159,6 +1159,8 @@ REFUSED = [
     (["sweep.stages.0.num_samples=1.5"], "sweep.stages.0.num_samples"),
     (["+sweep.stages.0.points={optimizer.matrix_lr:0.02}"], "sweep.stages.0.points must be a list"),
     (["trainable._target_=math.pi"], "must be a function of (config, report); it is a float"),
+    # Python's "Empty module name" did not say what was missing
+    (["trainable._target_=noisy_bowl"], "name the function with its module, pkg.module.fn"),
     (["trainable._target_=os.getcwd"], "must be a function of (config, report); its signature"),
     # a class has no signature inspect can always read: it passed, and every trial failed
     (["trainable._target_=collections.OrderedDict"], "(config, report); it is a class"),
@@ -1187,6 +1189,16 @@ REFUSED = [
         "sweep.cpus_per_trial=2 x 2 ranks (trainer.workers) needs 4 CPUs",
     ),
 ]
+
+
+def test_a_users_module_that_fails_on_import_is_named_in_one_line(tmp_path):
+    target = "trainable._target_=tests.broken_user_module.fn"
+    proc = run_cli(["+sweep=smoke", target, f"hydra.run.dir={tmp_path}/run"], cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {target}: importing its module raised RuntimeError: no CUDA device here"
+    ]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("args, names", REFUSED, ids=[a[0] for a, _ in REFUSED])

@@ -158,10 +158,20 @@ def check_no_placement_searched(spec: SweepSpec) -> None:
 
 def load_user_function(target: str):
     """The user's function `target` names, checked: importable, of (config, report)."""
+    if "." not in target.strip("."):
+        raise ConfigError(
+            f"trainable._target_={target}: name the function with its module, pkg.module.fn"
+        )
     try:
         fn = load_target(target)
     except (ImportError, AttributeError, ValueError) as error:
         raise ConfigError(f"trainable._target_={target} cannot be imported: {error}") from None
+    except Exception as error:  # the module fails as it is imported (a SyntaxError names
+        # its file and line): its own bug, not the platform's
+        raise ConfigError(
+            f"trainable._target_={target}: importing its module raised "
+            f"{type(error).__name__}: {error}"
+        ) from None
     check_trainable_signature(target, fn)
     return fn
 
