@@ -1085,3 +1085,22 @@ def test_a_log_axis_labels_the_values_tried_only_where_they_read_apart(tried, la
         assert shown == labels
     else:
         assert not set(shown) & {f"{v:.3g}" for v in tried[:2]} and shown, shown
+
+
+@pytest.mark.parametrize(
+    ("iterations", "kept"),
+    [
+        ([1, 2, 3], [1, 2, 3]),  # one attempt
+        ([1, 2, 3, 1, 2, 3], [1, 2, 3]),  # restarted from nothing: the last attempt's
+        ([1, 2, 3, 4, 3, 4, 5], [1, 2, 3, 4, 5]),  # from the checkpoint at 2: 3 and 4 again
+    ],
+)
+def test_a_trials_reports_that_a_restart_trained_again_are_kept_once(iterations, kept):
+    from sweeper.sweep.results import last_attempt
+
+    rows = [{"training_iteration": n, "attempt": i} for i, n in enumerate(iterations)]
+    got = last_attempt(rows)
+    assert [r["training_iteration"] for r in got] == kept
+    # the later attempt's rows replace the earlier ones
+    assert [r["attempt"] for r in got][-1] == len(iterations) - 1
+    assert sorted({r["attempt"] for r in got}) == [r["attempt"] for r in got]

@@ -861,6 +861,25 @@ def test_a_users_function_whose_reports_cannot_be_ranked_stops_the_sweep_in_a_li
         )
 
 
+def test_a_retried_users_function_keeps_the_reports_of_its_last_attempt(ray_cluster, tmp_path):
+    """Retried without a checkpoint, a user's function reports from its first report again;
+    Tune keeps both attempts, and reports.csv had each report twice."""
+    summary = sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.fails_once_after_three_reports",
+        f"+mine.marker={tmp_path}/failed_once",
+        "sweep.budget.tokens_per_trial=null",
+        "sweep.max_failures=1",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.0.num_samples=1",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    assert (tmp_path / "failed_once").exists()  # the first attempt failed
+    assert summary["stages"][0]["best_value"] == pytest.approx(1.8)
+    rows = list(csv.DictReader((tmp_path / "reports.csv").open()))
+    assert [r["step"] for r in rows if r["stage"] == "lr"] == ["1", "2", "3"]
+
+
 def test_numpy_and_torch_values_in_a_users_reports_are_plain_numbers(ray_cluster, tmp_path):
     summary = sweep(
         tmp_path,

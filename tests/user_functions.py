@@ -108,3 +108,15 @@ def hangs_after_a_report(config: dict, report) -> None:
     report({"val_bpb": 2.0, "step": 1})
     while True:
         time.sleep(0.1)
+
+
+def fails_once_after_three_reports(config: dict, report) -> None:
+    """Three reports, then a failure the first time (a lost node, say), not when retried."""
+    from pathlib import Path
+
+    for step in range(1, 4):
+        report({"val_bpb": 2.1 - step / 10, "step": step})
+    marker = Path(config["mine"]["marker"])
+    if not marker.exists():
+        marker.touch()
+        raise RuntimeError("the node went away")

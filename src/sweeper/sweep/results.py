@@ -57,6 +57,21 @@ def reported_keys(metrics: dict) -> list[str]:
     return sorted(k for k in metrics if k not in ADDED_KEYS and k not in AUTO_RESULT_KEYS)
 
 
+def last_attempt(rows: list[dict]) -> list[dict]:
+    """A trial's reports, each once: those a restart trained again replace the earlier
+    ones. A trial restarted without a checkpoint (a user's function retried after a
+    failure, or resumed by Hyperband) reports again from its first report, one restarted
+    from an older checkpoint from there; Tune counts its iterations from there again, and
+    keeps every attempt's reports."""
+    kept: list[dict] = []
+    for row in rows:
+        count = row.get("training_iteration")
+        while kept and count is not None and (kept[-1].get("training_iteration") or 0) >= count:
+            kept.pop()
+        kept.append(row)
+    return kept
+
+
 def collect_results(
     results, stage: str, metric: str, base: dict, ctx: TrialContext, can_prune: bool = True
 ):
@@ -105,7 +120,7 @@ def collect_results(
         frame = result.metrics_dataframe
         if frame is None:
             continue
-        rows = frame.to_dict("records")
+        rows = last_attempt(frame.to_dict("records"))
         for i, row in enumerate(rows):
             # the end of a run that trained its whole budget: what the scaling fits read as
             # a run of that many tokens. A stopped trial's last value is from before its
