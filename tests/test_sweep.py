@@ -838,6 +838,8 @@ def test_asha_ranks_a_users_function_at_its_rungs_but_lets_it_report_to_its_end(
     assert summary["baseline"]["value"] == pytest.approx(2.0 + 1.0 / 12)
     rows = list(csv.DictReader((tmp_path / "reports.csv").open()))
     assert len([r for r in rows if r["stage"] == "lr"]) == 12
+    # reports.csv keeps the function's own figures too, not only the platform's columns
+    assert {float(r["lr_seen"]) for r in rows if r["stage"] == "lr"} == {0.01}
 
 
 @pytest.mark.parametrize(

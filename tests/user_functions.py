@@ -66,7 +66,8 @@ def reports_past_the_sweeps_count(config: dict, report) -> None:
     """noisy_bowl's bowl over 12 reports, with no compute figure: its budget is its own."""
     lr = config["optimizer"]["lr"]
     for step in range(1, 13):
-        report({"val_bpb": 1.0 + (math.log10(lr) + 2.0) ** 2 + 1.0 / step, "step": step})
+        value = 1.0 + (math.log10(lr) + 2.0) ** 2 + 1.0 / step
+        report({"val_bpb": value, "step": step, "lr_seen": lr})
 
 
 def returns_without_reporting(config: dict, report) -> float:

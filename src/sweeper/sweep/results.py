@@ -57,6 +57,16 @@ def reported_keys(metrics: dict) -> list[str]:
     return sorted(k for k in metrics if k not in ADDED_KEYS and k not in AUTO_RESULT_KEYS)
 
 
+def users_figures(rows: list[dict], metric: str) -> list[str]:
+    """What a user's function reported besides the columns every report has (its `loss`,
+    its own counters): reports.csv keeps them too. Tune's flattened config ("config/...")
+    is not a report's."""
+    known = {*REPORT_COLUMNS, metric, RUNG_METRIC, "fork_flops", "reused_from"}
+    return sorted(
+        {k for row in rows for k in reported_keys(row) if "/" not in k and k not in known}
+    )
+
+
 def last_attempt(rows: list[dict]) -> list[dict]:
     """A trial's reports, each once: those a restart trained again replace the earlier
     ones. A trial restarted without a checkpoint (a user's function retried after a
@@ -121,6 +131,7 @@ def collect_results(
         if frame is None:
             continue
         rows = last_attempt(frame.to_dict("records"))
+        own = users_figures(rows, metric) if ctx.target else []
         for i, row in enumerate(rows):
             # the end of a run that trained its whole budget: what the scaling fits read as
             # a run of that many tokens. A stopped trial's last value is from before its
@@ -145,6 +156,7 @@ def collect_results(
                         # runs that differ only in it are averaged by the fits
                         "seed": trainer_cfg.get("seed"),
                         **({"reused_from": row["reused_from"]} if row.get("reused_from") else {}),
+                        **{k: row.get(k) for k in own},
                     }
                 )
             )
