@@ -839,9 +839,21 @@ def test_the_stage_plot_colours_each_trials_learning_curve_by_its_lr(tmp_path, m
     assert bar_ax.get_ylabel() == "lr" and bar_ax.get_yscale() == "log"
     brightness = [sum(line.get_color()[:3]) for line in lines]
     assert brightness[0] < brightness[2] < brightness[1] < brightness[3]
+    # the diverged trial is an x along the top, not a point at its penalty (a user's
+    # function's 1e9 flattened every other point to 0)
+    (cross,) = [c for c in lr_ax.collections if c.get_label() == "diverged"]
+    assert [tuple(p) for p in cross.get_offsets()] == [(0.2, 0.97)]
+    assert lr_ax.get_ylim()[1] < 8.0
     # without reports: the parameter panels alone, as before
     plot_stage_lr(tmp_path / "s.png", records, spec, records[1], {})
     assert len(drawn[1].axes) == 1
+    # a user's function that reports no tokens: its curves run over its reports
+    clockless = [{k: v for k, v in r.items() if k != "tokens"} for r in reports]
+    plot_stage_lr(tmp_path / "s.png", records, spec, records[1], {}, None, clockless)
+    curves_ax = drawn[2].axes[1]
+    lines = [line for line in curves_ax.get_lines() if line.get_linestyle() != "None"]
+    assert [list(line.get_xdata()) for line in lines] == [[1, 2], [1, 2], [1], [1]]
+    assert curves_ax.get_xlabel().startswith("report")
 
 
 def test_the_learning_curves_plot_the_gradient_norm_update_ratio_and_residual_beside_the_metric(
@@ -866,7 +878,8 @@ def test_the_learning_curves_plot_the_gradient_norm_update_ratio_and_residual_be
     replay = [{**r, "trial_id": "c", "reused_from": "lr/a"} for r in reports[:2]]
     plot_learning_curves(tmp_path / "c.png", reports + replay, "val_bpb")
     curves, norms = drawn[0].axes
-    assert [list(line.get_ydata()) for line in curves.get_lines()] == [[3.9, 3.5], [4.1, 8.0]]
+    # a diverged trial's curve stops at its last measurement: its last report is a penalty
+    assert [list(line.get_ydata()) for line in curves.get_lines()] == [[3.9, 3.5], [4.1]]
     # a NaN norm (the diverged step) has no place on a log axis; the spike before it does
     assert [list(line.get_ydata()) for line in norms.get_lines()] == [[2.5, 0.8], [40.0]]
     assert norms.get_yscale() == "log" and "gradient norm" in norms.get_ylabel()

@@ -71,16 +71,18 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
     )
     axes = axes.ravel()
     shown = set()
+    by_tokens = all(r.get("tokens") for r in reports)
     for ax, (key, label, title) in zip(axes, panels):
         for rows in by_trial.values():
-            rows = [r for r in rows if r.get(key) is not None and r.get("tokens")]
+            rows = measured(rows, metric)
+            rows = [r for r in rows if r.get(key) is not None]
             if key != metric:
                 rows = [r for r in rows if _positive(r[key])]  # log axis: NaN (diverged) left out
             if not rows:
                 continue
             status = rows[-1]["status"]
             ax.plot(
-                [r["tokens"] for r in rows],
+                [r["tokens"] if by_tokens else r["report"] for r in rows],
                 [r[key] for r in rows],
                 marker=".",
                 color=STATUS_COLORS.get(status, "tab:green"),
@@ -88,7 +90,11 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
                 label=status if status not in shown else None,
             )
             shown.add(status)
-        ax.set_xlabel("training tokens")
+        ax.set_xlabel("training tokens" if by_tokens else CLOCKLESS)
+        if not by_tokens:
+            from matplotlib.ticker import MaxNLocator
+
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(label)
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -100,6 +106,20 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# the x axis of a user's function that reports no tokens: its reports, counted
+CLOCKLESS = "report (the function reports no tokens)"
+
+
+def measured(rows: list[dict], metric: str) -> list[dict]:
+    """A trial's reports, each with its number (`report`: 1, 2, ...), less a diverged
+    trial's last one: that holds the searcher's penalty (8 bits for sweeper's training,
+    1e9 for a user's function), not a measurement."""
+    rows = [{**r, "report": i} for i, r in enumerate(rows, 1)]
+    if rows and rows[-1]["status"] == "diverged":
+        rows = rows[:-1]
+    return [r for r in rows if finite_number(r.get(metric))]
 
 
 def _positive(value) -> bool:
@@ -162,13 +182,27 @@ def plot_stage_lr(
     if not keys or not points:
         return None
     plt = _pyplot()
+    from matplotlib.transforms import blended_transform_factory
+
     curves = bool(reports)
     panels = len(keys) + curves
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for status, color in STATUS_COLORS.items():
             chosen = [r for r in points if r["status"] == status]
-            if chosen:
+            if chosen and status == "diverged":
+                # its value is the searcher's penalty (1e9 for a user's function), not a
+                # measurement: marked along the top, it leaves the others' scale alone
+                ax.scatter(
+                    [r["params"][key] for r in chosen],
+                    [0.97] * len(chosen),
+                    s=40,
+                    marker="x",
+                    color=color,
+                    label="diverged",
+                    transform=blended_transform_factory(ax.transData, ax.transAxes),
+                )
+            elif chosen:
                 hollow = status == "pruned"
                 ax.scatter(
                     [r["params"][key] for r in chosen],
@@ -260,29 +294,28 @@ def curves_coloured_by(ax, records: list[dict], reports: list[dict], key: str, m
         by_trial.setdefault(row["trial_id"], []).append(row)
     best_id = best.get("trial_id") if best else None
     endings = set()
+    by_tokens = all(r.get("tokens") for r in reports)
     for record in records:
-        rows = by_trial.get(record["trial_id"], [])
-        if record["status"] == "diverged":
-            rows = rows[:-1]
-        rows = [r for r in rows if r.get("tokens") and finite_number(r.get(metric))]
+        rows = measured(by_trial.get(record["trial_id"], []), metric)
         if not rows:
             continue
         style, marker = ENDING_STYLES.get(record["status"], ("-", "o"))
         endings.add(record["status"])
         colour = colours.to_rgba(record["params"][key])
         is_best = record["trial_id"] == best_id
-        tokens, measured = [r["tokens"] for r in rows], [r[metric] for r in rows]
+        clock = [r["tokens"] if by_tokens else r["report"] for r in rows]
+        ys = [r[metric] for r in rows]
         ax.plot(
-            tokens,
-            measured,
+            clock,
+            ys,
             style,
             color=colour,
             lw=2.6 if is_best else 1.3,
             zorder=3 if is_best else 2,
         )
         ax.plot(
-            tokens[-1:],
-            measured[-1:],
+            clock[-1:],
+            ys[-1:],
             marker,
             color=colour,
             ms=7 if is_best else 5,
@@ -300,8 +333,10 @@ def curves_coloured_by(ax, records: list[dict], reports: list[dict], key: str, m
     if isinstance(norm, LogNorm):
         log_axis_labelled(bar.ax.yaxis, values)
     ax.xaxis.set_major_formatter(EngFormatter())  # 40 k, 1 M and few of them: a narrow
-    ax.xaxis.set_major_locator(MaxNLocator(6))  # panel's labels must not run together
-    ax.set_xlabel("training tokens")
+    ax.xaxis.set_major_locator(
+        MaxNLocator(6, integer=not by_tokens)
+    )  # panel's labels must not run together
+    ax.set_xlabel("training tokens" if by_tokens else CLOCKLESS)
     ax.set_ylabel(metric)
     ax.set_title(f"Learning curves, coloured by {key.rsplit('.', 1)[-1]}")
     ax.grid(alpha=0.3)
