@@ -891,13 +891,16 @@ def test_numpy_and_torch_values_in_a_users_reports_are_plain_numbers(ray_cluster
         "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
     )
     assert summary["best"]["value"] == 2.5
+    # its own "status": "ok" is kept as user_status: the trials completed, not pruned
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    assert [r["status"] for r in state["stages"][0]["records"]] == ["completed", "completed"]
 
 
 @pytest.mark.parametrize(
     ("target", "code", "last_line", "result"),
     [
         ("reports_numpy_and_torch", 0, "completed: val_bpb 2.5000 after 2 reports",
-         {"status": "completed", "reports": 2, "val_bpb": 2.5, "step": 2}),
+         {"status": "completed", "reports": 2, "val_bpb": 2.5, "step": 2, "user_status": "ok"}),
         ("diverges_after_a_report", 0, "diverged: val_bpb was nan at report 2",
          {"status": "diverged", "reason": "val_bpb was nan", "reports": 2}),
         ("reports_a_word", 1, "error: report 1: val_bpb must be a number, got 'good' (str)",

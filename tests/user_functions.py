@@ -80,7 +80,7 @@ def reports_numpy_and_torch(config: dict, report) -> None:
     import torch
 
     report({"val_bpb": np.float32(3.0), "step": np.int64(1)})
-    report({"val_bpb": torch.tensor(2.5), "step": 2})
+    report({"val_bpb": torch.tensor(2.5), "step": 2, "status": "ok"})  # its own word
 
 
 def reports_a_word(config: dict, report) -> None:

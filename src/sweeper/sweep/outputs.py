@@ -240,14 +240,16 @@ def print_stage_table(
     edges: Sequence[dict] = (),
 ) -> None:
     keys = sorted({k for r in records for k in r["params"]})
-    order = sorted(records, key=lambda r: (r["metric"] is None, _signed(r["metric"], spec.mode)))
+
+    def ranked(r: dict) -> bool:  # a diverged trial's value is the searcher's penalty
+        return r["metric"] is not None and r["status"] not in ("diverged", "failed")
+
+    order = sorted(records, key=lambda r: (not ranked(r), _signed(r["metric"], spec.mode)))
     count = f"{len(records)} trial{'s' * (len(records) != 1)}"
     print(f"\n[{stage}] {count}, sorted by {spec.metric}:")
     print("  " + " | ".join([f"{spec.metric:>9}", f"{'status':>9}", *(f"{k:>22}" for k in keys)]))
     for r in order:
-        # a diverged trial's value is the searcher's penalty, not a measurement
-        ranked = r["metric"] is not None and r["status"] not in ("diverged", "failed")
-        value = f"{r['metric']:.4f}" if ranked else "-"
+        value = f"{r['metric']:.4f}" if ranked(r) else "-"
         cells = [
             f"{value:>9}",
             f"{r['status']:>9}",

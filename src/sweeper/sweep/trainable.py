@@ -166,7 +166,8 @@ def plain_numbers(metrics: dict, metric: str) -> dict:
     """A user's report with numpy scalars and one-element arrays or tensors as Python
     numbers (Tune refuses tensors, JSON refuses numpy); a metric that is not a number
     (a string, a bool) is refused in one line, where Ray's ASHA would fail on it deep
-    in its own code."""
+    in its own code. A `status` of its own other than completed or diverged (the
+    platform's words) is kept as `user_status`."""
     plain = {}
     for key, value in metrics.items():
         item = getattr(value, "item", None)
@@ -174,6 +175,9 @@ def plain_numbers(metrics: dict, metric: str) -> dict:
             with contextlib.suppress(ValueError, RuntimeError):  # more than one element
                 value = item()
         plain[key] = value
+    if plain.get("status") not in (None, "completed", "diverged"):
+        # `status` is how a trial ended, to the platform ("ok" made every trial pruned)
+        plain["user_status"] = plain.pop("status")
     value = plain.get(metric)
     if metric in plain and (isinstance(value, bool) or not isinstance(value, int | float)):
         raise BadReportError(f"{metric} must be a number, got {value!r} ({type(value).__name__})")
