@@ -130,9 +130,9 @@ class Diverged(Exception):
 
 class MissingMetricError(Exception):
     """A user's function reported without the sweep's metric in a stage whose scheduler or
-    search reads it from every report. Ray's own check would end the whole sweep with a
-    traceback; this ends the trial, and its message is how the driver learns what the
-    function did report (`reported_instead`)."""
+    search reads it from every report (`of`), or returned without a report (`never`).
+    Ray's own check would end the whole sweep with a traceback; this ends the trial, and
+    its message is how the driver learns what the function did report (`keys_in`)."""
 
     NO_REPORT = "the function returned without a report"
 
