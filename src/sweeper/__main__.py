@@ -191,13 +191,13 @@ def run_user_function(cfg, target: str, out_dir: str) -> float | None:
     from sweeper.sweep.trainable import BadReportError, Diverged, plain_numbers
     from sweeper.tracking.run_logger import start_run_logger
 
-    METRIC = "val_bpb"  # what result.json and the last line give, as a sweep's default metric
+    metric = "val_bpb"  # what result.json and the last line give, as a sweep's default metric
     reports: list[dict] = []
     config = user_function_config(cfg)
     logger = start_run_logger(cfg, config, out_dir, resume=False, trainable=target)
 
     def report(metrics: dict, state=None) -> None:  # `state`: a checkpoint, not kept here
-        metrics = plain_numbers(metrics, METRIC)  # a metric that is no number: BadReportError
+        metrics = plain_numbers(metrics, metric)  # a metric that is no number: BadReportError
         reports.append(metrics)
         shown = " ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
@@ -205,22 +205,22 @@ def run_user_function(cfg, target: str, out_dir: str) -> float | None:
         print(f"report {len(reports)}: {shown}", flush=True)
         if logger is not None:
             logger.report(metrics)
-        value = metrics.get(METRIC)
+        value = metrics.get(metric)
         if isinstance(value, float) and not math.isfinite(value):
             raise Diverged  # as a sweep's trial of it ends
 
     try:
         load_user_function(target)(config, report)
     except Diverged:
-        value = reports[-1][METRIC]
+        value = reports[-1][metric]
         diverged = {
             "status": "diverged",
-            "reason": f"{METRIC} was {value}",
+            "reason": f"{metric} was {value}",
             "reports": len(reports),
         }
         write_result(out_dir, diverged)
         end_logging(logger, "diverged", diverged)
-        print(f"diverged: {METRIC} was {value} at report {len(reports)} -> {out_dir}/result.json")
+        print(f"diverged: {metric} was {value} at report {len(reports)} -> {out_dir}/result.json")
         return None
     except BadReportError as error:
         failed = {"status": "failed", "error": str(error)}

@@ -41,7 +41,7 @@ def _train_once(base: dict, metric: str, target: str | None, threads: int, gpus:
 
         def report(metrics: dict, state=None) -> None:
             seen.append(plain_numbers(metrics, metric))
-            if penalise(metrics, metric, math.nan)[1]:  # ended as a trial would be
+            if penalise(seen[-1], metric, math.nan)[1]:  # ended as a trial would be
                 raise Diverged
 
         try:
