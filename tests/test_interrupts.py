@@ -13,6 +13,15 @@ from sweeper.__main__ import interruptible
 from sweeper.cli import interrupts_held, stop_on_sigterm_as_on_ctrl_c
 
 
+@pytest.fixture(autouse=True)
+def plain_ctrl_c():
+    """Python's own Ctrl+C handler for each test: a DDP test earlier in the session leaves
+    Ray Train's in place, process-wide."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture
 def sigterm_as_ctrl_c():
     previous = signal.getsignal(signal.SIGTERM)

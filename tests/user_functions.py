@@ -121,3 +121,8 @@ def fails_once_after_three_reports(config: dict, report) -> None:
     if not marker.exists():
         marker.touch()
         raise RuntimeError("the node went away")
+
+
+def raises_after_a_report(config: dict, report) -> None:
+    report({"phase": "warm-up"})  # no number: nothing for MLflow to plot
+    raise AssertionError("the function's own bug")
