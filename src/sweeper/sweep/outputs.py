@@ -305,7 +305,7 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
     if any(r.get("reused_from") for r in reports):  # a trial replayed an earlier run
         columns.append("reused_from")
     # what a user's function reported besides (results.users_figures)
-    columns += sorted({k for r in reports for k in r} - set(columns) - {RUNG_METRIC, "fork_flops"})
+    columns += sorted({k for r in reports for k in r} - set(columns))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()

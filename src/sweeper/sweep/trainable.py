@@ -324,10 +324,11 @@ def run_trial(
         return
 
     reporter = BackgroundReporter()
-    made: list[int] = []  # reports so far
+    made = 0  # reports so far
 
     def report(metrics: dict, state=None) -> None:
-        made.append(1)
+        nonlocal made
+        made += 1
         if ctx.target:
             metrics = plain_numbers(metrics, ctx.metric)
             if ctx.metric_read_by and ctx.metric not in metrics:
