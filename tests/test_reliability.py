@@ -345,19 +345,52 @@ def test_an_interrupted_asha_stage_resumes_with_the_values_its_rungs_held(tmp_pa
     assert len(state["stages"][0]["records"]) == PLANNED
 
 
-def test_an_interrupted_hyperband_stage_starts_over_and_finishes(tmp_path):
-    """A HyperBand's brackets cannot be restored (its paused trials then waited for ever):
-    the resumed stage starts over, says so, and finishes with every planned trial."""
+@pytest.mark.parametrize("method", ["hyperband", "bohb"])
+def test_an_interrupted_hyperband_stage_resumes_its_brackets(tmp_path, method):
+    """Ray rebuilds a restored HyperBand with empty brackets (ray-project/ray#30838): the
+    resume gives the scheduler back the brackets Tune saved with its state, so the same
+    trials go on where they were: no finished trial runs again, no trial is added past the
+    plan, and the stage finishes with every planned trial."""
+    search = "random" if method == "hyperband" else "bohb"
+    hyperband = [f"sweep.stages.0.search={search}", f"sweep.stages.0.scheduler={method}", *RANKED]
+    finished = _interrupt_after_finished_trials(tmp_path, *hyperband)
+    before = {trial for trial, _ in _executions(tmp_path)}
+    proc = _start(tmp_path, *hyperband, "sweep.resume=true")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "its brackets as they were" in out and "starts over" not in out, out[-3000:]
+    counts = _executions(tmp_path)
+    for trial in finished:
+        assert [counts[(trial, str(s))] for s in (1, 2, 3)] == [1, 1, 1], trial
+    # the trials are the interrupted run's and the ones it had yet to start: a stage that
+    # started over would have trained PLANNED new trials beside the old ones
+    executed = {trial for trial, _ in counts}
+    assert before < executed or len(before) == PLANNED, (before, executed)
+    assert len(executed) == PLANNED, sorted(executed)
+    state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
+    records = state["stages"][0]["records"]
+    assert {r["trial_id"] for r in records} == executed
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["trials"] == PLANNED
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("sweeper").experiment_id])
+    assert "RUNNING" not in {r.info.status for r in runs}
+    trials = [r for r in runs if r.data.tags.get("role") == "trial"]
+    assert sorted(r.data.tags["trial_id"] for r in trials) == sorted(executed)
+
+
+def test_a_hyperband_stage_stopped_before_tune_saved_its_brackets_starts_over(tmp_path):
+    """A run dir whose Tune state holds no brackets (cut before Tune's first experiment
+    checkpoint, or written before brackets were saved): the stage starts over, says so,
+    and finishes with every planned trial rather than waiting for ever."""
     hyperband = ["sweep.stages.0.search=random", "sweep.stages.0.scheduler=hyperband", *RANKED]
     _interrupt_after_finished_trials(tmp_path, *hyperband)
+    for saved in (tmp_path / "run" / "ray" / "stage0_lr").glob("callback-states-*.pkl"):
+        saved.unlink()
     proc = _start(tmp_path, *hyperband, "sweep.resume=true")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert "[lr] the interrupted hyperband stage starts over" in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["trials"] == PLANNED
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("sweeper").experiment_id])
-    assert "RUNNING" not in {r.info.status for r in runs}

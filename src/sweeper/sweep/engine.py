@@ -632,6 +632,7 @@ def run_stage(
         IdleSlot,
         ProgressCallback,
     )
+    from sweeper.sweep.hyperband import BracketState
     from sweeper.sweep.results import collect_results
     from sweeper.sweep.space import grid_size, is_pure_grid
     from sweeper.sweep.trainable import run_trial
@@ -732,6 +733,8 @@ def run_stage(
                 if str(out) in IDLE_WORK
                 else []
             ),
+            # HyperBand's brackets, saved with Tune's state so that a resume restores them
+            *([BracketState(scheduler)] if scheduler_name in ("hyperband", "bohb") else []),
         ],
         stop=FlopCap(spec.max_flops, state.total_flops() + spent_flops) if spec.max_flops else None,
         failure_config=tune.FailureConfig(max_failures=spec.max_failures),
@@ -762,14 +765,15 @@ def run_stage(
         + "".join(f"; {note}" for note in notes if note)
     )
     restorable = spec.resume and tune.Tuner.can_restore(str(experiment))
-    if restorable and scheduler_name in ("hyperband", "bohb"):
-        # Ray restores no scheduler's state (ray-project/ray#30838): Tuner.restore hands the
-        # restored trials, most recent first, to a HyperBand as it was made, whose brackets
-        # then never fill, and its paused trials wait for ever (measured: the resumed stage
-        # hung at "1 paused"). Its decisions cannot be replayed as ASHA's can: it starts over.
+    brackets = scheduler_name in ("hyperband", "bohb")
+    if restorable and brackets and not BracketState.saved(experiment):
+        # Ray restores no scheduler's state (ray-project/ray#30838); BracketState saves the
+        # brackets with Tune's experiment checkpoints. A stage cut before its first one has
+        # none: a HyperBand as it was made never fills its brackets for the restored trials
+        # (measured: the resumed stage hung at "1 paused"), so that stage starts over.
         print(
-            f"[{stage.name}] the interrupted {scheduler_name} stage starts over: Ray cannot "
-            "restore its brackets, so its trials so far are trained again"
+            f"[{stage.name}] the interrupted {scheduler_name} stage starts over: it was "
+            "stopped before Tune saved its brackets, so its trials so far are trained again"
         )
         shutil.rmtree(experiment)
         restorable = False
@@ -782,6 +786,9 @@ def run_stage(
             param_space=param_space,
         )
         replayed = ""
+        if brackets:
+            BracketState.link(tuner)
+            replayed = "; its brackets as they were"
         if scheduler_name == "asha":
             from sweeper.sweep.hyperband import replay_restored_rungs
 

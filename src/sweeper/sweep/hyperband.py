@@ -12,13 +12,19 @@ each measured with a stand-in trainable (ray-project/ray#12536 reports the first
   count paused trials as running, so with N at once a bracket never holds more than N trials.
 - Plain HyperBand halves a bracket as soon as its live trials reach the rung, filled or not:
   with those two, ``hyperband`` at any ``sweep.concurrency`` ran every trial to the end.
+
+Ray also saves no scheduler's state (ray-project/ray#30838): ``Tuner.restore`` rebuilds a
+HyperBand as it was made, so an interrupted stage's brackets were lost. ``BracketState``
+saves them with every experiment checkpoint and gives them back on restore.
 """
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
+from ray.tune import Callback
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import HyperBandForBOHB, HyperBandScheduler
 from ray.tune.schedulers.hyperband import _Bracket
@@ -32,8 +38,60 @@ _ACTIVE = (Trial.RUNNING, Trial.PENDING)  # trials that hold, or are about to ho
 class ClosingBracket(_Bracket):
     """A bracket takes its n0 trials and no more: filled means every slot was given once."""
 
+    def __init__(self, *, s: int, **kwargs: Any) -> None:
+        super().__init__(s=s, **kwargs)
+        self.s = s  # Ray keeps only the halvings left; a restored bracket is made with this
+
     def filled(self) -> bool:
         return len(self._all_trials) >= self._n0
+
+    def snapshot(self, time_attr: str, metric: str) -> dict:
+        """The bracket's bookkeeping by trial id, in plain values (see BracketState)."""
+        status = {t.trial_id: str(t.status) for t in self._all_trials}
+        return {
+            "s": self.s,
+            "progress": [self._n, self._r, self._cumul_r, self._halves, self._completed_progress],
+            "halved": self.is_being_processed,  # Ray's name for "has been halved once"
+            "trials": [t.trial_id for t in self._all_trials],
+            # what a halving reads of each live trial's last result: its time and metric
+            "live": {
+                t.trial_id: None if r is None else {k: r[k] for k in (time_attr, metric) if k in r}
+                for t, r in self._live_trials.items()
+            },
+            "paused": [i for i in status if status[i] == Trial.PAUSED],
+            "to_unpause": [t.trial_id for t in self.trials_to_unpause],
+        }
+
+    def restore(self, saved: dict) -> None:
+        """Takes back a snapshot's counters; its trials come back one by one (add_restored)."""
+        self._n, self._r, self._cumul_r, self._halves, self._completed_progress = saved["progress"]
+        self.is_being_processed = saved["halved"]
+        self._saved = saved
+        self._order = {trial_id: i for i, trial_id in enumerate(saved["trials"])}
+
+    def add_restored(self, trial: Trial) -> None:
+        """Puts a restored trial back where the snapshot had it, with the status it had.
+
+        Tune restores every trial its saved state calls unfinished as pending, and starts
+        pending trials by itself. That state lags behind the brackets: a trial HyperBand
+        stopped while it was paused keeps the PAUSED it was last saved with (measured: 4
+        trials of 8 pruned or finished read PAUSED after Ctrl+C), so it would train again.
+        Tune reads the status after on_trial_add, so setting it here holds: a trial the
+        bracket had dropped (pruned, finished, failed) ends, and one paused at a rung stays
+        paused rather than training past it."""
+        saved = self._saved
+        if trial.trial_id in saved["live"]:
+            self._live_trials[trial] = saved["live"][trial.trial_id]
+            if trial.trial_id in saved["paused"] and trial.status == Trial.PENDING:
+                trial.set_status(Trial.PAUSED)
+        elif trial.status == Trial.PENDING:
+            trial.set_status(Trial.TERMINATED)
+        self._all_trials.append(trial)
+        if trial.trial_id in saved["to_unpause"]:
+            self.trials_to_unpause.add(trial)
+        key = lambda t: self._order.get(t.trial_id, len(self._order))
+        self._all_trials.sort(key=key)
+        self._live_trials = dict(sorted(self._live_trials.items(), key=lambda kv: key(kv[0])))
 
 
 class RunningLimiter(ConcurrencyLimiter):
@@ -136,6 +194,61 @@ def grace_unit_scheduler(base: type) -> type:
             self._unit = unit
             self._max_concurrent = max_concurrent
             self._halving_unfilled = False
+            self._restored: dict[str, tuple[ClosingBracket, int]] = {}
+
+        def snapshot(self) -> dict | None:
+            """The brackets by trial id (None before the first trial): BracketState saves it."""
+            if not self._trial_info:
+                return None
+            current = self._state["bracket"]
+            return {
+                "bands": [
+                    [b.snapshot(self._time_attr, self._metric) for b in band]
+                    for band in self._hyperbands
+                ],
+                "current": next(
+                    (
+                        [i, j]
+                        for i, band in enumerate(self._hyperbands)
+                        for j, b in enumerate(band)
+                        if b is current
+                    ),
+                    None,
+                ),
+                "band_idx": self._state["band_idx"],
+                "num_stopped": self._num_stopped,
+            }
+
+        def restore(self, saved: dict) -> None:
+            """Rebuilds the saved brackets, empty; on_trial_add puts each trial back in its
+            own as Tune restores it."""
+            self._hyperbands, self._restored = [], {}
+            for band_idx, band in enumerate(saved["bands"]):
+                rebuilt = []
+                for bracket_state in band:
+                    bracket = self._new_bracket(bracket_state["s"])
+                    bracket.restore(bracket_state)
+                    rebuilt.append(bracket)
+                    for trial_id in bracket_state["trials"]:
+                        self._restored[trial_id] = (bracket, band_idx)
+                self._hyperbands.append(rebuilt)
+            i, j = saved["current"] if saved["current"] else (None, None)
+            self._state = {
+                "bracket": None if i is None else self._hyperbands[i][j],
+                "band_idx": saved["band_idx"],
+            }
+            self._num_stopped = saved["num_stopped"]
+
+        def restored_trials(self) -> int:
+            return len(self._restored)
+
+        def on_trial_add(self, tune_controller: Any, trial: Trial) -> None:
+            place = self._restored.get(trial.trial_id)
+            if place is None or trial in self._trial_info:
+                return super().on_trial_add(tune_controller, trial)
+            bracket, band_idx = place
+            bracket.add_restored(trial)
+            self._trial_info[trial] = bracket, band_idx
 
         def _cur_band_filled(self) -> bool:
             return len(self._hyperbands[self._state["band_idx"]]) >= self._bracket_count
@@ -145,6 +258,9 @@ def grace_unit_scheduler(base: type) -> type:
                 # Ray's HyperBand counts s up from 0, the bracket that stops nothing:
                 # shift it so that the band keeps the most aggressive brackets
                 s += self._s_max_1 - self._bracket_count
+            return self._new_bracket(s)
+
+        def _new_bracket(self, s: int) -> ClosingBracket:
             return ClosingBracket(
                 time_attr=self._time_attr,
                 max_trials=self._get_n0(s),
@@ -228,6 +344,44 @@ def grace_unit_scheduler(base: type) -> type:
 
     GraceUnitScheduler.__name__ = GraceUnitScheduler.__qualname__ = f"GraceUnit{base.__name__}"
     return GraceUnitScheduler
+
+
+class BracketState(Callback):
+    """Saves a HyperBand's brackets with each of Tune's experiment checkpoints, and gives
+    them back to the restored scheduler (Tune calls set_state before it re-adds the
+    restored trials, which the scheduler then puts back where they were).
+
+    Without it an interrupted hyperband/bohb stage had to start over: Tuner.restore hands
+    the restored trials to a HyperBand as it was made, whose brackets then never fill, and
+    its paused trials waited for ever. Tune pickles the scheduler and this callback into
+    the stage's tuner.pkl together, so the restored callback holds the restored scheduler;
+    `link` makes that explicit."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def get_state(self) -> dict | None:
+        return self.scheduler.snapshot()
+
+    def set_state(self, state: dict) -> None:
+        self.scheduler.restore(state)
+
+    @staticmethod
+    def saved(experiment: Path) -> bool:
+        """Whether an interrupted stage's Tune run saved its brackets (not when it was cut
+        before Tune's first experiment checkpoint, nor by a version without this)."""
+        return any(experiment.glob("callback-states-*.pkl"))
+
+    @staticmethod
+    def link(tuner: Any) -> None:
+        """Points a restored Tuner's BracketState at the scheduler that Tuner runs (its
+        TunerInternal's configs, Ray 2.60)."""
+        local = getattr(tuner, "_local_tuner", None)
+        scheduler = getattr(getattr(local, "_tune_config", None), "scheduler", None)
+        callbacks = getattr(getattr(local, "_run_config", None), "callbacks", None) or []
+        for callback in callbacks:
+            if isinstance(callback, BracketState) and scheduler is not None:
+                callback.scheduler = scheduler
 
 
 def replay_restored_rungs(tuner: Any, time_attr: str, metric: str) -> int:
