@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -705,6 +706,71 @@ def test_bohb_resumes_the_oldest_bracket_first(scheduler, first):
     controller = SimpleNamespace(get_trials=lambda: trials, search_alg=None)
     chosen = built.choose_trial_to_run(controller)
     assert chosen is {"promoted": trials[0], "new": trials[-1]}[first]
+
+
+@pytest.mark.parametrize("scheduler", ["hyperband", "bohb"])
+def test_a_restored_scheduler_has_its_brackets_back_with_each_trial_where_it_was(scheduler):
+    # Tune restores each trial from its saved state (most recent first, the unfinished ones
+    # pending) to a scheduler as it was made; BracketState hands that scheduler the brackets
+    # it saved. Here the first bracket has halved at its rung (3 of 9 kept: one promoted,
+    # two paused waiting for a slot; 6 pruned) and the next has a trial running and one
+    # not yet started.
+    import pickle
+
+    from ray.tune.experiment import Trial
+
+    from sweeper.sweep.hyperband import BracketState
+
+    built = _nine_units(scheduler, brackets=1)  # brackets of 9 trials from the first rung
+    trials = [Trial("stand_in", stub=True) for _ in range(11)]
+    for trial in trials:
+        built.on_trial_add(None, trial)
+    first = built._trial_info[trials[0]][0]
+    ranked = [t for t in trials if built._trial_info[t][0] is first]
+    assert len(ranked) == 9
+    for i, trial in enumerate(ranked):
+        first.update_trial_stats(trial, {budget_key(TIME_ATTR): 1.0, METRIC: 3.0 + i})
+        trial.set_status(Trial.PAUSED)
+    good, bad = first.successive_halving(METRIC, built._metric_op)
+    for trial in bad:
+        first.cleanup_trial(trial)
+        trial.set_status(Trial.TERMINATED)
+    first.trials_to_unpause.add(good[-1])
+    running, waiting = [t for t in trials if t not in ranked]
+    built._trial_info[running][0].update_trial_stats(running, {budget_key(TIME_ATTR): 2.0})
+    running.set_status(Trial.RUNNING)
+
+    saved = pickle.loads(pickle.dumps(BracketState(built).get_state()))  # as Tune stores it
+    restored = _nine_units(scheduler, brackets=1)
+    BracketState(restored).set_state(saved)
+    # Tune's saved statuses lag behind: a trial stopped while paused still reads PAUSED,
+    # so it comes back pending like every unfinished one
+    copies = {}
+    for trial in reversed(trials):
+        copy = Trial("stand_in", stub=True, trial_id=trial.trial_id)
+        copy.set_status(Trial.TERMINATED if trial in bad[:2] else Trial.PENDING)
+        restored.on_trial_add(None, copy)
+        copies[trial.trial_id] = copy
+
+    assert BracketState(restored).get_state() == saved
+    status = {t.trial_id: copies[t.trial_id].status for t in trials}
+    assert {status[t.trial_id] for t in bad} == {Trial.TERMINATED}  # pruned: not trained again
+    assert [status[t.trial_id] for t in good] == [Trial.PAUSED] * 3  # still at their rung
+    assert status[running.trial_id] == status[waiting.trial_id] == Trial.PENDING
+    # both go on with the same trial, and the next trial to come joins the same bracket
+    promoted = next(t for t in first.trials_to_unpause)
+    copy_of = lambda t: copies[t.trial_id]
+    stand_in = SimpleNamespace(get_trials=lambda: [copy_of(t) for t in trials], search_alg=None)
+    original = SimpleNamespace(get_trials=lambda: trials, search_alg=None)
+    choice = built.choose_trial_to_run(original)
+    assert copy_of(choice) is restored.choose_trial_to_run(stand_in)
+    assert promoted in good
+    newcomer = [Trial("stand_in", stub=True) for _ in range(2)]
+    built.on_trial_add(None, newcomer[0])
+    restored.on_trial_add(None, newcomer[1])
+    before = [t.trial_id for t in built._trial_info[newcomer[0]][0]._all_trials[:-1]]
+    after = [t.trial_id for t in restored._trial_info[newcomer[1]][0]._all_trials[:-1]]
+    assert before == after
 
 
 @pytest.mark.slow
