@@ -679,6 +679,7 @@ def run_stage(
         max_concurrent=spec.concurrency,
         brackets=spec.brackets,
     )
+    hyperband = scheduler_name in ("hyperband", "bohb")  # brackets, and paused trials
     earlier = 0
     if earlier_reports and scheduler_name == "asha":
         from sweeper.sweep.hyperband import record_earlier_trials
@@ -734,7 +735,7 @@ def run_stage(
                 else []
             ),
             # HyperBand's brackets, saved with Tune's state so that a resume restores them
-            *([BracketState(scheduler)] if scheduler_name in ("hyperband", "bohb") else []),
+            *([BracketState(scheduler)] if hyperband else []),
         ],
         stop=FlopCap(spec.max_flops, state.total_flops() + spent_flops) if spec.max_flops else None,
         failure_config=tune.FailureConfig(max_failures=spec.max_failures),
@@ -750,7 +751,7 @@ def run_stage(
         if ctx.rungs
         else None,
         f"{min(spec.brackets, levels)} of its {levels} brackets"
-        if spec.brackets and scheduler_name in ("hyperband", "bohb")
+        if spec.brackets and hyperband
         else None,
         random_start(search, space, planned, given=len(points)),
         None if target else fitted_micro_batches(space.params, base),
@@ -765,8 +766,7 @@ def run_stage(
         + "".join(f"; {note}" for note in notes if note)
     )
     restorable = spec.resume and tune.Tuner.can_restore(str(experiment))
-    brackets = scheduler_name in ("hyperband", "bohb")
-    if restorable and brackets and not BracketState.saved(experiment):
+    if restorable and hyperband and not BracketState.saved(experiment):
         # Ray restores no scheduler's state (ray-project/ray#30838); BracketState saves the
         # brackets with Tune's experiment checkpoints. A stage cut before its first one has
         # none: a HyperBand as it was made never fills its brackets for the restored trials
@@ -786,7 +786,7 @@ def run_stage(
             param_space=param_space,
         )
         replayed = ""
-        if brackets:
+        if hyperband:
             BracketState.link(tuner)
             replayed = "; its brackets as they were"
         if scheduler_name == "asha":
