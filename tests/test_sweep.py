@@ -1489,6 +1489,54 @@ def until_both_trials_reported(run_dir: Path):
     return wait
 
 
+def test_a_hyperband_stage_the_time_cap_cut_resumes_its_brackets_exactly(
+    ray_cluster, tmp_path, capsys, monkeypatch
+):
+    """The cap stops a successive-halving stage while its first trial waits, paused at the
+    rung, for the other two: the resume gives HyperBand back its bracket, so the rung is
+    decided among the same three trials, the winner goes on from its checkpoint and ends
+    bit for bit as training straight through does, and no step is trained twice."""
+    import time
+
+    from sweeper.sweep import engine
+    from sweeper.sweep.stages import apply_params
+    from sweeper.sweep.trainable import placed
+    from sweeper.train import train
+
+    def until_two_trials_reach_the_rung(seconds, done):
+        deadline = time.monotonic() + 300
+        while not done.is_set() and time.monotonic() < deadline:
+            results = (tmp_path / "ray" / "stage0_lr").glob("*/result.json")
+            if sum(len(p.read_text().splitlines()) >= 2 for p in results) >= 2:
+                return True
+            time.sleep(0.05)
+        return not done.is_set()
+
+    monkeypatch.setattr(engine, "wait_for_time_cap", until_two_trials_reach_the_rung)
+    overrides = halving_over_matrix_lrs("[0.03,0.001,0.002]")
+    sweep(tmp_path, *overrides, "sweep.max_seconds=60")
+    assert "[lr] sweep.max_seconds=60 ran out during this stage" in capsys.readouterr().out
+    cut = json.loads((tmp_path / "sweep_state.json").read_text())["stages"][0]["records"]
+
+    sweep(tmp_path, *overrides, "sweep.max_seconds=null", "sweep.resume=true")
+    out = capsys.readouterr().out
+    assert "its brackets as they were" in out and "starts over" not in out, out
+    (lr, _) = json.loads((tmp_path / "sweep_state.json").read_text())["stages"]
+    assert {r["trial_id"] for r in cut} <= {r["trial_id"] for r in lr["records"]}
+    assert len(lr["records"]) == 3
+    by_status = sorted((r["status"], r["params"]["optimizer.matrix_lr"]) for r in lr["records"])
+    assert by_status == [("completed", 0.03), ("pruned", 0.001), ("pruned", 0.002)]
+    for record in lr["records"]:
+        rows = (Path(record["path"]) / "result.json").read_text().splitlines()
+        steps = [json.loads(row)["training_iteration"] for row in rows]
+        assert steps == list(range(1, len(steps) + 1)), steps  # none trained twice
+    (survivor,) = [r for r in lr["records"] if r["status"] == "completed"]
+    cfg = compose([*TINY_SWEEP, *overrides])
+    base = base_config(cfg, validate_sweep(cfg), None)
+    straight = train(placed(apply_params(base, survivor["params"]), 1, 0), verbose=False)
+    assert straight["val_bpb"] == survivor["metric"]
+
+
 def test_the_time_cap_keeps_a_users_trials_that_reported_no_tokens(
     ray_cluster, tmp_path, monkeypatch
 ):
