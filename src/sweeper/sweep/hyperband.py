@@ -202,8 +202,8 @@ def grace_unit_scheduler(base: type) -> type:
                 return None
             current = self._state["bracket"]
             return {
-                "bands": [
-                    [b.snapshot(self._time_attr, self._metric) for b in band]
+                "bands": [  # Ray's HyperBand can leave None for a bracket too small to open
+                    [b and b.snapshot(self._time_attr, self._metric) for b in band]
                     for band in self._hyperbands
                 ],
                 "current": next(
@@ -226,6 +226,9 @@ def grace_unit_scheduler(base: type) -> type:
             for band_idx, band in enumerate(saved["bands"]):
                 rebuilt = []
                 for bracket_state in band:
+                    if bracket_state is None:
+                        rebuilt.append(None)
+                        continue
                     bracket = self._new_bracket(bracket_state["s"])
                     bracket.restore(bracket_state)
                     rebuilt.append(bracket)
@@ -238,9 +241,6 @@ def grace_unit_scheduler(base: type) -> type:
                 "band_idx": saved["band_idx"],
             }
             self._num_stopped = saved["num_stopped"]
-
-        def restored_trials(self) -> int:
-            return len(self._restored)
 
         def on_trial_add(self, tune_controller: Any, trial: Trial) -> None:
             place = self._restored.get(trial.trial_id)
