@@ -41,6 +41,8 @@ class ClosingBracket(_Bracket):
     def __init__(self, *, s: int, **kwargs: Any) -> None:
         super().__init__(s=s, **kwargs)
         self.s = s  # Ray keeps only the halvings left; a restored bracket is made with this
+        self._saved: dict = {}  # a restored bracket's snapshot (restore, add_restored)
+        self._order: dict[str, int] = {}
 
     def filled(self) -> bool:
         return len(self._all_trials) >= self._n0
@@ -222,7 +224,7 @@ def grace_unit_scheduler(base: type) -> type:
         def restore(self, saved: dict) -> None:
             """Rebuilds the saved brackets, empty; on_trial_add puts each trial back in its
             own as Tune restores it."""
-            self._hyperbands, self._restored = [], {}
+            self._hyperbands, self._restored, self._trial_info = [], {}, {}
             for band_idx, band in enumerate(saved["bands"]):
                 rebuilt = []
                 for bracket_state in band:
