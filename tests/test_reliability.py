@@ -378,19 +378,3 @@ def test_an_interrupted_bohb_stage_resumes_its_brackets(tmp_path):
     assert "RUNNING" not in {r.info.status for r in runs}
     trials = [r for r in runs if r.data.tags.get("role") == "trial"]
     assert sorted(r.data.tags["trial_id"] for r in trials) == sorted(executed)
-
-
-def test_a_hyperband_stage_stopped_before_tune_saved_its_brackets_starts_over(tmp_path):
-    """A run dir whose Tune state holds no brackets (cut before Tune's first experiment
-    checkpoint, or written before brackets were saved): the stage starts over, says so,
-    and finishes with every planned trial rather than waiting for ever."""
-    hyperband = ["sweep.stages.0.search=random", "sweep.stages.0.scheduler=hyperband", *RANKED]
-    _interrupt_after_finished_trials(tmp_path, *hyperband)
-    for saved in (tmp_path / "run" / "ray" / "stage0_lr").glob("callback-states-*.pkl"):
-        saved.unlink()
-    proc = _start(tmp_path, *hyperband, "sweep.resume=true")
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    assert "[lr] the interrupted hyperband stage starts over" in out
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["trials"] == PLANNED
