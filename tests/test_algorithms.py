@@ -478,7 +478,8 @@ def _fit(
     brackets=None,
     **tune_config,
 ):
-    """A real Tune run of quadratic_trainable: (searcher, Tune's results)."""
+    """A real Tune run of quadratic_trainable: (searcher, Tune's results). Its actors run
+    trial after trial, as the engine's do: a paused trial goes on in a warm actor."""
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
@@ -509,6 +510,7 @@ def _fit(
             search_alg=alg,
             scheduler=sched,
             num_samples=num_samples,
+            reuse_actors=True,
             **tune_config,
         ),
         run_config=tune.RunConfig(
@@ -530,7 +532,7 @@ def test_tuner_end_to_end(ray_session, tmp_path, search, scheduler):
     params = SPACE_FOR_SEARCH[search]
     check_compatible(search, scheduler, parse_space(params))
     num_samples = 1 if search == "grid" else (2 if search == "random" else 4)
-    _, results = _fit(search, scheduler, params, 1, num_samples, tmp_path, reuse_actors=True)
+    _, results = _fit(search, scheduler, params, 1, num_samples, tmp_path)
 
     assert results.num_errors == 0
     assert len(results) == 4  # random: 2 samples x 2 grid values; grid: 2 x 2 points
