@@ -31,22 +31,19 @@ def sweep(tmp_path: Path, *overrides: str) -> dict:
     return json.loads((tmp_path / "summary.json").read_text())
 
 
-ALLOWED = [
-    ("random", "fifo"),
+# Every searcher and every scheduler once, and HyperBand with one bracket and with two;
+# every allowed pair runs through Tune in test_algorithms.py::test_tuner_end_to_end.
+PAIRS = [
     ("random", "asha"),
-    ("random", "hyperband"),
-    ("tpe", "fifo"),
-    ("tpe", "asha"),
     ("tpe", "hyperband"),
     ("gp", "fifo"),
-    ("gp", "asha"),
     ("gp", "hyperband"),
     ("bohb", "bohb"),
 ]
 
 
-@pytest.mark.parametrize("search, scheduler", ALLOWED, ids=["-".join(p) for p in ALLOWED])
-def test_every_allowed_searcher_scheduler_pair_runs_the_real_trainable(
+@pytest.mark.parametrize("search, scheduler", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_every_searcher_and_scheduler_runs_the_real_trainable(
     ray_cluster, tmp_path, capsys, search, scheduler
 ):
     # one pair runs HyperBand as successive halving: one of its two brackets
@@ -1474,7 +1471,8 @@ def until_both_trials_reported(run_dir: Path):
     """A stand-in for engine.wait_for_time_cap: the cap runs out once both trials of the
     LR stage have reported, not after its seconds: on a loaded machine 14 s went by before
     either of two ~40 s trials reported, on a fast one both would finish first. The stop
-    itself is time_cap's own."""
+    itself is time_cap's own; the nine reports left after the first (~2 s apart here) are
+    its margin."""
     import time
 
     def wait(seconds, done):
@@ -1590,7 +1588,7 @@ def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
 
     monkeypatch.setattr(engine, "wait_for_time_cap", until_both_trials_reported(tmp_path))
     lr_stage_only = [
-        "sweep.budget.tokens_per_trial=1200000",
+        "sweep.budget.tokens_per_trial=600000",
         "sweep.reports_per_trial=10",
         "sweep.stages.0.scheduler=fifo",
         "sweep.stages.0.num_samples=2",
