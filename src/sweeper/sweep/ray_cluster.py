@@ -204,6 +204,10 @@ def start_local(ray_cfg, host: str, common: dict):
     without a dashboard rather than fail the sweep."""
     import ray
 
+    # Ray Train's preemption watcher (one more actor per multi-rank run) watches for nodes
+    # a cloud drains; a cluster of this machine has none, and its actor logged a core
+    # worker error line on every two-rank run. Joined clusters keep it (their env, not ours).
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     port = int(ray_cfg.get("dashboard_port") or 8265)
     for attempt in range(4):
         port = free_port(host, port)
