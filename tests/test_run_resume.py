@@ -24,9 +24,10 @@ from sweeper.train import train
 from .conftest import REPO, run_cli, tiny
 
 # a run of 300 steps of 512 tokens: a few seconds, with a checkpoint every 20 steps
+LONG_RUN_STEPS = 300
 LONG_RUN = [
     "model=tiny",
-    "trainer.max_steps=300",
+    f"trainer.max_steps={LONG_RUN_STEPS}",
     "trainer.eval_every=20",
     "trainer.eval_tokens=1024",
     "trainer.total_batch_size=512",
@@ -74,7 +75,7 @@ def test_an_interrupted_run_goes_on_from_its_checkpoint_as_if_never_stopped(tmp_
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"interrupted: status failed -> {tmp_path}/stopped/result.json; ")
     step = json.loads((tmp_path / "stopped" / "checkpoint" / "checkpoint.json").read_text())["step"]
-    assert 20 <= step < 300 and step % 20 == 0
+    assert 20 <= step < LONG_RUN_STEPS and step % 20 == 0
     # the line names the step and the command that goes on, which is run as printed
     said, command = last.split("; continue from step ", 1)[1].split(" with: ", 1)
     assert int(said) == step
@@ -85,21 +86,21 @@ def test_an_interrupted_run_goes_on_from_its_checkpoint_as_if_never_stopped(tmp_
         [sys.executable, *words[1:]], cwd=tmp_path, env=_env(), capture_output=True, text=True
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resumed at step {step}/300 from a checkpoint" in resumed.stdout
+    assert f"resumed at step {step}/{LONG_RUN_STEPS} from a checkpoint" in resumed.stdout
 
     straight = run_cli([*LONG_RUN, "hydra.run.dir=straight"], cwd=tmp_path)
     assert straight.returncode == 0, straight.stderr[-2000:]
     one, two = (
         json.loads((tmp_path / d / "result.json").read_text()) for d in ("stopped", "straight")
     )
-    assert one["status"] == "completed" and one["steps"] == 300
+    assert one["status"] == "completed" and one["steps"] == LONG_RUN_STEPS
     # bit for bit: the same batches (a function of the step), weights, optimizer and RNG
     assert one["loss_trace"] == two["loss_trace"] and one["val_bpb"] == two["val_bpb"]
     assert [h["val_bpb"] for h in one["history"]] == [h["val_bpb"] for h in two["history"]]
     # and it went on checkpointing (a resumed run keeps the setting it started with)
     assert (
         json.loads((tmp_path / "stopped" / "checkpoint" / "checkpoint.json").read_text())["step"]
-        == 300
+        == LONG_RUN_STEPS
     )
 
 

@@ -809,7 +809,7 @@ def test_a_single_run_is_one_mlflow_run_on_a_tracking_server(mlflow_server, tmp_
 def test_an_interrupted_single_run_is_killed_in_mlflow_and_its_resume_goes_on_in_it(tmp_path):
     from mlflow import MlflowClient
 
-    from .test_run_resume import LONG_RUN, _interrupt_after_first_checkpoint
+    from .test_run_resume import LONG_RUN, LONG_RUN_STEPS, _interrupt_after_first_checkpoint
 
     args = [*LONG_RUN, "hydra.run.dir=run"]
     code, err = _interrupt_after_first_checkpoint(args, tmp_path)
@@ -824,7 +824,9 @@ def test_an_interrupted_single_run_is_killed_in_mlflow_and_its_resume_goes_on_in
     assert resumed.info.run_id == stopped.info.run_id and resumed.info.status == "FINISHED"
     assert resumed.data.tags["status"] == "completed" and resumed.data.tags["error"] == ""
     steps = [m.step for m in client.get_metric_history(resumed.info.run_id, "val_bpb")]
-    assert sorted(steps) == list(range(20, 301, 20))  # each once: none lost, none twice
+    assert sorted(steps) == list(
+        range(20, LONG_RUN_STEPS + 1, 20)
+    )  # each once: none lost, none twice
 
 
 @pytest.mark.slow
