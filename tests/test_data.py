@@ -44,6 +44,24 @@ def test_shards_with_and_without_header(tmp_path, header):
     assert data.train.size == 5000 and data.val.size == 800
 
 
+@pytest.mark.parametrize("spelling", ["relative", "dot", "symlink"])
+def test_a_validation_shard_is_never_trained_on_however_its_path_is_spelt(
+    tmp_path, monkeypatch, spelling
+):
+    from sweeper.data import shard_splits
+
+    folder = tmp_path / "sh"
+    folder.mkdir()
+    for name, offset in (("a", 0), ("b", 1), ("val", 2)):
+        _write_shard(folder / f"{name}.bin", (np.arange(3000) + offset) % 64)
+    monkeypatch.chdir(tmp_path)
+    if spelling == "symlink":  # the validation file under another name
+        (tmp_path / "held.bin").symlink_to(folder / "val.bin")
+    val_path = {"relative": "sh/val.bin", "dot": "./sh/val.bin", "symlink": "held.bin"}[spelling]
+    train, val = shard_splits(str(folder / "*.bin"), val_path, vocab_size=64, min_tokens=65)
+    assert (train.size, val.size) == (6000, 3000)
+
+
 def test_shards_without_val_files_hold_out_a_tail(tmp_path):
     _write_shard(tmp_path / "a.bin", np.arange(10000) % 50)
     cfg = DataConfig(name="shards", path=str(tmp_path / "*.bin"), vocab_size=64)

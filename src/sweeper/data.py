@@ -205,7 +205,10 @@ def shard_splits(
     (the driver's check); without it, ids are checked as windows are read."""
     train_files = sorted(glob.glob(path))
     val_files = sorted(glob.glob(val_path)) if val_path else []
-    train_files = [f for f in train_files if f not in val_files]
+    # the same file spelt another way (./, absolute, a symlink) is still the same file:
+    # left in the training set, val_bpb would score text the model trained on
+    held_out = {os.path.realpath(f) for f in val_files}
+    train_files = [f for f in train_files if os.path.realpath(f) not in held_out]
     if not train_files:
         raise ConfigError(f"data.path matches no training shard: {path}")
     trains = [read_shard(f) for f in train_files]
