@@ -539,6 +539,40 @@ def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadenc
     assert result["tokens_per_s"] == pytest.approx(512)
 
 
+def test_a_run_that_trains_no_timed_step_reports_no_speed(monkeypatch):
+    """Resumed at its last step a run trains nothing, and one that diverges at its first
+    step has no step after it to time: neither has a speed (it once read 5e11 tokens/s)."""
+    import sweeper.train
+
+    states = []
+    cfg = tiny(trainer={"max_steps": 4, "eval_every": 4, "checkpoint_every_eval": True})
+    train(cfg, lambda m, state=None: states.append(copy.deepcopy(state())), verbose=False)
+    resumed = train(cfg, resume_state=states[-1], verbose=False)
+    assert resumed["steps"] == 4 and resumed["status"] == "completed"
+    assert resumed["tokens_per_s"] is None and resumed["mfu"] is None
+
+    # a fake clock: each step takes 1 s, so a step that diverges is timed as it is
+    clock = [0.0]
+    monkeypatch.setattr(sweeper.train.time, "perf_counter", lambda: clock[0])
+    step_batches = BatchSampler.step_batches
+
+    def one_second_per_step(self, *args, **kwargs):
+        clock[0] += 1.0
+        yield from step_batches(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchSampler, "step_batches", one_second_per_step)
+    first = train(tiny(trainer={"max_steps": 6, "nan_at_step": 1}), verbose=False)
+    assert first["status"] == "diverged" and first["steps"] == 1
+    assert first["tokens_per_s"] == pytest.approx(512)
+
+
+def test_a_process_outside_a_process_group_refuses_to_train_for_two_ranks():
+    from sweeper.config import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.workers=2, but this process is one of 1 rank:"):
+        train(tiny(trainer={"workers": 2, "device_batch_size": 4, "max_steps": 2}), verbose=False)
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -21,7 +21,7 @@ import torch
 
 from sweeper.activations import ActivationWatch, activations_text
 from sweeper.budget import resolve_total_steps
-from sweeper.config import RunConfig, load_run_config
+from sweeper.config import ConfigError, RunConfig, load_run_config
 from sweeper.data import BatchSampler, load_data, unigram_bpb, val_window_count, val_windows
 from sweeper.model import GPT, GPTShape, residual_dtype_for
 from sweeper.optim import build_optimizer, update_ratios, weights_before_step
@@ -162,6 +162,14 @@ def train(
     cfg = load_run_config(config)
     t = cfg.trainer
     rank, world, local_rank = distributed_info()
+    if world != t.workers:
+        # each step accumulates for trainer.workers ranks' share of the batch: on fewer
+        # ranks it would train part of the batch and log all of it
+        raise ConfigError(
+            f"trainer.workers={t.workers}, but this process is one of {world} rank"
+            f"{'s' * (world != 1)}: run it through `python -m sweeper` (Ray Train starts the"
+            " ranks) or set trainer.workers to the process group's size"
+        )
     device = resolve_device(t.device, local_rank)
     dtype = resolve_dtype(t.dtype, device)
     if t.threads:
@@ -337,6 +345,7 @@ def train(
         val_bpb, train_loss = history[-1]["val_bpb"], history[-1]["train_loss"]
     train_seconds, window_tokens, window_start = 0.0, 0, time.perf_counter()
     tok_s, mfu, start_step = 0.0, None, step
+    timed_from = start_step  # train_seconds times the steps after this one
     # the largest gradient norm since the last report: a spike between evaluations shows
     grad_norm_max: torch.Tensor | None = None
     rungs_ahead = sorted(r for r in t.rungs if r > progress()) if t.rung_cooldown else []
@@ -377,18 +386,20 @@ def train(
             loss_trace.append(train_loss)
             step += 1
             window_tokens += tokens_per_step
-            if step == start_step + 1:
-                # long-lived objects are made by now; freezing them spares the GC ~0.5 s pauses
-                gc.collect()
-                gc.freeze()
-                if step < total_steps:
-                    # throughput excludes this first step: compilation and allocator warm-up
-                    window_tokens, window_start = 0, time.perf_counter()
             # 3) divergence fast-fail: NaN at once; over the limit or dead for the patience
             reason = divergence.check(train_loss, step)
             if reason:
                 status = "diverged"
                 say(f"step {step}: diverged: {reason}")
+            if step == start_step + 1:
+                # long-lived objects are made by now; freezing them spares the GC ~0.5 s pauses
+                gc.collect()
+                gc.freeze()
+                if step < total_steps and status != "diverged":
+                    # throughput excludes this first step (compilation and allocator warm-up)
+                    # when another step follows to be timed instead
+                    window_tokens, window_start = 0, time.perf_counter()
+                    timed_from = step
             now = time.perf_counter()
             last = step == total_steps or status == "diverged"
             # 4) progress line
@@ -396,7 +407,7 @@ def train(
                 elapsed = now - window_start
                 train_seconds += elapsed
                 tok_s = window_tokens / max(elapsed, 1e-9)
-                eta = (total_steps - step) * train_seconds / max(step - start_step - 1, 1)
+                eta = (total_steps - step) * train_seconds / max(step - timed_from, 1)
                 mfu = utilization(flops_per_token, tok_s, peak, world)
                 say(
                     f"step {step:5d}/{total_steps} | loss {train_loss:.4f} | "
@@ -479,8 +490,11 @@ def train(
 
     # --- result --------------------------------------------------------------------------
     tokens = step * tokens_per_step
-    timed_steps = max(step - start_step - 1, 1)  # the first step is not timed
-    overall_tok_s = timed_steps * tokens_per_step / max(train_seconds, 1e-9)
+    timed_steps = step - timed_from
+    # a run resumed at its last step trains nothing here: it has no speed to report
+    overall_tok_s = (
+        timed_steps * tokens_per_step / train_seconds if timed_steps and train_seconds else None
+    )
     return {
         "status": status,
         **({"reason": reason} if reason else {}),
@@ -493,7 +507,7 @@ def train(
         "params_non_embedding": counts["non_embedding"],
         "flops_per_token": flops_per_token,
         "tokens_per_s": overall_tok_s,
-        "mfu": utilization(flops_per_token, overall_tok_s, peak, world),
+        "mfu": utilization(flops_per_token, overall_tok_s, peak, world) if overall_tok_s else None,
         "peak_memory_gib": peak_memory_gib(),
         "steps": step,
         "workers": world,
