@@ -20,7 +20,7 @@ from sweeper.sweep.engine import (
 from sweeper.sweep.preflight import base_config, validate_sweep
 from sweeper.sweep.results import error_summary
 from sweeper.sweep.spec import flatten, load_sweep_spec, stage_space
-from sweeper.sweep.stages import apply_params, follow_batch_size, lr_scale, pick_best
+from sweeper.sweep.stages import apply_params, follow_batch_size, get_dotted, lr_scale, pick_best
 from sweeper.sweep.trainable import TrialContext, placed, trial_config
 
 BASE = {
@@ -544,6 +544,31 @@ def test_a_best_at_the_end_of_what_makes_a_run_is_an_edge_only_for_a_users_funct
     # ... but sweeper cannot see what a user's function accepts: there, the next value
     (edge,) = range_edges(spec, "batch_size", base, best, own_trainable=False)
     assert edge["widen"] == "sweep.stages.1.params.trainer.total_batch_size.grid=[128,256,512,1024]"
+
+
+def test_a_winner_of_the_round_past_the_ends_is_frozen_with_the_lrs_it_trained():
+    """`full`'s batch stage (lr_rule sqrt) from 8192: its best 4096, then 2048 past the end.
+    The round's trial trained from the first best's config, its LRs scaled twice (8192 ->
+    4096 -> 2048); rebuilt from the stage's start in one scaling they differed in the last
+    bits (0.010000000000000002 against 0.01), and the reproduce line trained another run."""
+    from sweeper.sweep.engine import frozen_config, stage_context
+    from sweeper.sweep.extend import merge_round
+
+    cfg = compose(["+sweep=full"])
+    spec = validate_sweep(cfg)
+    start = base_config(cfg, spec, None)
+    stage = next(s for s in spec.stages if s.lr_rule == "sqrt")
+    first = {"params": {"trainer.total_batch_size": 4096}}
+    after = trial_config(first["params"], start, stage_context(spec, stage, start, None))
+    own = {"trainer.total_batch_size": 2048}
+    trained = trial_config(own, after, stage_context(spec, stage, after, None))
+    (second,) = merge_round([], first, [{"params": own}])
+    frozen = frozen_config(spec, stage, second, start, None)
+    assert frozen == trained
+    lrs = [get_dotted(trained, key) for key in spec.lr_keys]
+    assert lrs != [get_dotted(start, key) for key in spec.lr_keys]  # the rule did scale them
+    # a first-round trial is rebuilt from the start as before
+    assert frozen_config(spec, stage, first, start, None) == after
 
 
 def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs():

@@ -416,9 +416,7 @@ def run_stages(
         incumbent, start = state.carried(), current
         keeps_start = keeps_its_start(incumbent, best, spec.mode)
         if best is not None and not keeps_start:
-            current = trial_config(
-                best["params"], current, stage_context(spec, stage, current, target)
-            )
+            current = frozen_config(spec, stage, best, current, target)
         carried = best if best is not None and not keeps_start else incumbent
         state.finish_stage(
             stage.name,
@@ -538,6 +536,18 @@ def extend(
         reports + extra_reports,
         extension.extended_ranges(round_two),
     )
+
+
+def frozen_config(spec: SweepSpec, stage, best: dict, start: dict, target: str | None) -> dict:
+    """The config `best` trained, rebuilt from the stage's start: a trial of the round past
+    the ends trained from the first round's best (`extend`), and is rebuilt from it
+    the same way, so the reproduce line and the next stages get the same LRs to the bit."""
+    if "extended_from" in best:
+        start = trial_config(
+            best["extended_from"], start, stage_context(spec, stage, start, target)
+        )
+        return trial_config(best["round_params"], start, stage_context(spec, stage, start, target))
+    return trial_config(best["params"], start, stage_context(spec, stage, start, target))
 
 
 def reusable_run(spec: SweepSpec, stage, state: SweepState, start: dict, target):

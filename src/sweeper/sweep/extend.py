@@ -260,9 +260,20 @@ def extension_stage(stage: StageSpec, ranges: dict[str, ParamSpec], num_samples:
 def merge_round(records: list[dict], best: dict, extra: list[dict]) -> list[dict]:
     """Both rounds' trial records, the second round's each with the stage's other params
     at the first round's best (the values the round held fixed): every record of the stage
-    names a whole point of its space, and any of them can be frozen like a first-round
-    trial."""
-    return records + [{**r, "params": {**best["params"], **r["params"]}} for r in extra]
+    names a whole point of its space. A second-round record also keeps what it trained
+    from (`extended_from`, the first round's best params) and its own params
+    (`round_params`): under an LR rule its LRs were scaled twice, from the stage's start to
+    the first best's batch and on to its own, which in floats is not the one scaling from
+    the start that its merged params would give (engine.frozen_config)."""
+    return records + [
+        {
+            **r,
+            "params": {**best["params"], **r["params"]},
+            "extended_from": best["params"],
+            "round_params": r["params"],
+        }
+        for r in extra
+    ]
 
 
 def extended_ranges(round_two: StageSpec) -> dict[str, list]:

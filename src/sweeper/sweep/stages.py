@@ -150,6 +150,11 @@ def pick_best(trials: list[dict], metric: str, mode: str) -> dict | None:
     return {
         **first,
         "params": {k: v for k, v in first["params"].items() if k != SEED_KEY},
+        **(
+            {"round_params": {k: v for k, v in first["round_params"].items() if k != SEED_KEY}}
+            if "round_params" in first
+            else {}
+        ),
         "metric": sum(t["metric"] for t in group) / len(group),
         "seeds": sorted(t["params"][SEED_KEY] for t in group),
         "trial_ids": [t["trial_id"] for t in group],
