@@ -984,6 +984,9 @@ def test_nested_and_dotted_params_mean_the_same():
     nested = {"optimizer": {"matrix_lr": {"log_uniform": [0.01, 0.1]}, "empty": {}}}
     dotted = {"optimizer.matrix_lr": {"log_uniform": [0.01, 0.1]}}
     assert flatten_params(nested) == flatten_params(dotted) == dotted
+    # both at once: one spec would silently replace the other
+    with pytest.raises(ConfigError, match="sweep param 'optimizer.matrix_lr' is given twice"):
+        flatten_params({**dotted, "optimizer": {"matrix_lr": {"uniform": [0.01, 0.02]}}})
 
 
 @pytest.mark.parametrize(

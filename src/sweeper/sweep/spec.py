@@ -165,10 +165,18 @@ def flatten_params(params: dict, prefix: str = "") -> dict[str, Any]:
                 f"sweep param '{name}': unknown spec kind {', '.join(unknown)} "
                 f"(kinds: {', '.join(KINDS)})"
             )
-        if isinstance(value, dict) and not set(value) <= set(KINDS):
-            flat.update(flatten_params(value, f"{name}."))
-        else:
-            flat[name] = value
+        inner = (
+            flatten_params(value, f"{name}.")
+            if isinstance(value, dict) and not set(value) <= set(KINDS)
+            else {name: value}
+        )
+        for twice in inner.keys() & flat.keys():
+            # `optimizer.matrix_lr: ...` beside `optimizer: {matrix_lr: ...}`: one would
+            # silently replace the other
+            raise ConfigError(
+                f"sweep param '{twice}' is given twice (as a dotted key and nested): keep one"
+            )
+        flat.update(inner)
     return flat
 
 
