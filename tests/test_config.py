@@ -246,6 +246,9 @@ BAD_INPUTS = [
     ),
     (["data.path=train.bin"], "data.path=train.bin: the stdlib corpus reads no files of yours"),
     (["hydra.job.chdir=true"], "hydra.job.chdir=true: sweeper writes into the run dir itself"),
+    # a sweep sets every trial's evaluations itself: these were accepted and changed nothing
+    (["+sweep=lr", "trainer.num_evals=3"], "trainer.num_evals=3: a sweep's trials evaluate"),
+    (["+sweep=lr_bs", "trainer.eval_every=5"], "sweep.reports_per_trial times, or a stage's"),
     (["--cfg", "nope"], "--cfg nope: Hydra prints job, hydra or all"),
     (["model=tiny", "--cfg"], "--cfg: Hydra prints job, hydra or all"),
     # Hydra's three readings of a,b come on three more lines: all in the one line

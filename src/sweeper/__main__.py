@@ -54,6 +54,8 @@ MODE_FLAGS = (
     (("--shell-completion", "-sc"), "--shell-completion"),
 )
 MAX_CHECKED_JOBS = 64  # ~0.3 s each
+# how often a run evaluates: in a sweep, sweep.reports_per_trial decides
+EVAL_CADENCE_KEYS = ("trainer.num_evals", "trainer.eval_every")
 
 
 def run_job(cfg) -> float | None:
@@ -490,6 +492,13 @@ def validate(overrides: list[str], printing: bool = False):
             raise ConfigError(
                 f"{named[0]}: a sweep gives every trial the same budget, "
                 "sweep.budget.tokens_per_trial (or sweep.budget.flops_per_trial); set that"
+            )
+        cadence = [o for o in overrides if o.lstrip("+").split("=")[0] in EVAL_CADENCE_KEYS]
+        if cadence and not trainable_target(cfg):  # base_config sets num_evals over it
+            raise ConfigError(
+                f"{cadence[0]}: a sweep's trials evaluate (and report) "
+                "sweep.reports_per_trial times, or a stage's own "
+                "sweep.stages.N.reports_per_trial; set that"
             )
         spec = validate_sweep(cfg)
         check_config(cfg)  # an unreachable MLflow server: one line, nothing written
