@@ -281,6 +281,25 @@ def test_reproduce_overrides_are_the_changes_from_the_default_run():
     assert hydra_value(None) == "null" and hydra_value(True) == "true"
 
 
+def test_a_users_function_s_reproduce_line_composes_back_to_the_config_of_its_best():
+    """Keys of the user's own in sweeper's sections (`+model.dropout`) make no valid run;
+    the line then dropped the base's own overrides (model.depth=6), the user's sections
+    (+mine.layers=3), and wrote the new key without the + that Hydra asks for."""
+    from omegaconf import OmegaConf
+
+    from sweeper.sweep.outputs import _overrides
+    from sweeper.sweep.preflight import user_function_config
+
+    target = "tests.user_functions.noisy_bowl"
+    given = [f"trainable._target_={target}", "+model.dropout=0.1", "model.depth=6"]
+    base = user_function_config(compose([*given, "+mine.layers=3"]))
+    best = apply_params(base, {"model.dropout": 0.2})
+    line = _overrides(best, reproduce_overrides, target)
+    assert line[0] == f"trainable._target_={target}"
+    again = user_function_config(compose(line))
+    assert again == best and OmegaConf.to_container(compose(line).trainable)["_target_"] == target
+
+
 @pytest.mark.parametrize(
     "value, text",
     [(1e15, "1e15"), (3e12, "3e12"), (-1.5e7, "-1.5e7"), (1e6, "1e6"), (524288.0, "524288.0"),

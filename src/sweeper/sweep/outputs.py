@@ -388,7 +388,7 @@ def write_all(
         "best": {
             "value": best_value,
             spec.metric: best_value,
-            "overrides": _overrides(final, base, reproduce_overrides, target),
+            "overrides": _overrides(final, reproduce_overrides, target),
         }
         if carried
         else None,
@@ -461,7 +461,7 @@ def kept_note(spec: SweepSpec, incumbent: dict, best: dict, start: dict) -> str:
     )
 
 
-def _overrides(final: dict, base: dict, reproduce, target: str | None = None) -> list[str]:
+def _overrides(final: dict, reproduce, target: str | None = None) -> list[str]:
     """The overrides that give `python -m sweeper` the config `final`; for a user's
     function, that runs it once (`trainable._target_` first), its own sections added."""
     from sweeper.config import RUN_SECTIONS
@@ -470,16 +470,22 @@ def _overrides(final: dict, base: dict, reproduce, target: str | None = None) ->
 
     if not target:
         return reproduce(final)
+    from sweeper.config import RunConfig
+
     own = {k: v for k, v in final.items() if k not in RUN_SECTIONS}
     added = [f"+{k}={hydra_value(v)}" for k, v in sorted(flatten(own).items())]
+    sections = {k: v for k, v in final.items() if k in RUN_SECTIONS}
     try:
-        overrides = reproduce({k: v for k, v in final.items() if k in RUN_SECTIONS})
+        overrides = reproduce(sections)
     except Exception:  # sweeper's sections need not make a valid run for a user's function
-        before, after = flatten(base), flatten(final)
+        # (`+model.dropout=0.1`): the changes from the default config, as for a run, a key
+        # the defaults lack added with `+`, as it was on the sweep's command line
+        before, after = flatten(RunConfig().to_dict()), flatten(sections)
         overrides = [
-            f"{k}={hydra_value(after[k])}" for k in sorted(after) if before.get(k) != after[k]
+            f"{'' if k in before else '+'}{k}={hydra_value(after[k])}"
+            for k in sorted(after)
+            if k not in before or before[k] != after[k]
         ]
-        added = []
     return [f"trainable._target_={target}", *overrides, *added]
 
 
