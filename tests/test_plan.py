@@ -4,6 +4,8 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 from sweeper.budget import model_counts, planned_flops
 from sweeper.cli import compose
 from sweeper.config import load_run_config
@@ -210,6 +212,26 @@ def test_a_stage_names_its_trials_budget_on_its_own_time_axis():
     assert budget_text("flops", 3.67e12) == "3.67e12 FLOPs"
     assert budget_text("training_iteration", 8.0) == "8 reports"
     assert budget_text("training_iteration", 1.0) == "1 report"
+
+
+def test_the_most_flops_count_the_forks_of_the_trials_past_a_ranges_end():
+    """`lr`'s LR stage: 12 trials, then up to 4 more past a range's end, each run by the
+    stage's ASHA, so each forks at every rung too (they were counted without forks)."""
+    from sweeper.sweep.plan import stage_plans, sweep_totals
+
+    def most(cooldown: float) -> float:
+        cfg = compose(["+sweep=lr", f"sweep.rung_cooldown={cooldown}"])
+        spec = validate_sweep(cfg)
+        base = base_config(cfg, spec, None)
+        return spec, sweep_totals(spec, base, stage_plans(spec, base, None), None, None).most_flops
+
+    spec, forked = most(0.25)
+    _, plain = most(0.0)
+    (stage,) = stage_plans(spec, base_config(compose(["+sweep=lr"]), spec, None), None)
+    assert (stage.trials, stage.extend_trials) == (12, 4)
+    rungs = rung_fractions(spec, spec.stages[0], None)
+    trial = stage.trial_flops[1]
+    assert forked - plain == pytest.approx((12 + 4) * trial * 0.25 * sum(rungs))
 
 
 def test_the_readmes_example_sweep_file_plans_as_its_comments_say(tmp_path):

@@ -394,8 +394,8 @@ def sweep_totals(
         from sweeper.config import load_run_config
 
         left = [p for p in plans if not p.finished]
-        # a round past a range's end trains trials like the stage's own
-        most = sum(p.most_flops + p.extend_trials * p.trial_flops[1] for p in left)
+        # a round past a range's end trains trials like the stage's own, forks included
+        most = sum(p.most_flops + p.extend_trials * p.trial_flops[1] * p.fork_factor for p in left)
         # the baseline is the base config; a confirmation pairs the best config (one of
         # the stages' trials) with the baseline on each seed
         base_flops = planned_flops(load_run_config(sweep_run(base, {})))
