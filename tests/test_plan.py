@@ -234,6 +234,22 @@ def test_the_most_flops_count_the_forks_of_the_trials_past_a_ranges_end():
     assert forked - plain == pytest.approx((12 + 4) * trial * 0.25 * sum(rungs))
 
 
+def test_a_resume_with_more_time_plans_the_stage_the_time_cap_cut_short(tmp_path):
+    from sweeper.sweep.plan import plans_left
+
+    cfg = compose(["+sweep=lr_bs", "sweep.max_seconds=60"])
+    spec = validate_sweep(cfg)
+    base = base_config(cfg, spec, None)
+    state = SweepState.new(tmp_path, spec.name, base, sweep_definition(spec))
+    state.finish_stage("lr", [], {}, None, base, 70.0, capped=True)
+    # the same cap: the resume has no time for it, and the plan says the stage is done
+    assert [p.finished for p in plans_left(spec, base, None, state)] == [True, False]
+    # more time: the stage goes on (engine.reopen_capped_stage); it was planned as done
+    more = validate_sweep(compose(["+sweep=lr_bs", "sweep.max_seconds=600"]))
+    assert [p.finished for p in plans_left(more, base, None, state)] == [False, False]
+    assert "2 stages" in opening_line(more, base, None, state)
+
+
 def test_the_readmes_example_sweep_file_plans_as_its_comments_say(tmp_path):
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("### Writing a sweep") :]

@@ -238,8 +238,13 @@ def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> lis
 def plans_left(spec: SweepSpec, base: dict, target: str | None, state=None) -> list[StagePlan]:
     """Every stage's plan; with the sweep state a resume continues, its finished stages
     marked so, and the rest planned from the config they left."""
-    done = [s.name for s in spec.stages if state is not None and state.stage_done(s.name)]
-    start = (state.base_after_finished_stages() if state is not None else None) or base
+    from sweeper.sweep.engine import reopens_capped_stage
+
+    finished = list(state.stages) if state is not None else []
+    if state is not None and reopens_capped_stage(spec, state):
+        finished.pop()  # the stage the time cap cut short goes on, given more time
+    done = [s["name"] for s in finished]
+    start = (finished[-1]["base_after"] if finished else None) or base
     return stage_plans(spec, start, target, done)
 
 
