@@ -139,6 +139,19 @@ def test_where_a_scheduler_stopped_most_trials_they_are_compared_where_it_compar
     others = [r for r in reports if r["tokens"] != 2000]
     result = stage_importance([LR, EMBEDDING_LR], trials, others + broken, "val_bpb")
     assert (result["trials"], result["tokens"]) == (24, 1000)
+    # nor a diverged trial's last report: its value is the searcher's penalty, not its
+    # config's. Its reports before that count: here the 6 trials that reached 2,000
+    # tokens diverge there, and the 24 are compared at 1,000 again
+    reached = {r["trial_id"] for r in reports if r["tokens"] == 2000}
+    diverged = [
+        {**r, "status": "diverged"} | ({"rung_val_bpb": 1e9} if r["tokens"] == 2000 else {})
+        if r["trial_id"] in reached
+        else r
+        for r in reports
+        if r["tokens"] <= 2000
+    ]
+    result = stage_importance([LR, EMBEDDING_LR], trials, diverged, "val_bpb")
+    assert (result["trials"], result["tokens"]) == (24, 1000)
 
 
 def test_a_metric_the_params_do_not_move_and_values_off_the_space_are_no_points():

@@ -85,9 +85,18 @@ def _common_budget_values(reports: list[dict], metric: str) -> tuple[dict[str, f
     """(trial id -> its value, tokens) at the most tokens that MIN_TRIALS trials all reached
     and reported at; ({}, 0) if none. The value is what the stage's scheduler ranked there
     (the cooled-down fork's, with rung forks on)."""
+    # a diverged trial's last report holds the searcher's penalty (1e9 for a user's
+    # function), not a value of its config: it would swamp the variance. Its reports
+    # before that are values like any other trial's.
+    penalised = {}
+    for row in reports:
+        if row.get("status") == "diverged" and row.get("tokens"):
+            penalised[row["trial_id"]] = max(penalised.get(row["trial_id"], 0), row["tokens"])
     at: dict[int, dict[str, float]] = {}
     for row in reports:
         value = row.get(RUNG_METRIC, row.get(metric))
+        if penalised.get(row["trial_id"]) == row.get("tokens"):
+            continue
         if _finite(value) and row.get("tokens"):
             at.setdefault(int(row["tokens"]), {})[row["trial_id"]] = value
     reached = [tokens for tokens, values in at.items() if len(values) >= MIN_TRIALS]
