@@ -71,7 +71,9 @@ def test_fit_all_does_every_fit():
     # each budget's optimum LR is a parabola's vertex over the 3 LRs: noise moves it a little
     assert res["hparams"]["lr"]["p"] == pytest.approx(LR_EXP, abs=0.02)
     assert res["hparams"]["lr"]["how"] == ["parabola"] * 5
-    assert res["hparams"]["batch_size"]["p"] == pytest.approx(0.3, abs=1e-9)
+    # one batch size at each budget, set by a rule: nothing was searched, so no law (the
+    # rule's own exponent is no optimum's)
+    assert "batch_size" not in res["hparams"] and "batch_size_opt" not in res["predictions"]
     exact = fit_all(make_sweep(noise=0), target_flops=1e21)
     assert exact["hparams"]["lr"]["p"] == pytest.approx(LR_EXP, abs=1e-9)
     assert exact["predictions"]["lr_opt"] == pytest.approx(lr_opt(1e21), rel=1e-6)
@@ -238,7 +240,10 @@ def test_plot_all_skips_absent_fits(tmp_path):
         # the best value at an end of the grid: it, flagged (the optimum may lie beyond)
         ([0.01, 0.02, 0.04], 0.2, 0.04, "grid end"),
         ([0.01, 0.02, 0.04], 0.001, 0.01, "grid end"),
-        ([0.01, 0.04], 0.03, 0.04, "best run"),  # two values: no parabola
+        # one or two values: no parabola, and the best is always an end of them
+        ([0.01, 0.04], 0.03, 0.04, "grid end"),
+        ([0.01, 0.04], 0.02, 0.01, "grid end"),
+        ([0.02], 0.02, 0.02, "grid end"),
     ],
 )
 def test_the_optimum_on_a_grid_is_a_parabolas_vertex_in_log_value(grid, vertex, expected, how):
@@ -302,6 +307,15 @@ def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_name
     assert [w for w in res["warnings"] if "vs-compute" in w] == [
         "lr-vs-compute: the best lr is at an end of the values tried at every budget "
         "(0.04, 0.04): no law; try values beyond"
+    ]
+    # two values at each budget: whichever wins is an end of them, so no law through them
+    # (a law once went through the ends of a {512, 1024} batch grid, without a warning)
+    two = [r for r in records({1e12: 0.01, 1e13: 0.01, 1e14: 0.04}) if r["lr"] in (0.01, 0.02)]
+    res = fit_all(two)
+    assert res["hparams"] == {} and "lr_opt" not in res["predictions"]
+    assert [w for w in res["warnings"] if "vs-compute" in w] == [
+        "lr-vs-compute: the best lr is at an end of the values tried at every budget "
+        "(0.01, 0.01, 0.02): no law; try values beyond"
     ]
     # one optimum and a bound: the slope would be the bound's, so no law either
     res = fit_all(records({1e12: 0.04, 1e13: 0.02}))
@@ -396,27 +410,56 @@ def test_the_hparams_plot_draws_each_budgets_lowest_loss_at_each_value_above_its
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_each_budgets_curve_on_the_hparams_plot_is_that_budgets_runs_alone():
+    """Budgets 10% apart were drawn together (runs picked by compute within 20%), and runs
+    without a C crashed the plot (an empty pick)."""
+    from matplotlib.figure import Figure
+
+    from sweeper.scaling.plots import plot_hparams
+    from sweeper.scaling.records import to_points
+
+    lrs = (0.01, 0.02, 0.04, 0.08)
+    optima = {1e12: 0.015, 1.1e12: 0.06, 1.2e12: 0.03, 1.3e12: 0.05}
+    for with_c in (True, False):
+        records = lr_grid_records(optima, lrs=lrs)
+        if not with_c:
+            records = [{k: v for k, v in r.items() if k != "C"} for r in records]
+        res = fit_all(records)
+        assert res["hparams"]["lr"]["budgets"] == list(optima)
+        drawn = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Figure, "savefig", lambda fig, *a, seen=drawn, **k: seen.append(fig))
+            plot_hparams(res, Path("unused.png"), to_points(records))
+        curves = [line for line in drawn[0].axes[0].lines if len(line.get_xdata()) > 2]
+        assert len(curves) == len(optima)
+        for line, best in zip(curves, optima.values(), strict=True):
+            x, y = line.get_xdata(), line.get_ydata()
+            assert list(x) == list(lrs) and y.min() == 0
+            # this budget's own lowest loss: the value tried nearest its optimum (in log)
+            assert x[np.argmin(y)] == min(lrs, key=lambda lr: abs(math.log(lr / best)))
+
+
 def test_a_flat_hparam_law_is_drawn_on_an_axis_of_some_height(tmp_path):
     from sweeper.scaling.plots import plot_hparams
     from sweeper.scaling.records import to_points
 
-    # batch 256 best at both budgets: a law of slope 0, whose log axis would have no height
+    # batch 512 best at both budgets: a law of slope 0, whose log axis would have no height
     records = [
         {
             "N": 1e6,
             "C": c,
-            "loss": 4.0 - 0.1 * math.log10(c) + b / 1e4 + abs(lr - 0.04),
+            "loss": 4.0 - 0.1 * math.log10(c) + abs(math.log2(b / 512)) / 10 + abs(lr - 0.04),
             "budget": c,
             "lr": lr,
             "batch_size": b,
             "final": True,
         }
         for c in (4e9, 1.2e10)
-        for b in (256, 512)
+        for b in (256, 512, 1024)
         for lr in (0.005, 0.04)
     ]
     res = fit_all(records)
-    assert res["hparams"]["batch_size"]["best"] == [256, 256]
+    assert res["hparams"]["batch_size"]["best"] == pytest.approx([512, 512])
     path = plot_hparams(res, tmp_path / "h.png", to_points(records))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -645,17 +645,20 @@ def test_a_scaling_grid_run_on_two_seeds_is_fitted_on_each_points_mean(
 def test_the_lr_bs_scaling_sweep_fits_the_best_lr_and_batch_size_against_compute(
     ray_cluster, tmp_path, capsys
 ):
+    """On a function whose best LR and batch size at each budget are known and lie inside
+    the grid: with two values a side, the best is always an end of them, and the fit makes
+    no law through ends (test_scaling_analysis)."""
     from sweeper.scaling.analysis import optimum_on_grid
 
-    lrs, batches, budgets = [0.005, 0.04], [256, 512], [4e9, 1.2e10]
+    lrs, batches, budgets = [0.01, 0.02, 0.04, 0.08], [256, 512, 1024], [4e9, 1.2e10]
     cfg = compose(
         [
             "+sweep=lr_bs_scaling",
+            "trainable._target_=tests.user_functions.bowl_in_lr_batch_and_budget",
             "model=tiny",
-            "trainer.eval_tokens=1024",
             "mlflow.enabled=false",
             "fit.bootstrap=0",
-            "sweep.reports_per_trial=2",
+            "sweep.reports_per_trial=4",
             "sweep.budget.flops_per_trial=1.2e10",
             f"sweep.stages.0.params.trainer.budget_flops.grid=[{','.join(map(str, budgets))}]",
             f"sweep.stages.0.params.trainer.total_batch_size.grid=[{','.join(map(str, batches))}]",
@@ -679,8 +682,13 @@ def test_the_lr_bs_scaling_sweep_fits_the_best_lr_and_batch_size_against_compute
             expected = optimum_on_grid(
                 [float(r[column]) for r in rows], [float(r["val_bpb"]) for r in rows]
             )
-            assert (best, how) == (pytest.approx(expected[0]), expected[1]) and best in grid
+            assert (best, how) == (pytest.approx(expected[0]), expected[1])
+            assert how == "parabola" and grid[0] < best < grid[-1]
         assert fit["predictions"][f"{name}_opt"] > 0
+    # the function's own laws, C^-0.2 and C^0.3, as far as each value's lowest loss over
+    # the other's grid shows them
+    assert -0.35 < fit["hparams"]["lr"]["p"] < -0.05
+    assert 0.1 < fit["hparams"]["batch_size"]["p"] < 0.5
     # and the best LR of each batch size at each budget, with its slope against the batch
     for at in fit["lr_vs_batch"]["budgets"]:
         assert at["batch_size"] == batches

@@ -126,3 +126,19 @@ def fails_once_after_three_reports(config: dict, report) -> None:
 def raises_after_a_report(config: dict, report) -> None:
     report({"phase": "warm-up"})  # no number: nothing for MLflow to plot
     raise AssertionError("the function's own bug")
+
+
+def bowl_in_lr_batch_and_budget(config: dict, report) -> None:
+    """A scaling grid's landscape with known laws: at budget C (trainer.budget_flops) the
+    best batch is 400 (C / 4e9)^0.3 and the best LR 0.02 (C / 4e9)^-0.2 (B / 512)^0.5, both
+    inside lr_bs_scaling-style grids; the loss falls with C. Four reports, the last at C."""
+    lr = config["optimizer"]["matrix_lr"]
+    batch = config["trainer"]["total_batch_size"]
+    budget = config["trainer"]["budget_flops"]
+    best_batch = 400 * (budget / 4e9) ** 0.3
+    best_lr = 0.02 * (budget / 4e9) ** -0.2 * (batch / 512) ** 0.5
+    final = 3.0 - 0.1 * math.log10(budget)
+    final += 0.1 * math.log2(lr / best_lr) ** 2 + 0.1 * math.log2(batch / best_batch) ** 2
+    for step in range(1, 5):
+        flops = budget * step / 4
+        report({"val_bpb": final + 0.5 * (4 - step) / step, "flops": flops, "tokens": step * batch})

@@ -223,6 +223,19 @@ def _with_budget(pts: Points, mask: np.ndarray) -> np.ndarray:
     return np.flatnonzero(mask & np.array([b is not None for b in pts.budget], dtype=bool))
 
 
+def _hparam_groups(pts: Points, ok: np.ndarray) -> list[tuple]:
+    """The budgets a hyperparameter's optima are read at: `ok`'s points by budget label,
+    as (budget, indices into ok, label)."""
+    return group_by_budget(pts.C[ok], [pts.budget[i] for i in ok])
+
+
+def budget_groups(pts: Points, name: str) -> dict[float, np.ndarray]:
+    """{budget: indices into pts} of the final runs that carry `name`, grouped as the fit
+    of `name` against compute grouped them (plots.plot_hparams draws each group)."""
+    ok = _with_budget(pts, pts.final & pts.has(name))
+    return {budget: ok[idx] for budget, idx, _ in _hparam_groups(pts, ok)}
+
+
 def _isoflop(pts: Points, opts: dict, warnings: list) -> tuple:
     ok = _with_budget(pts, pts.final & pts.has("N"))
     if len(ok) == 0:
@@ -247,7 +260,8 @@ def _isoflop(pts: Points, opts: dict, warnings: list) -> tuple:
 
 def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
     """Per budget, the value that minimises the loss (`optimum_on_grid`); then value ~ k C^p.
-    A hyperparameter with one value in every run (the scaling sweep's LR) has nothing to fit."""
+    A hyperparameter with one value in every run (the scaling sweep's LR), or one value at
+    each budget (set per budget by a rule, not searched), has nothing to fit."""
     section, preds = {}, {}
     for name in HPARAMS:
         has = pts.final & pts.has(name)
@@ -258,9 +272,11 @@ def _hparams(pts: Points, opts: dict, warnings: list) -> tuple:
             warnings.append(f"{name}-vs-compute: no budget labels on the runs; skipped")
             continue
         values, losses = getattr(pts, name)[ok], pts.loss[ok]
-        groups = group_by_budget(pts.C[ok], [pts.budget[i] for i in ok])
+        groups = _hparam_groups(pts, ok)
         if len(set(values)) < 2:
             continue  # the same everywhere: its "law" would be that constant
+        if all(len(set(values[idx])) < 2 for _, idx, _ in groups):
+            continue  # not searched at any budget: its "law" would be the rule that set it
         budgets, best, how = [], [], []
         within = []  # per budget: the range of values the optimum may be, given the seeds
         for budget, idx, _ in groups:
@@ -470,13 +486,11 @@ def optimum_on_grid(values, losses) -> tuple[float, str]:
     value's lowest loss), kept between those neighbours ("parabola"). On a grid of LRs a
     factor of 2 apart, the best run alone would move the law's points in steps of 2x; the
     parabola is the usual refinement. The best value itself where it is an end of the
-    values tried ("grid end"), or fewer than 3 were tried or the three points bend the
-    wrong way ("best run")."""
+    values tried ("grid end": with one or two values tried it always is, and the optimum
+    may lie anywhere past it), or the three points bend the wrong way ("best run")."""
     grid = sorted(set(float(v) for v in values))
     lowest = [min(float(y) for v, y in zip(values, losses) if v == g) for g in grid]
     i = int(np.argmin(lowest))
-    if len(grid) < 3:
-        return grid[i], "best run"
     if i in (0, len(grid) - 1):
         return grid[i], "grid end"
     x = np.log(grid[i - 1 : i + 2])

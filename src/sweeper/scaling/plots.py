@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .analysis import LR_RULE_EXPONENTS
+from .analysis import LR_RULE_EXPONENTS, budget_groups
 from .laws import compute_optimal
 from .records import average_seeds, to_points
 
@@ -203,11 +203,13 @@ def plot_hparams(result: dict, path: Path, pts) -> Path:
         ax = fig.add_subplot(len(items), 2, 2 * row + 1)
         values = getattr(pts, name)
         by_seed = pts.by_seed if averaged else [{}] * len(values)
-        final = pts.final & pts.has(name)
+        # each budget's runs as the fit grouped them (by label): by compute within 20%,
+        # nearby budgets mixed, and runs without a C were none
+        groups = budget_groups(pts, name)
         for budget, best, colour in zip(c, law["best"], colours):
-            at = final & np.isclose(pts.C, budget, rtol=0.2)
+            at = groups[budget]
             grid = np.unique(values[at])  # each value's lowest loss, as the optimum uses
-            pick = [np.flatnonzero(at)[values[at] == v] for v in grid]
+            pick = [at[values[at] == v] for v in grid]
             pick = np.array([i[np.argmin(pts.loss[i])] for i in pick])
             lowest = pts.loss[pick]
             # above the budget's own best: budgets lie far apart in loss, and their shapes

@@ -538,9 +538,13 @@ def _fit(out: Path, reports: list[dict], spec: SweepSpec, fit_cfg: dict, base: d
         result["not_fitted"] = not_fitted
         result["predicted_run"] = predicted_run(result, base, points)
         write_json_atomic(out / "fit.json", result)
-        plots = plot_all(result, points, out)
     except Exception as error:  # a fit that can't be made must not lose the sweep
         return {"error": str(error).splitlines()[0] if str(error) else type(error).__name__}
+    try:
+        plots = plot_all(result, points, out)
+    except Exception as error:  # nor a plot the fit written above, with its summary
+        plots = []
+        print(f"warning: the fit's plots failed: {type(error).__name__}: {error}")
     print("\nloss against compute (fit.json):")
     print(format_summary(result))
     if result["predicted_run"]:
