@@ -459,7 +459,30 @@ def test_a_cooldown_fork_takes_the_linear_weight_decay_to_zero_as_the_run_would(
     # from step 3's decay (0.125) to the schedule's end (0), as its LR goes from step 3's to
     # the final one; then the run goes on from step 4 as before
     run = [0.2 * (1 - s / 8) for s in range(8)]
-    assert seen == pytest.approx([*run[:4], 0.0625, 0.0, *run[4:]])
+    # each fork step at the middle of its span of that decay: 3/4 and 1/4 of the way
+    # from step 3's decay, never at the end's 0, where a step would move nothing
+    assert seen == pytest.approx([*run[:4], 0.125 * 0.75, 0.125 * 0.25, *run[4:]])
+
+
+def test_a_one_step_cooldown_fork_still_cools_the_run_it_scores(monkeypatch):
+    from sweeper.muon import Muon
+
+    lrs, step = [], Muon.step
+
+    def spy(self, *args, **kwargs):
+        lrs.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Muon, "step", spy)
+    # rung at step 4 of 8 under a 0.25 cooldown: a fork of one step, at half the LR (the
+    # middle of a decay to WSD's final 0); at the final LR it would leave the weights as
+    # they were, its val_bpb the run's own
+    trainer = {"max_steps": 8, "eval_every": 4, "rungs": [0.5], "rung_cooldown": 0.25}
+    reports = []
+    train(tiny(trainer=trainer), reports.append, verbose=False)
+    peak = lrs[3]
+    assert len(lrs) == 9 and lrs[4] == pytest.approx(peak / 2)
+    assert reports[0]["step"] == 4 and reports[0]["rung_val_bpb"] < reports[0]["val_bpb"]
 
 
 # A training step's shape, without the model: a burst of activation-sized blocks (0.5-3.5 MiB,

@@ -315,7 +315,10 @@ def train(
             # the weight decay, too, goes where the schedule ends it (linear: to 0)
             final, final_wd = cfg.scheduler.final_lr_frac, weight_decay_at(total_steps)
             for i in range(steps):
-                done = (i + 1) / steps
+                # each step at the middle of its own span of the decay: the last is not at the
+                # final LR (0 under WSD: a step that moves nothing, paid for all the same),
+                # and a one-step fork still cools
+                done = (i + 0.5) / steps
                 optimizer_step(
                     step + i, lrm + (final - lrm) * done, wdm + (final_wd - wdm) * done, momentum
                 )
