@@ -71,8 +71,8 @@ def group_by_budget(flops, budget=None, bins_per_decade: int = 10) -> list[tuple
     """Group point indices by compute budget, sorted by budget.
 
     With labels, points sharing a label form a group. Without, log10 C is rounded to
-    1/bins_per_decade of a decade, so points whose compute differs by < ~12% (default) share a
-    budget. Returns [(budget_flops, indices, label), ...]; groups whose compute is unknown
+    1/bins_per_decade of a decade: points in one bin (~26% wide by default) share a budget,
+    and two a few percent apart can still fall either side of a bin's edge. Returns [(budget_flops, indices, label), ...]; groups whose compute is unknown
     (no finite positive label or C) are left out.
     """
     c = np.asarray(flops, dtype=float)

@@ -135,7 +135,9 @@ def _prediction_lines(result: dict) -> list[str]:
                 ("loss_opt", "loss"),
             )
         ]
-        lines.append("  parametric: " + "  ".join(parts))
+        # L(N, D)'s optimum along C = 6 N D, N all parameters (Chinchilla's convention): a
+        # sweep's C also counts attention, 0-7% more on the scaling sweep's shapes
+        lines.append("  parametric (C = 6ND): " + "  ".join(parts))
     if "isoflop_N_opt" in pr:
         lines.append(
             f"  isoflop: {_val('N_opt', pr['isoflop_N_opt'])}  {_val('D_opt', pr['isoflop_D_opt'])}"
