@@ -442,16 +442,22 @@ def test_the_weight_decay_schedule_is_what_each_step_applies(monkeypatch, optimi
         assert {v for s in seen for k, v in s.items() if k != "matrix"} == {0.0}
 
 
-def test_a_cooldown_fork_takes_the_linear_weight_decay_to_zero_as_the_run_would(monkeypatch):
+def _muon_steps_see(monkeypatch, key: str) -> list[float]:
+    """The list that each Muon step appends its (matrix) group's `key` to, as it steps."""
     from sweeper.muon import Muon
 
     seen, step = [], Muon.step
 
     def spy(self, *args, **kwargs):
-        seen.append(self.param_groups[0]["weight_decay"])
+        seen.append(self.param_groups[0][key])
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(Muon, "step", spy)
+    return seen
+
+
+def test_a_cooldown_fork_takes_the_linear_weight_decay_to_zero_as_the_run_would(monkeypatch):
+    seen = _muon_steps_see(monkeypatch, "weight_decay")
     opt = {"weight_decay": 0.2, "weight_decay_schedule": "linear"}
     trainer = {"max_steps": 8, "eval_every": 4, "rungs": [0.5], "rung_cooldown": 0.5}
     train(tiny(optimizer=opt, trainer=trainer), verbose=False)
@@ -459,21 +465,13 @@ def test_a_cooldown_fork_takes_the_linear_weight_decay_to_zero_as_the_run_would(
     # from step 3's decay (0.125) to the schedule's end (0), as its LR goes from step 3's to
     # the final one; then the run goes on from step 4 as before
     run = [0.2 * (1 - s / 8) for s in range(8)]
-    # each fork step at the middle of its span of that decay: 3/4 and 1/4 of the way
-    # from step 3's decay, never at the end's 0, where a step would move nothing
+    # each fork step at the middle of its span of that decay: a quarter and three
+    # quarters of the way down from step 3's, never at the end's 0, where a step moves nothing
     assert seen == pytest.approx([*run[:4], 0.125 * 0.75, 0.125 * 0.25, *run[4:]])
 
 
 def test_a_one_step_cooldown_fork_still_cools_the_run_it_scores(monkeypatch):
-    from sweeper.muon import Muon
-
-    lrs, step = [], Muon.step
-
-    def spy(self, *args, **kwargs):
-        lrs.append(self.param_groups[0]["lr"])
-        return step(self, *args, **kwargs)
-
-    monkeypatch.setattr(Muon, "step", spy)
+    lrs = _muon_steps_see(monkeypatch, "lr")
     # rung at step 4 of 8 under a 0.25 cooldown: a fork of one step, at half the LR (the
     # middle of a decay to WSD's final 0); at the final LR it would leave the weights as
     # they were, its val_bpb the run's own
@@ -535,10 +533,9 @@ def test_training_steps_reuse_freed_memory_instead_of_faulting_it_back_in():
     assert default > 5 * 10_000 and kept * 20 < default, (kept, default)
 
 
-def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadence(monkeypatch):
-    """A fake clock: each optimizer step takes 1 s and each evaluation 100 s, so every
-    throughput figure must be exactly total_batch_size tokens/s. (Evaluations between two
-    log lines once dropped the steps before them from the window: 2x too high.)"""
+def _one_second_per_step(monkeypatch) -> list[float]:
+    """A fake clock for the training loop, which each optimizer step moves on by 1 s;
+    returns it (one float in a list) for a test to move on too."""
     import sweeper.train
 
     clock = [0.0]
@@ -549,11 +546,22 @@ def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadenc
         clock[0] += 1.0
         yield from step_batches(self, *args, **kwargs)
 
+    monkeypatch.setattr(BatchSampler, "step_batches", one_second_per_step)
+    return clock
+
+
+def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadence(monkeypatch):
+    """A fake clock: each optimizer step takes 1 s and each evaluation 100 s, so every
+    throughput figure must be exactly total_batch_size tokens/s. (Evaluations between two
+    log lines once dropped the steps before them from the window: 2x too high.)"""
+    import sweeper.train
+
+    clock = _one_second_per_step(monkeypatch)
+
     def slow_evaluate(*args, **kwargs):
         clock[0] += 100.0
         return 3.0
 
-    monkeypatch.setattr(BatchSampler, "step_batches", one_second_per_step)
     monkeypatch.setattr(sweeper.train, "evaluate", slow_evaluate)
     cfg = tiny(trainer={"max_steps": 12, "log_every": 4, "eval_every": 3})
     result = train(cfg, verbose=False)
@@ -565,8 +573,6 @@ def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadenc
 def test_a_run_that_trains_no_timed_step_reports_no_speed(monkeypatch):
     """Resumed at its last step a run trains nothing, and one that diverges at its first
     step has no step after it to time: neither has a speed (it once read 5e11 tokens/s)."""
-    import sweeper.train
-
     states = []
     cfg = tiny(trainer={"max_steps": 4, "eval_every": 4, "checkpoint_every_eval": True})
     train(cfg, lambda m, state=None: states.append(copy.deepcopy(state())), verbose=False)
@@ -574,16 +580,7 @@ def test_a_run_that_trains_no_timed_step_reports_no_speed(monkeypatch):
     assert resumed["steps"] == 4 and resumed["status"] == "completed"
     assert resumed["tokens_per_s"] is None and resumed["mfu"] is None
 
-    # a fake clock: each step takes 1 s, so a step that diverges is timed as it is
-    clock = [0.0]
-    monkeypatch.setattr(sweeper.train.time, "perf_counter", lambda: clock[0])
-    step_batches = BatchSampler.step_batches
-
-    def one_second_per_step(self, *args, **kwargs):
-        clock[0] += 1.0
-        yield from step_batches(self, *args, **kwargs)
-
-    monkeypatch.setattr(BatchSampler, "step_batches", one_second_per_step)
+    _one_second_per_step(monkeypatch)  # so a step that diverges is timed as it is
     first = train(tiny(trainer={"max_steps": 6, "nan_at_step": 1}), verbose=False)
     assert first["status"] == "diverged" and first["steps"] == 1
     assert first["tokens_per_s"] == pytest.approx(512)
