@@ -410,6 +410,20 @@ def test_the_hparams_plot_draws_each_budgets_lowest_loss_at_each_value_above_its
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_isoflop_points_without_a_budget_label_say_where_a_csv_gives_one():
+    records = [
+        {"N": n, "C": c, "loss": 3.0 + (math.log10(n) - 7) ** 2, "final": True}
+        for c in (1e17, 1e18)
+        for n in (1e6, 1e7, 1e8)
+    ]
+    warnings = fit_all(records)["warnings"]
+    assert any(
+        w.startswith("isoflop: no final points with a budget label and N; skipped")
+        and "--budget-col" in w
+        for w in warnings
+    ), warnings
+
+
 def test_each_budgets_curve_on_the_hparams_plot_is_that_budgets_runs_alone():
     """Budgets 10% apart were drawn together (runs picked by compute within 20%), and runs
     without a C crashed the plot (an empty pick)."""

@@ -239,7 +239,10 @@ def budget_groups(pts: Points, name: str) -> dict[float, np.ndarray]:
 def _isoflop(pts: Points, opts: dict, warnings: list) -> tuple:
     ok = _with_budget(pts, pts.final & pts.has("N"))
     if len(ok) == 0:
-        warnings.append("isoflop: no final points with a budget label and N; skipped")
+        warnings.append(
+            "isoflop: no final points with a budget label and N; skipped (python -m "
+            "sweeper.fit reads the labels from a CSV's --budget-col, which may be its FLOPs)"
+        )
         return None, {}
     if len(np.unique(pts.N[ok])) < 2:  # one line, not one per budget
         warnings.append(
