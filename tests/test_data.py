@@ -78,6 +78,23 @@ def test_corrupt_shards_are_named(tmp_path):
         read_shard(str(tmp_path / "odd.bin"))
 
 
+def test_an_empty_shard_with_a_header_is_refused_beside_good_ones(tmp_path):
+    from sweeper.data import shard_splits
+
+    _write_shard(tmp_path / "a.bin", np.arange(5000) % 500)
+    _write_shard(tmp_path / "b.bin", [])  # 1024 bytes: a header that says 0 tokens
+    with pytest.raises(ConfigError, match="b.bin holds no tokens"):
+        shard_splits(str(tmp_path / "*.bin"), None, vocab_size=512, min_tokens=65)
+
+
+def test_a_version_2_shard_says_what_it_holds(tmp_path):
+    h = np.zeros(256, dtype=np.int32)
+    h[:3] = [SHARD_MAGIC, 2, 100]  # llm.c's uint32 (Llama 3) shards
+    (tmp_path / "l3.bin").write_bytes(h.tobytes() + np.arange(100, dtype=np.uint32).tobytes())
+    with pytest.raises(ConfigError, match=r"l3.bin is version 2 \(uint32 ids\)"):
+        read_shard(str(tmp_path / "l3.bin"))
+
+
 def test_token_ids_beyond_vocab_are_refused(tmp_path):
     from sweeper.data import shard_splits
 

@@ -104,10 +104,17 @@ def read_shard(path: str) -> np.ndarray:
     header = np.fromfile(path, dtype=np.int32, count=SHARD_HEADER_INTS) if size >= 1024 else None
     if header is not None and header[0] == SHARD_MAGIC:
         n_tokens = int(header[2])
-        if header[1] != 1 or size != 1024 + 2 * n_tokens:
+        if header[1] != 1:  # llm.c's version 2 holds uint32 ids (its Llama 3 shards)
             raise ConfigError(
-                f"corrupt token shard {path}: header says {n_tokens} tokens (version "
-                f"{header[1]}), file has {(size - 1024) // 2}"
+                f"token shard {path} is version {header[1]} (uint32 ids); sweeper reads "
+                "version 1, uint16 ids"
+            )
+        if n_tokens == 0:
+            raise ConfigError(f"token shard {path} holds no tokens (its header says 0)")
+        if size != 1024 + 2 * n_tokens:
+            raise ConfigError(
+                f"corrupt token shard {path}: header says {n_tokens} tokens, file has "
+                f"{(size - 1024) // 2}"
             )
         return np.memmap(path, dtype=np.uint16, mode="r", offset=1024, shape=(n_tokens,))
     if size == 0 or size % 2:
