@@ -257,3 +257,52 @@ def test_the_saved_config_decides_what_may_change(tmp_path):
 )
 def test_the_resume_command_is_the_run_s_own_overrides(overrides, expected):
     assert resume_command(overrides, "/tmp/a b") == expected
+
+
+def test_a_resumed_run_holds_no_second_copy_of_its_weights(tmp_path):
+    import weakref
+
+    run = load_run_config(
+        tiny(trainer={"checkpoint_every_eval": True, "max_steps": 6, "eval_every": 3})
+    )
+    train(run, checkpoint_saver(tmp_path, run.to_dict()), verbose=False)
+    state = load_resume_state(tmp_path)  # the caller keeps its dict, as __main__ does
+    loaded = weakref.ref(state["model"]["lm_head.weight"])
+    assert state["model"]["lm_head.weight"].device.type == "cpu"
+    alive = []
+    longer = load_run_config(tiny(trainer={"max_steps": 9, "eval_every": 3}))
+    train(longer, lambda m, state=None: alive.append(loaded() is not None), resume_state=state)
+    assert alive == [False], alive  # the loaded tensor was freed once copied into the model
+
+
+def test_a_kill_inside_the_first_save_leaves_a_resumable_or_a_reusable_dir(tmp_path, monkeypatch):
+    """Killed after the state was written but before its record, on the run's first save:
+    the dir must still be one that trainer.resume=true reads, not a state without its
+    record (which neither a new run nor a resume could use)."""
+    import sweeper.run_checkpoint as rc
+    import sweeper.sweep.state as st
+
+    class Killed(BaseException):
+        pass
+
+    written = []
+    save_state, write_json = rc.save_state, st.write_json_atomic
+
+    def state_then_mark(folder, state):
+        written.append(save_state(folder, state))
+
+    def record_unless_after_the_state(path, data):
+        if written:
+            raise Killed
+        write_json(path, data)
+
+    monkeypatch.setattr(rc, "save_state", state_then_mark)
+    monkeypatch.setattr(st, "write_json_atomic", record_unless_after_the_state)
+    run = load_run_config(
+        tiny(trainer={"checkpoint_every_eval": True, "max_steps": 4, "eval_every": 2})
+    )
+    with pytest.raises(Killed):
+        train(run, checkpoint_saver(tmp_path, run.to_dict()), verbose=False)
+    assert written  # the state was written, then the kill
+    check_resumable_run(str(tmp_path), run.to_dict())  # its record is there: resumable
+    assert load_resume_state(tmp_path)["step"] == 2

@@ -27,9 +27,12 @@ def save_state(folder: str | Path, state: dict) -> Path:
 
 
 def load_state(folder: str | Path) -> dict:
+    """The saved state, every tensor on the CPU: train() copies it to the run's device.
+    Loaded where it was saved instead, every rank of a DDP resume would put rank 0's whole
+    state on cuda:0, and a GPU run's checkpoint would not load on a CPU machine."""
     import torch
 
-    return torch.load(Path(folder) / STATE_FILE, weights_only=False)
+    return torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=False)
 
 
 def load_latest_state(checkpoint_dir: str | Path) -> dict | None:

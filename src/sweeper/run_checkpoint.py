@@ -45,13 +45,24 @@ def has_checkpoint(run_dir: str | Path) -> bool:
 
 def save_run_checkpoint(run_dir: str | Path, state: dict, run_config: dict) -> None:
     """The training state, then the record that names its step and config. Both files are
-    replaced atomically: a kill mid-save leaves the previous checkpoint whole."""
-    from sweeper.sweep.state import write_json_atomic
+    replaced atomically: a kill mid-save leaves the previous checkpoint whole. A run's
+    first save writes the record before the state too: a kill between the two would
+    otherwise leave a state without its record (or beside an earlier run's), which a new
+    run may not overwrite and trainer.resume=true cannot read or would judge by the
+    wrong config."""
+    from sweeper.sweep.state import as_json, write_json_atomic
 
     folder = checkpoint_folder(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
+    record = {"step": state["step"], "config": run_config}
+    try:
+        recorded = json.loads((folder / RECORD_FILE).read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if recorded != as_json(run_config):
+        write_json_atomic(folder / RECORD_FILE, record)
     save_state(folder, state)
-    write_json_atomic(folder / RECORD_FILE, {"step": state["step"], "config": run_config})
+    write_json_atomic(folder / RECORD_FILE, record)
 
 
 def checkpoint_saver(run_dir: str | Path, run_config: dict) -> Callable:

@@ -195,8 +195,10 @@ def train(
 
     step, history, loss_trace = 0, [], []
     if resume_state is not None:
-        model.load_state_dict(resume_state["model"])
-        optimizer.load_state_dict(resume_state["optimizer"])
+        # taken out of the caller's dict as they are loaded: kept there, a resumed run held
+        # a second copy of its weights (and, on a GPU, of Muon's and AdamW's state) to its end
+        model.load_state_dict(resume_state.pop("model"))
+        optimizer.load_state_dict(resume_state.pop("optimizer"))
         for group in optimizer.param_groups:  # a checkpoint from before the decay's schedule
             group.setdefault("initial_weight_decay", group["weight_decay"])  # held it constant
         torch.set_rng_state(resume_state["torch_rng"])
