@@ -32,3 +32,22 @@ def rank1_dies(config: dict) -> None:
     if dist.get_rank() == 1:
         os._exit(1)
     dist.all_reduce(torch.ones(1))
+
+
+def rank0_saves_slowly(config: dict) -> None:
+    """The real rank loop, with rank 0's checkpoint saves taking longer than the process
+    group's timeout (a big model written to network storage)."""
+    import torch.distributed as dist
+
+    import sweeper.run_checkpoint as run_checkpoint
+    from sweeper.distributed import _worker_loop
+
+    save_state = run_checkpoint.save_state
+
+    def slow_save(folder, state):
+        if dist.get_rank() == 0:
+            time.sleep(config["run"]["trainer"]["dist_timeout_s"] + 4)
+        return save_state(folder, state)
+
+    run_checkpoint.save_state = slow_save
+    _worker_loop(config)

@@ -11,7 +11,7 @@ from sweeper.sweep.engine import run_sweep
 from sweeper.train import train
 
 from .conftest import local_ray, run_cli, tiny
-from .ddp_functions import rank1_dies, rank1_hangs
+from .ddp_functions import rank0_saves_slowly, rank1_dies, rank1_hangs
 
 pytestmark = pytest.mark.slow
 
@@ -171,6 +171,27 @@ def test_a_hung_or_dead_rank_fails_the_run_within_the_timeout(ray_cluster, tmp_p
     # of the ranks before it took 10-150 s on a loaded machine, so it is not counted.
     # Without the short timeout a hung gloo rank waits out torch's 30-minute default.
     assert failed - max(began) < 10 + 60, failed - max(began)
+
+
+def test_a_save_longer_than_the_timeout_does_not_fail_a_two_rank_run(ray_cluster, tmp_path):
+    """Rank 0 writes a single run's checkpoint while rank 1 waits: a save longer than
+    trainer.dist_timeout_s (there for hung ranks) must not end the run."""
+    from sweeper.config import load_run_config
+
+    trainer = {"workers": 2, "dist_timeout_s": 5, "total_batch_size": 1024, "max_steps": 2}
+    run = load_run_config(tiny(trainer=trainer | {"eval_every": 2, "checkpoint_every_eval": True}))
+    train_ddp(
+        run.to_dict(),
+        cpus_per_worker=1,
+        storage_path=str(tmp_path / "ray"),
+        name="slow_save",
+        inside_tune=False,
+        result_path=str(tmp_path / "result.json"),
+        run_dir=str(tmp_path),
+        loop=rank0_saves_slowly,
+    )
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "completed"
+    assert json.loads((tmp_path / "checkpoint" / "checkpoint.json").read_text())["step"] == 2
 
 
 def test_a_two_rank_run_from_the_command_line_shows_its_progress_once(tmp_path):

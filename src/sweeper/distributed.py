@@ -46,6 +46,16 @@ def _worker_loop(config: dict) -> None:
     keep = checkpoint_saver(run_dir, load_run_config(config["run"]).to_dict()) if run_dir else None
 
     reports = config.get("reports")  # a single run's queue to the driver's MLflow logger
+    saves_wait = None
+    if run_dir and config["run"]["trainer"]["checkpoint_every_eval"]:
+        import datetime
+
+        import torch.distributed as dist
+
+        # Rank 0's save of a big model (d20: 5-6.5 GB, fsynced) can outlast the process
+        # group's short timeout (trainer.dist_timeout_s, for hung ranks): the other ranks
+        # wait for it on a group of their own whose timeout outlasts any save
+        saves_wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
 
     def report(metrics: dict, state=None) -> None:
         if run_dir:
@@ -53,12 +63,16 @@ def _worker_loop(config: dict) -> None:
             # result.json itself), and each ray.train.report cost ~2 s here (200 steps of
             # the tiny model with 40 reports: 101 s, with 4: 29 s). Rank 0 sends each
             # evaluation to the driver, then keeps the checkpoint in the run dir (so a
-            # checkpoint's step is in MLflow); the other ranks wait at the next all-reduce.
+            # checkpoint's step is in MLflow); the other ranks wait for the save.
             if rank == 0:
                 if reports is not None:
                     reports.put_nowait(dict(metrics))
                 if state is not None:
                     keep(metrics, state)
+            if state is not None and saves_wait is not None:
+                import torch.distributed as dist
+
+                dist.barrier(group=saves_wait)
             return
         metrics, diverged = penalise(metrics) if penalise else (metrics, False)
         # every rank reports (Ray Train synchronises on it); only rank 0 checkpoints
