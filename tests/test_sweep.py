@@ -840,17 +840,24 @@ def test_asha_ranks_a_users_function_at_its_rungs_but_lets_it_report_to_its_end(
         "sweep.baseline=true",
         "sweep.stages.0.search=grid",
         "sweep.stages.0.num_samples=1",
+        "sweep.concurrency=1",
         "~sweep.stages.0.params.optimizer.matrix_lr",
-        "+sweep.stages.0.params.optimizer.lr.grid=[0.01]",
+        "+sweep.stages.0.params.optimizer.lr.grid=[0.01,1.0,0.0001]",
         "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
     )
     assert summary["stages"][0]["best_value"] == pytest.approx(1.0 + 1.0 / 12)  # ASHA's stage
     # the baseline (optimizer.lr 0.001, a decade off the bowl's floor) reports 12 times too
     assert summary["baseline"]["value"] == pytest.approx(2.0 + 1.0 / 12)
     rows = list(csv.DictReader((tmp_path / "reports.csv").open()))
-    assert len([r for r in rows if r["stage"] == "lr"]) == 12
+    lr_rows = [r for r in rows if r["stage"] == "lr"]
+    assert len([r for r in lr_rows if float(r["lr_seen"]) == 0.01]) == 12
     # reports.csv keeps the function's own figures too, not only the platform's columns
-    assert {float(r["lr_seen"]) for r in rows if r["stage"] == "lr"} == {0.01}
+    assert {float(r["lr_seen"]) for r in lr_rows} == {0.01, 1.0, 0.0001}
+    # the two far off the floor were stopped at the first rung: pruned, though the function
+    # says nothing of its status and Ray marks a stopped trial `done` like a finished one
+    records = json.loads((tmp_path / "sweep_state.json").read_text())["stages"][0]["records"]
+    statuses = {r["params"]["optimizer.lr"]: r["status"] for r in records}
+    assert statuses == {0.01: "completed", 1.0: "pruned", 0.0001: "pruned"}, statuses
 
 
 @pytest.mark.parametrize(

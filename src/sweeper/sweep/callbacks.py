@@ -217,6 +217,25 @@ class ProgressCallback(tune.Callback):
 IDLE_WORK: dict[str, Callable[[str], None]] = {}
 
 
+class MarksStopped(tune.Callback):
+    """Writes status "pruned" into the result on which a scheduler or a stopper ended a
+    user's function before its budget (`clock`: the stage's time attribute and budget).
+    sweeper's own training says in every report whether it is running or done; a user's
+    function says nothing, and Ray sets the same `done` on the result a scheduler stops
+    as on one that ended the function's own run. Tune calls callbacks with a stopped
+    trial's result (which they may change; it becomes the trial's last result) but not
+    with the copy it makes when a function returns by itself, so a `done` seen here is
+    a stop. One at the budget (ASHA's stop at max_t) is a run that trained it all."""
+
+    def __init__(self, clock: tuple[str, float]):
+        self.clock = clock
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        time_attr, budget = self.clock
+        if result.get("done") and "status" not in result and result.get(time_attr, 0) < budget:
+            result["status"] = "pruned"
+
+
 class IdleSlot(tune.Callback):
     """Starts the sweep's work outside Tune (`IDLE_WORK`: the baseline) the first time the
     stage leaves a slot idle that it will not fill: fewer trials run than the cluster has

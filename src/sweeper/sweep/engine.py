@@ -640,6 +640,7 @@ def run_stage(
         FlopCap,
         GridCosts,
         IdleSlot,
+        MarksStopped,
         ProgressCallback,
     )
     from sweeper.sweep.hyperband import BracketState
@@ -728,6 +729,7 @@ def run_stage(
         storage_path=str(out / "ray"),
         verbose=0,
         callbacks=[
+            *([MarksStopped((time_attr, max_t))] if target else []),  # first: the others read it
             progress,
             JsonLoggerCallback(),  # result.json: Tune's results read each trial's reports from it
             *tracker.stage_callbacks(stage.name, base, ctx, search, scheduler_name),

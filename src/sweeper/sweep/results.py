@@ -33,7 +33,8 @@ def error_summary(text: str) -> str:
 def trial_status(metrics: dict, error: Any, can_prune: bool = True) -> str:
     """completed | pruned | diverged | failed, from the trial's last report. sweeper's
     own training reports its status; a user's function that reports none counts as
-    completed when it returned by itself (Ray's `done`) or when nothing could stop it."""
+    completed when it ended (Ray's `done`; one a scheduler stopped before its budget was
+    marked pruned as it happened, by callbacks.MarksStopped) or when nothing could stop it."""
     if error is not None:
         return "failed"
     status = metrics.get("status")
