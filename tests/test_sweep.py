@@ -1357,6 +1357,45 @@ def test_a_run_into_the_run_dir_of_a_sweep_is_refused_and_the_sweep_kept(tmp_pat
     assert (run_dir / "sweep_state.json").read_text() == '{"name": "smoke"}'
 
 
+@pytest.mark.parametrize(
+    "written", ["quoted", "env", "interpolated", "sweep file"], ids=lambda w: w.replace(" ", "_")
+)
+def test_a_sweep_dir_is_protected_however_its_path_is_written(tmp_path, monkeypatch, written):
+    """Hydra runs in the dir its config resolves to: quoted on the command line, from an
+    environment variable, through ${sweep.name}, or set in a sweep file. Each was read as
+    text off the command line (or not at all), passed the checks, and the sweep there was
+    written over."""
+    from sweeper.__main__ import validate
+
+    old = tmp_path / "smoke"
+    old.mkdir()
+    (old / "sweep_state.json").write_text('{"name": "smoke"}')
+    monkeypatch.setenv("OLD_SWEEP", str(old))
+    own = tmp_path / "conf" / "sweep"
+    own.mkdir(parents=True)
+    (own / "pinned.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - /sweep/smoke@_here_\n"
+        f"hydra:\n  run:\n    dir: {tmp_path}/${{sweep.name}}\n"
+    )
+    args = {
+        "quoted": ["+sweep=smoke", f"hydra.run.dir='{old}'"],
+        "env": ["+sweep=smoke", "hydra.run.dir=${oc.env:OLD_SWEEP}"],
+        "interpolated": ["+sweep=smoke", f"hydra.run.dir={tmp_path}/${{sweep.name}}"],
+        "sweep file": [f"hydra.searchpath=[file://{tmp_path}/conf]", "+sweep=pinned"],
+    }[written]
+    with pytest.raises(ConfigError, match=f"hydra.run.dir={old} holds a sweep already"):
+        validate(args)
+    assert (old / "sweep_state.json").read_text() == '{"name": "smoke"}'
+
+
+def test_a_resume_into_a_dir_that_does_not_exist_is_refused(tmp_path):
+    from sweeper.__main__ import validate
+
+    with pytest.raises(ConfigError, match="does not exist, so holds no sweep to resume"):
+        validate(["+sweep=smoke", "sweep.resume=true", f"hydra.run.dir={tmp_path}/typo"])
+    assert not (tmp_path / "typo").exists()
+
+
 def test_a_resume_into_a_single_runs_dir_is_refused_and_the_run_kept(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

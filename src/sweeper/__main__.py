@@ -387,6 +387,7 @@ def validate(overrides: list[str], printing: bool = False):
                 check_optimizer_reads(run.optimizer.name, key, override)
     run_dir = None if printing else hydra_run_dir(overrides)
     chdir = hydra_run_dir(overrides, key="hydra.job.chdir")
+    chdir = chdir.lower() if chdir in ("True", "False") else chdir  # as YAML writes a bool
     if chdir is not None and chdir.strip().lower() not in ("false", "null", "0", "no", "off"):
         # it was checked here, from where the command starts: a relative data.path or
         # MLflow store would name another file, or none, from inside the run dir
@@ -457,6 +458,12 @@ def validate(overrides: list[str], printing: bool = False):
             "sweep.resume=true continues the sweep in the run dir it names: add "
             "hydra.run.dir=<the interrupted sweep's dir> (its path is in the line it printed "
             "when it stopped)"
+        )
+    if resumes and run_dir and not printing and not os.path.isdir(run_dir):
+        # Hydra would make it and a whole new sweep would start: a mistyped path reads so
+        raise ConfigError(
+            f"sweep.resume=true: hydra.run.dir={run_dir} does not exist, so holds no sweep "
+            "to resume; name the interrupted sweep's dir"
         )
     if "sweep" not in cfg:
         check_single_run(cfg)
@@ -681,10 +688,12 @@ def without_print_flags(args: list[str]) -> list[str]:
 
 
 def hydra_run_dir(overrides: list[str], key: str = "hydra.run.dir") -> str | None:
-    """hydra.run.dir (or `key`) as the command line sets it (the last setting wins), else
-    None."""
-    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"{key}=")]
-    return values[-1] if values else None
+    """hydra.run.dir (or `key`) as the job will read it (cli.hydra_setting), as a string;
+    None at Hydra's default, a new dir each time."""
+    from sweeper.cli import hydra_setting
+
+    value = hydra_setting(overrides, key)
+    return None if value is None else str(value)
 
 
 def multirun_jobs(overrides: list[str]) -> list[list[str]]:
@@ -751,8 +760,8 @@ def main() -> None:
             # a multirun's jobs are checked before Hydra makes its multirun dir; the first
             # MAX_CHECKED_JOBS of a huge product, the rest as each job starts (run_job)
             jobs = multirun_jobs(overrides) if multirun else [overrides]
-            if multirun and not printing:
-                check_multirun_dir(overrides)
+            if multirun and not printing:  # a job's overrides: Hydra's dirs resolve there
+                check_multirun_dir(jobs[0] if jobs else overrides)
             checked = [(job, validate(job, printing)) for job in jobs[:MAX_CHECKED_JOBS]]
             if not printing and any(is_dry_run(cfg) for _, cfg in checked):
                 if len(jobs) > MAX_CHECKED_JOBS:

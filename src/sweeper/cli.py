@@ -78,7 +78,7 @@ def resolved(cfg):
     return cfg
 
 
-def _hydra_compose(overrides: Sequence[str]):
+def _hydra_compose(overrides: Sequence[str], return_hydra_config: bool = False):
     import warnings
 
     from hydra import compose as hydra_compose
@@ -90,7 +90,10 @@ def _hydra_compose(overrides: Sequence[str]):
         warnings.simplefilter("always")
         try:
             with initialize_config_dir(str(config_dir()), version_base="1.3"):
-                cfg, failure = hydra_compose("config", overrides=list(overrides)), None
+                cfg = hydra_compose(
+                    "config", overrides=list(overrides), return_hydra_config=return_hydra_config
+                )
+                failure = None
         except Exception as error:  # raised below, after the search path's check
             cfg, failure = None, error
     # Hydra warns (two lines, from its own source) of a search path it cannot find, then
@@ -105,6 +108,44 @@ def _hydra_compose(overrides: Sequence[str]):
     if failure is not None:
         raise failure
     return cfg
+
+
+# Hydra's own dirs: new each time (named by the clock), so nothing there to protect
+HYDRA_DEFAULT_DIRS = frozenset(
+    {"outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}", "multirun/${now:%Y-%m-%d}/${now:%H-%M-%S}"}
+)
+
+
+def hydra_setting(overrides: Sequence[str], key: str):
+    """`key` of Hydra's own config (hydra.run.dir, hydra.sweep.dir, hydra.job.chdir) as the
+    job will read it, wherever it was set: on the command line, quoted or not, in a sweep
+    file, or through an interpolation (`${sweep.name}`, `${oc.env:DIR}`), resolved. None
+    at Hydra's default dirs. Read off the command line alone, a quoted dir or one from a
+    sweep file passed every check of what the dir already holds, and was written over."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = _hydra_compose(overrides, return_hydra_config=True)
+    except Exception:  # a -m product (`a,b`) or another sweeper plugin's syntax
+        return _as_typed(overrides, key)
+    parent, _, leaf = key.rpartition(".")
+    written = OmegaConf.to_container(OmegaConf.select(cfg, parent), resolve=False).get(leaf)
+    if written is None or written in HYDRA_DEFAULT_DIRS:
+        return None
+    try:
+        return OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+    except Exception:  # `${hydra:...}`: only a running Hydra resolves it
+        return written
+
+
+def _as_typed(overrides: Sequence[str], key: str) -> str | None:
+    """`key` as the command line sets it (the last setting wins), its quotes removed."""
+    values = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"{key}=")]
+    if not values:
+        return None
+    value = values[-1]
+    quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""
+    return value[1:-1] if quoted else value
 
 
 def check_syntax(overrides: Sequence[str]) -> None:
