@@ -23,7 +23,16 @@ def make_store(folder) -> tuple[str, dict]:
     experiment = client.create_experiment("sweeper")
     ids = {}
     for name, trials in (
-        ("smoke", [("a_0", 0.02, 1.30, "completed"), ("a_1", 0.01, 1.20, "completed")]),
+        (
+            "smoke",
+            [
+                ("a_0", 0.02, 1.30, "completed"),
+                ("a_1", 0.01, 1.20, "completed"),
+                # a value from a broken run: a failed trial's last, a diverged one's penalty
+                ("a_2", 0.5, 0.90, "failed"),
+                ("a_3", 0.9, 1e9, "diverged"),
+            ],
+        ),
         ("lr", [("b_0", 0.03, 1.50, "pruned"), ("b_1", 0.005, 1.10, "completed")]),
     ):
         run_dir = folder / f"run_{name}"
@@ -56,7 +65,8 @@ def make_store(folder) -> tuple[str, dict]:
             client.log_metric(child, "tokens", 8192, step=2)
             if name == "lr":  # sweeper's training logs its peak memory; a user's may not
                 client.log_metric(child, "peak_memory_gib", 0.25 + lr, step=2)
-            client.set_terminated(child, "KILLED" if status == "pruned" else "FINISHED")
+            ended = {"pruned": "KILLED", "failed": "FAILED", "diverged": "FAILED"}
+            client.set_terminated(child, ended.get(status, "FINISHED"))
         baseline = client.create_run(
             experiment, tags={"mlflow.parentRunId": pid, "role": "baseline", "stage": "baseline"}
         ).info.run_id
@@ -79,6 +89,9 @@ def test_a_sweep_by_name_run_id_or_run_dir_sorted_by_its_metric(tmp_path):
     assert table_rows(text) == [
         ["lr", "a_1", "completed", "1.2000", "8,192", "0.01"],
         ["lr", "a_0", "completed", "1.3000", "8,192", "0.02"],
+        # shown and ranked as the stage tables do: no value, after every measured one
+        ["lr", "a_2", "failed", "-", "8,192", "0.5"],
+        ["lr", "a_3", "diverged", "-", "8,192", "0.9"],
     ]
     assert "baseline (unmodified config): val_bpb 1.7500" in text
     assert compare(ids["smoke"], uri, None) == text

@@ -536,6 +536,7 @@ def test_divergence_injected_at_step_k_ends_that_trial_only(ray_cluster, tmp_pat
         "~sweep.stages.0.params.optimizer.matrix_lr",
         "+sweep.stages.0.params.trainer.nan_at_step.grid=[3,1000]",
         "sweep.concurrency=2",
+        "sweep.rung_cooldown=0.25",  # what ASHA ranks is then a fork's value: logged too
     )
     state = json.loads((run_dir / "sweep_state.json").read_text())
     records = {r["params"]["trainer.nan_at_step"]: r for r in state["stages"][0]["records"]}
@@ -557,6 +558,12 @@ def test_divergence_injected_at_step_k_ends_that_trial_only(ray_cluster, tmp_pat
     diverged = runs[records[3]["trial_id"]]
     assert diverged.info.status == "FAILED" and diverged.data.tags["status"] == "diverged"
     assert "step 3" in diverged.data.tags["reason"] and "nan" in diverged.data.tags["reason"]
+    # its one report's val_bpb was the searcher's penalty, not a measurement: not logged
+    assert "val_bpb" not in diverged.data.metrics, diverged.data.metrics
+    finished = runs[records[1000]["trial_id"]].data.metrics
+    assert finished["val_bpb"] == pytest.approx(records[1000]["metric"])
+    assert finished["params"] > 0  # N of the scaling fits, on every trial's run
+    assert finished["rung_val_bpb"] > 0  # the cooled fork's, at the rung ASHA ranked it
 
     alone = compose([*TINY_SWEEP, "trainer.budget_tokens=8192", "trainer.num_evals=4"])
     config = {k: alone[k] for k in ("model", "optimizer", "scheduler", "data", "trainer")}

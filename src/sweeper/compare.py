@@ -262,6 +262,9 @@ def _children(client, parent) -> list:
             return runs
 
 
+BROKEN = ("failed", "diverged")  # trials whose last value is no measurement of the config
+
+
 def _render(parent, children: list, uri: str) -> str:
     params, tags = parent.data.params, parent.data.tags
     metric, mode = params.get("metric", "val_bpb"), params.get("mode", "min")
@@ -270,9 +273,18 @@ def _render(parent, children: list, uri: str) -> str:
     keys = sorted({k for r in trials for k in r.data.params})
     varied = [k for k in keys if len({r.data.params.get(k) for r in trials}) > 1]
 
+    def status(run) -> str:
+        return run.data.tags.get("status", run.info.status.lower())
+
+    def value(run) -> float | None:
+        # as the stage tables: a failed trial's last value is from a broken run, and a
+        # diverged one's was the searcher's penalty (logged by stores of older sweeps)
+        return None if status(run) in BROKEN else run.data.metrics.get(metric)
+
     def order(run):
-        value = run.data.metrics.get(metric)
-        return (value is None, 0.0 if value is None else (value if mode == "min" else -value))
+        v = value(run)
+        ranked = 0.0 if v is None else (v if mode == "min" else -v)
+        return (v is None, ranked, run.data.tags.get("trial_id", run.info.run_name))
 
     # sweeper's own training logs its peak memory; a user's function may not
     memory = any(MEMORY in r.data.metrics for r in trials)
@@ -281,8 +293,8 @@ def _render(parent, children: list, uri: str) -> str:
         [
             r.data.tags.get("stage", "-"),
             r.data.tags.get("trial_id", r.info.run_name),
-            r.data.tags.get("status", r.info.status.lower()),
-            _number(r.data.metrics.get(metric), ".4f"),
+            status(r),
+            _number(value(r), ".4f"),
             _number(r.data.metrics.get("tokens"), ",.0f"),
             *[_number(r.data.metrics.get(MEMORY), ".2f")] * memory,
             *(_param(r.data.params.get(k)) for k in varied),

@@ -64,6 +64,9 @@ METRICS = (
     "tokens_per_s",
     "mfu",
     "peak_memory_gib",
+    "params",  # N of the scaling fits, on every run that has one
+    RUNG_METRIC,  # what ASHA, HyperBand and BOHB ranked, where rungs fork a cooled copy
+    "fork_flops",
 )
 # what sweeper's trial wrapper adds to a report (trainable.run_trial, ASHA's rung forks):
 # not a user's function's own numbers
@@ -312,6 +315,11 @@ class MlflowTracker:
             names = (self.spec.metric, *(k for k in values if k not in added))
         else:
             names = (self.spec.metric, *METRICS)
+        if key not in (PARENT, "baseline") and values.get("status") == "diverged":
+            # the searcher's penalty (log2 of the vocabulary, 1e9 for a user's function)
+            # stands where the metric was not finite: no measurement, and one 1e9 point
+            # flattens the UI's chart of every trial
+            names = [n for n in names if n not in (self.spec.metric, RUNG_METRIC)]
         rows = []
         for name in dict.fromkeys(names):
             value = values.get(name)
