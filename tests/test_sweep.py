@@ -1197,6 +1197,9 @@ REFUSED = [
         "sweep.confirm_seeds=1 trains again on other values of trainer.seed, which this config",
     ),
     (["sweep.metric=accuracy"], "sweep.metric must be one of val_bpb, train_loss"),
+    # the other way round, a sweep looks for the worst config
+    (["sweep.mode=max"], "sweep.mode=max with sweep.metric=val_bpb, which is better lower"),
+    (["sweep.metric=tokens_per_s"], "which is better higher: the sweep would look for the wor"),
     (["sweep.search=foo"], "sweep.search must be one of random"),
     (["sweep.stages.0.num_samples=1.5"], "sweep.stages.0.num_samples"),
     (["+sweep.stages.0.points={optimizer.matrix_lr:0.02}"], "sweep.stages.0.points must be a list"),

@@ -26,6 +26,9 @@ BATCH_KEY = "trainer.total_batch_size"
 # what sweeper.train reports at every evaluation that a sweep can rank trials by
 # (tests/test_train.py holds the trainer to it)
 BUILTIN_METRICS = ("val_bpb", "train_loss", "tokens_per_s")
+# which way each is better: the other way a sweep looks for the worst config (and, under
+# max, finds a diverged trial's penalty the best)
+BUILTIN_MODES = {"val_bpb": "min", "train_loss": "min", "tokens_per_s": "max"}
 
 
 @dataclass
@@ -276,6 +279,13 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
             spec.metric in BUILTIN_METRICS,
             f"sweep.metric must be one of {', '.join(BUILTIN_METRICS)} (what a training run "
             f"reports), got {spec.metric!r}",
+        )
+        better = BUILTIN_MODES[spec.metric]
+        _check(
+            spec.mode == better,
+            f"sweep.mode={spec.mode} with sweep.metric={spec.metric}, which is better "
+            f"{'lower' if better == 'min' else 'higher'}: the sweep would look for the worst "
+            f"config; set sweep.mode={better}",
         )
     # the sweep-wide defaults, also where every stage names its own (a typo is still a typo)
     _check(
