@@ -350,9 +350,9 @@ def test_cli_averages_rows_that_differ_only_in_their_seed(tmp_path, column, opti
         (lambda d: write_csv(d / "b.csv", ["params", "loss"], [[1e8, 3.0]] * 2), "usable row"),
         (lambda d: put(d / "c.csv", b"\xff\xfe\x00garbage\x00"), "cannot read"),
         (lambda d: put(d / "e.csv", b""), "empty"),
-        (lambda d: put(d / "h.csv", b'loss,params\n1,2,3\n"unterminated'), "usable row"),
+        (lambda d: put(d / "h.csv", b'loss,params\n1,2,3\n"unterminated'), "not a number"),
         (lambda d: d, "without reports.csv"),
-        (lambda d: write_csv(d / "f.csv", ["params", "loss"], [["x", "y"]] * 9), "usable row"),
+        (lambda d: write_csv(d / "f.csv", ["params", "loss"], [["x", "y"]] * 9), "not a number"),
         # a binary file can read as a CSV of thousands of unnamed columns: not all named
         (lambda d: put(d / "w.csv", b"\x01," * 39 + b"\n1\n"), r"'\x01', ... (40 in all)"),
     ],
@@ -407,3 +407,26 @@ def test_main_in_process_no_fit_possible(tmp_path, capsys):
     assert main([str(src), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: no fit could be made") and "\n" not in err
+
+
+def test_a_cell_that_is_not_a_number_is_refused_naming_its_line_and_column(tmp_path):
+    from sweeper.scaling.records import read_csv_records
+
+    rows = [[n, c, loss] for n, c, loss in law_rows(2, 2)]
+    rows[2][0] = "abc"  # read as NaN, the row left the fits without a word
+    src = write_csv(tmp_path / "runs.csv", ["params", "FLOPs", "loss"], rows)
+    with pytest.raises(InputError, match=r"runs.csv line 4: column 'params' holds 'abc', not a"):
+        read_csv_records(str(src))
+    rows[2][0] = ""  # an unknown value, and 'nan' a measured one: read, as before
+    rows[1][2] = "nan"
+    src = write_csv(tmp_path / "runs.csv", ["params", "FLOPs", "loss"], rows)
+    assert len(read_csv_records(str(src))) == 4
+
+
+def test_records_with_a_non_positive_size_are_named_in_the_warnings():
+    from sweeper.scaling.analysis import fit_all
+
+    records = [{"N": n, "C": c, "loss": loss} for n, c, loss in law_rows()]
+    records[0]["N"], records[1]["N"] = 0.0, -1e6
+    warnings = fit_all(records, bootstrap=0)["warnings"]
+    assert any("2 record(s) with a zero or negative N, D or C" in w for w in warnings), warnings

@@ -89,6 +89,11 @@ def fit_all(
             f"dropped {pts.n_dropped} of {pts.n_records} record(s) with a missing, NaN/inf or "
             "non-positive loss"
         )
+    if pts.n_nonpositive_size:
+        warnings.append(
+            f"{pts.n_nonpositive_size} record(s) with a zero or negative N, D or C: the fits "
+            "that read it leave them out"
+        )
     runs = pts  # each seed's own runs, for the per-seed laws below
     pts, result["seeds"] = average_seeds(pts)
     opts = {

@@ -9,6 +9,7 @@ measurement: `average_seeds` replaces them by their mean.
 from __future__ import annotations
 
 import csv
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -179,7 +180,9 @@ def read_csv_records(
         raise InputError(f"cannot read {path}: {exc}") from None
     if not rows or not any(cell.strip() for cell in rows[0]):
         raise InputError(f"{path} is empty or has no header row")
-    header, body = rows[0], [r for r in rows[1:] if any(cell.strip() for cell in r)]
+    header = rows[0]
+    # (line in the file, row) of the rows that hold anything: the line names a bad cell
+    body = [(line, r) for line, r in enumerate(rows[1:], start=2) if any(c.strip() for c in r)]
     mapping = detect_columns(header, explicit, preferred)
     if "loss" not in mapping:
         raise InputError(
@@ -189,7 +192,7 @@ def read_csv_records(
         raise InputError(f"{path} has neither a compute nor a parameter-count column")
     pos = {fld: header.index(col) for fld, col in mapping.items()}
     records = []
-    for row in body:
+    for line, row in body:
         rec = {}
         for fld, i in pos.items():
             cell = row[i].strip() if i < len(row) else ""
@@ -199,6 +202,12 @@ def read_csv_records(
                 rec[fld] = cell or None
             else:
                 rec[fld] = _to_float(cell)
+                if cell and math.isnan(rec[fld]) and cell.lower() != "nan":
+                    # read as NaN, the row left the fits with no word (an empty cell is an
+                    # unknown value; 'nan' a measured one, dropped with a warning)
+                    raise InputError(
+                        f"{path} line {line}: column {header[i]!r} holds {cell!r}, not a number"
+                    )
         records.append(rec)
     return (records, mapping) if return_columns else records
 
@@ -218,6 +227,8 @@ class Points:
     n_records: int
     n_dropped: int
     seed: np.ndarray | None = None  # NaN where unknown; None: no record has one
+    # usable losses whose N, D or C is zero or negative: the fits that read it leave them out
+    n_nonpositive_size: int = 0
     by_seed: list[dict] | None = None  # each averaged point's loss on each seed: {seed: loss}
 
     def take(self, idx: np.ndarray) -> Points:
@@ -273,6 +284,9 @@ def to_points(records: list[dict]) -> Points:
     final = np.array([_to_bool(r.get("final")) is not False for r in records], dtype=bool)
     budget = [_budget_label(r.get("budget")) for r in records]
     keep = np.flatnonzero(ok)
+    nonpositive = np.zeros(len(records), dtype=bool)
+    for values in (n, d, c):
+        nonpositive |= np.isfinite(values) & (values <= 0)
     return Points(
         N=n[keep],
         D=d[keep],
@@ -285,6 +299,7 @@ def to_points(records: list[dict]) -> Points:
         n_records=len(records),
         n_dropped=len(records) - len(keep),
         seed=col["seed"][keep],
+        n_nonpositive_size=int((nonpositive & ok).sum()),
     )
 
 
