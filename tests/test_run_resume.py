@@ -46,7 +46,8 @@ def _interrupt_after_first_checkpoint(args: list[str], cwd) -> tuple[int, str]:
     """Starts `python -m sweeper args`, sends SIGTERM (kill, docker stop) once its first
     checkpoint is written; returns the exit code and stderr."""
     run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir="))
-    record = cwd / run_dir / "checkpoint" / "checkpoint.json"
+    # the state, not its record: a run's first save writes the record first
+    state = cwd / run_dir / "checkpoint" / "training_state.pt"
     with subprocess.Popen(
         [sys.executable, "-m", "sweeper", *args],
         cwd=cwd,
@@ -55,7 +56,7 @@ def _interrupt_after_first_checkpoint(args: list[str], cwd) -> tuple[int, str]:
         stderr=subprocess.PIPE,
         text=True,
     ) as proc:
-        while not record.exists() and proc.poll() is None:
+        while not state.exists() and proc.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=0.02)
         proc.send_signal(signal.SIGTERM)

@@ -697,13 +697,17 @@ def test_calls_a_dead_server_never_took_are_kept_and_sent_by_the_next_driver(tmp
     assert time.monotonic() - started < 5
     assert pending.is_file()
 
+    run_id = queue.run_id("t")
     again = OpQueue(real, experiment, pending, say=lambda m: None)
     assert again.load_pending() == 2
+    # this driver's own run under the same key, another run: the kept calls are not its
+    again.apply_now({"op": "open", "run": "t", "name": "new", "match": {"trial_id": "new"}})
+    assert again.run_id("t") != run_id
     again.start()
     assert again.close() == 0 and not pending.exists()
-    run_id = again.run_id("t")
     assert [m.step for m in real.get_metric_history(run_id, "val_bpb")] == [1, 2]
     assert real.get_run(run_id).info.status == "FINISHED"
+    assert real.get_metric_history(again.run_id("t"), "val_bpb") == []
 
 
 # --- the tracker's trial bookkeeping, with stand-in Tune trials (no Ray) ---------------------

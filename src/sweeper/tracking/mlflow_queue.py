@@ -87,6 +87,11 @@ def quote(value: str) -> str:
     return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def earlier(key: str) -> str:
+    """The key of a run an earlier driver's kept ops log to (OpQueue.load_pending)."""
+    return f"{key}@earlier"
+
+
 class OpQueue:
     def __init__(self, client, experiment_id: str, pending_path: Path, where: str = "", say=print):
         self.client, self.experiment_id, self.where = client, experiment_id, where
@@ -110,7 +115,10 @@ class OpQueue:
 
     # --- the driver's side -----------------------------------------------------------
     def load_pending(self) -> int:
-        """Ops left in the pending file by an earlier driver go first."""
+        """Ops left in the pending file by an earlier driver go first, to the runs that
+        driver logged to. Its ops name runs by key ("sweep", "run"), which this driver
+        uses for its own runs: under their own keys they went to whatever this driver
+        opened, a new run in the same dir given the earlier run's metrics and end."""
         if not self.pending_path.is_file():
             return 0
         count = 0
@@ -123,8 +131,11 @@ class OpQueue:
                 except json.JSONDecodeError:  # a line cut short by a killed driver
                     continue
                 if "runs" in item:
-                    self.run_ids.update(item["runs"])
+                    self.run_ids.update({earlier(k): v for k, v in item["runs"].items()})
                     continue
+                for field in ("run", "parent"):
+                    if item.get(field):
+                        item[field] = earlier(item[field])
                 self.ops.append(item)
                 count += 1
         for key in self.run_ids:
