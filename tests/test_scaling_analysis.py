@@ -999,3 +999,16 @@ def test_an_excluded_isoflop_vertex_far_off_the_sizes_tried_is_not_drawn(tmp_pat
         plot_isoflop(res, to_points(records), tmp_path / "isoflop.png")
     vertices = {x: marker for x, marker in drawn if marker in ("*", "x")}
     assert far["n_opt"] not in vertices and vertices[near["n_opt"]] == "x"
+
+
+def test_a_frontier_of_reports_before_their_schedules_end_says_so():
+    """One budget's sweep: the envelope is a learning curve, points before its decay."""
+    curve = [{"C": c, "loss": 2.0 + 3e3 * c**-0.3, "final": False} for c in np.logspace(9, 12, 8)]
+    curve[-1]["final"] = True
+    res = fit_all(curve)
+    assert res["frontier"] is not None
+    assert any("7 of its 8 points are reports from before" in w for w in res["warnings"]), res[
+        "warnings"
+    ]
+    annealed = [{**point, "final": True} for point in curve]  # a run per budget, each ended
+    assert not any("before their run's" in w for w in fit_all(annealed)["warnings"])

@@ -142,6 +142,18 @@ def _frontier(pts: Points, opts: dict, warnings: list) -> tuple:
         return None, {}
     fit = fit_frontier(c[env], y[env])
     warnings.extend(fit.warnings)
+    early = int((~pts.final[ok][env]).sum())
+    ended = ok[pts.final[ok]]
+    if early and len(lower_envelope(pts.C[ended], pts.loss[ended])) == 1:
+        # a sweep of one budget: the envelope is its best run's learning curve, mostly at
+        # its peak LR under WSD, above what a run annealed at that compute would reach
+        warnings.append(
+            f"frontier: {early} of its {len(env)} points are reports from before their run's "
+            "LR schedule ended, and the runs end at one compute budget: it is one learning "
+            "curve, above what runs annealed at each compute reach, so alpha reads steeper "
+            "than the compute-optimal frontier's (+sweep=scaling or lr_scaling end runs at "
+            "several budgets)"
+        )
     section = fit.to_dict()
     section["n_candidates"] = len(ok)
     section["envelope"] = {"flops": c[env].tolist(), "loss": y[env].tolist()}
