@@ -1,7 +1,7 @@
 """torch.optim.Muon, with the Newton-Schulz step in a precision the machine is fast at.
 
 torch.optim.Muon runs its Newton-Schulz orthogonalisation in bf16, always. On GPUs and on
-CPUs with native bf16 (AVX512-BF16, AMX) that is the fast choice. On other CPUs bf16
+CPUs where bf16 matmuls are fast (runtime.cpu_bf16_is_fast) that is the right choice. On other CPUs bf16
 matmuls are emulated: measured on a 2-core Cascade Lake, a 256 x 1024 Gram matrix takes
 3.3 ms in bf16 against 1.1 ms in fp32, and Muon's step for the 3M-parameter `small` model
 took about 550 ms, longer than half a training step. torch's Muon has no option for this,

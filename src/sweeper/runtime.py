@@ -107,16 +107,114 @@ def _readable(n: float, unit: str) -> str:
     return f"{n:,.1f}{unit}" if n < 1e6 else f"{n:.2e}{unit}"
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: there bf16 autocast beats fp32 (2.6x measured on a 3M GPT);
-    elsewhere bf16 is emulated and slower than fp32."""
+# bf16 autocast must beat fp32 by this much in a matmul to pay for its casts
+BF16_MIN_SPEEDUP = 1.25
+# the `small` model's widest matmul (a micro-batch of 16 x 256 tokens into its MLP)
+_PROBE_SHAPE = (4096, 256, 1024)
+
+
+def _cpu_identity() -> tuple[str, str]:
+    """(the first processor's vendor, family, model, name, stepping and flags lines of
+    /proc/cpuinfo, its flags line); empty strings off Linux. Its clock (cpu MHz) varies."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            first = f.read().split("\n\n", 1)[0]
     except OSError:
-        return False
+        return "", ""
+    fields = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags")
+    lines = [ln for ln in first.splitlines() if ln.split(":")[0].strip() in fields]
+    flags = next((ln for ln in lines if ln.startswith("flags")), "")
+    return "\n".join(lines), flags
+
+
+def cpu_has_bf16_units() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run natively; elsewhere they are emulated, slower
+    than fp32."""
+    flags = _cpu_identity()[1].split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def measure_bf16_matmul() -> dict:
+    """Median time of the probe matmul in bf16 and in fp32 (ms), at torch's thread count."""
+    import time
+
+    m, k, n = _PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    pairs = {
+        dtype: (
+            torch.randn(m, k, generator=gen).to(dtype),
+            torch.randn(k, n, generator=gen).to(dtype),
+        )
+        for dtype in (torch.bfloat16, torch.float32)
+    }
+    times = {dtype: [] for dtype in pairs}
+    for rep in range(7):  # alternating, so a noisy neighbour slows both alike
+        for dtype, (a, b) in pairs.items():
+            started = time.perf_counter()
+            a @ b
+            if rep >= 2:  # the first two warm up oneDNN's kernels
+                times[dtype].append(time.perf_counter() - started)
+    bf16, fp32 = (sorted(times[d])[len(times[d]) // 2] * 1e3 for d in pairs)
+    return {"bf16_ms": round(bf16, 3), "fp32_ms": round(fp32, 3)}
+
+
+def bf16_beats_fp32(timing: dict) -> bool:
+    return timing["fp32_ms"] >= BF16_MIN_SPEEDUP * timing["bf16_ms"]
+
+
+def cache_dir() -> str:
+    """$SWEEPER_CACHE_DIR, else $XDG_CACHE_HOME/sweeper, else ~/.cache/sweeper."""
+    if os.environ.get("SWEEPER_CACHE_DIR"):
+        return os.environ["SWEEPER_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sweeper")
+
+
+def recorded_bf16_timing(measure: Callable[[], dict] = measure_bf16_matmul) -> dict:
+    """This CPU's bf16-against-fp32 timing, measured once per CPU and torch version and
+    kept in cache_dir(): every later process on the machine reads the same answer, so
+    trials of one sweep never train in different precisions because one timing was noisy.
+    The first process to write it wins; one that cannot write uses its own measurement."""
+    import hashlib
+    import json
+
+    identity, _ = _cpu_identity()
+    key = hashlib.sha1(f"{identity}\n{torch.__version__}".encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir(), f"cpu_bf16-{key}.json")
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        with open(path) as f:
+            recorded = json.load(f)
+        return {"bf16_ms": float(recorded["bf16_ms"]), "fp32_ms": float(recorded["fp32_ms"])}
+    timing = measure()
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        model = next((ln for ln in identity.splitlines() if ln.startswith("model name")), "")
+        record = {**timing, "cpu": model.partition(":")[2].strip(), "torch": torch.__version__}
+        written = f"{path}.{os.getpid()}.tmp"
+        with open(written, "w") as f:
+            json.dump(record, f)
+        try:
+            os.link(written, path)  # fails where another process wrote first
+        except FileExistsError:
+            with contextlib.suppress(OSError, ValueError, KeyError), open(path) as f:
+                recorded = json.load(f)
+                timing = {
+                    "bf16_ms": float(recorded["bf16_ms"]),
+                    "fp32_ms": float(recorded["fp32_ms"]),
+                }
+        finally:
+            os.unlink(written)
+    return timing
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_is_fast() -> bool:
+    """Whether bf16 autocast beats fp32 on this CPU. Having bf16 units is not enough: on a
+    2-core Xeon with AVX512-BF16 and no AMX (model 207, 2026-12-02) oneDNN's bf16 matmul
+    took 19.7 ms against fp32's 11.9 ms and training in bf16 was 1.45x slower, where an
+    EPYC's AVX512-BF16 trained 2.6x faster and an AMX Xeon's matmul was 10x faster. So
+    where the units exist, one timed matmul decides (recorded_bf16_timing)."""
+    return cpu_has_bf16_units() and bf16_beats_fp32(recorded_bf16_timing())
 
 
 def _libc():
@@ -217,7 +315,7 @@ def out_of_memory(error: BaseException) -> str | None:
 
 
 def bf16_is_fast(device: torch.device) -> bool:
-    return device.type == "cuda" or cpu_has_native_bf16()
+    return device.type == "cuda" or (device.type == "cpu" and cpu_bf16_is_fast())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
