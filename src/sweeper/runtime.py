@@ -170,6 +170,17 @@ def cache_dir() -> str:
     return os.path.join(base, "sweeper")
 
 
+def _recorded_timing(path: str) -> dict | None:
+    import json
+
+    try:
+        with open(path) as f:
+            recorded = json.load(f)
+        return {"bf16_ms": float(recorded["bf16_ms"]), "fp32_ms": float(recorded["fp32_ms"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def recorded_bf16_timing(measure: Callable[[], dict] = measure_bf16_matmul) -> dict:
     """This CPU's bf16-against-fp32 timing, measured once per CPU and torch version and
     kept in cache_dir(): every later process on the machine reads the same answer, so
@@ -181,10 +192,8 @@ def recorded_bf16_timing(measure: Callable[[], dict] = measure_bf16_matmul) -> d
     identity, _ = _cpu_identity()
     key = hashlib.sha1(f"{identity}\n{torch.__version__}".encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"cpu_bf16-{key}.json")
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        with open(path) as f:
-            recorded = json.load(f)
-        return {"bf16_ms": float(recorded["bf16_ms"]), "fp32_ms": float(recorded["fp32_ms"])}
+    if recorded := _recorded_timing(path):
+        return recorded
     timing = measure()
     with contextlib.suppress(OSError):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -194,14 +203,9 @@ def recorded_bf16_timing(measure: Callable[[], dict] = measure_bf16_matmul) -> d
         with open(written, "w") as f:
             json.dump(record, f)
         try:
-            os.link(written, path)  # fails where another process wrote first
+            os.link(written, path)  # whole or not at all; fails where another process wrote first
         except FileExistsError:
-            with contextlib.suppress(OSError, ValueError, KeyError), open(path) as f:
-                recorded = json.load(f)
-                timing = {
-                    "bf16_ms": float(recorded["bf16_ms"]),
-                    "fp32_ms": float(recorded["fp32_ms"]),
-                }
+            timing = _recorded_timing(path) or timing
         finally:
             os.unlink(written)
     return timing
