@@ -2,8 +2,8 @@
 
 torch.optim.Muon runs its Newton-Schulz orthogonalisation in bf16, always. On GPUs and on
 CPUs where bf16 matmuls are fast (runtime.cpu_bf16_is_fast) that is the right choice. On
-other CPUs bf16 matmuls are emulated or slow: measured on a 2-core Cascade Lake, a 256 x 1024 Gram matrix takes
-3.3 ms in bf16 against 1.1 ms in fp32, and Muon's step for the 3M-parameter `small` model
+other CPUs bf16 matmuls are emulated or slow: measured on a 2-core Cascade Lake, a
+256 x 1024 Gram matrix takes 3.3 ms in bf16 against 1.1 ms in fp32, and Muon's step for the 3M-parameter `small` model
 took about 550 ms, longer than half a training step. torch's Muon has no option for this,
 so `Muon.step` below redoes its ~20 lines (same state, same hyperparameters, same
 `state_dict`), with three changes: the iteration runs in `ns_dtype`; matrices of one
