@@ -2,15 +2,15 @@
 
 torch.optim.Muon runs its Newton-Schulz orthogonalisation in bf16, always. On GPUs and on
 CPUs where bf16 matmuls are fast (runtime.cpu_bf16_is_fast) that is the right choice. On
-other CPUs bf16 matmuls are emulated or slow: measured on a 2-core Cascade Lake, a
-256 x 1024 Gram matrix takes 3.3 ms in bf16 against 1.1 ms in fp32, and Muon's step for
-the 3M-parameter `small` model took about 550 ms, longer than half a training step.
-torch's Muon has no option for this, so `Muon.step` below redoes its ~20 lines (same
-state, same hyperparameters, same `state_dict`), with three changes: the iteration runs in `ns_dtype`; matrices of one
-shape go through it together as one batched matmul (modded-nanogpt does the same), which
-saves a Python round per matrix and lets the BLAS see bigger work; and in fp32 the
-non-square matrices take a Gram form of the same iteration that needs about half the
-FLOPs for the MLP's 1 x 4 matrices (`_gram_newton_schulz`).
+other CPUs bf16 matmuls are emulated or slow: measured on a 2-core Cascade Lake, a 256 x
+1024 Gram matrix takes 3.3 ms in bf16 against 1.1 ms in fp32, and Muon's step for the
+3M-parameter `small` model took about 550 ms, longer than half a training step. torch's
+Muon has no option for this, so `Muon.step` below redoes its ~20 lines (same state, same
+hyperparameters, same `state_dict`), with three changes: the iteration runs in `ns_dtype`;
+matrices of one shape go through it together as one batched matmul (modded-nanogpt does
+the same), which saves a Python round per matrix and lets the BLAS see bigger work; and in
+fp32 the non-square matrices take a Gram form of the same iteration that needs about half
+the FLOPs for the MLP's 1 x 4 matrices (`_gram_newton_schulz`).
 """
 
 from __future__ import annotations
