@@ -359,6 +359,27 @@ def test_a_multirun_jobs_bad_value_is_one_line_before_anything_runs(tmp_path, va
     assert list(tmp_path.iterdir()) == [], "the good job must not have run either"
 
 
+def test_a_multirun_glob_lists_the_config_groups_options():
+    from sweeper.__main__ import multirun_jobs
+
+    # glob() needs Hydra's config loader to list model/'s files (it was "ConfigLoader is
+    # not set"); the jobs are the group's options matching it, crossed with the other sweep
+    jobs = multirun_jobs(["model=glob(*,exclude=d*)", "model.depth=1,2"])
+    assert sorted(jobs) == [
+        [f"model={name}", f"model.depth={depth}"] for name in ("small", "tiny") for depth in (1, 2)
+    ]
+    assert multirun_jobs(["model=glob(t*)"]) == [["model=tiny"]]
+
+
+def test_a_multirun_glob_that_matches_nothing_is_one_line(tmp_path):
+    proc = run_cli(["-m", "model=glob(zz*)", "trainer.max_steps=2"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: model=glob(zz*): sweeps over no value, so no job would run"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_config_error_names_key_in_process():
     with pytest.raises(ConfigError, match="model.depth"):
         load_run_config({"model": {"depth": 0}})

@@ -702,7 +702,9 @@ def multirun_jobs(overrides: list[str]) -> list[list[str]]:
     plugin is chosen (its syntax is its own): those jobs are checked as they start."""
     if any(o.lstrip("+").startswith("hydra/sweeper=") for o in overrides):
         return []
+    from hydra import initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -710,10 +712,17 @@ def multirun_jobs(overrides: list[str]) -> list[list[str]]:
 
     check_syntax(overrides)  # a syntax error named by its override, as without -m
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        batches = BasicSweeper.split_arguments(parsed, None)
+        # glob() lists a config group's options, which takes Hydra's config loader (the
+        # same one Hydra's own sweeper expands it with)
+        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            parsed = OverridesParser.create(config_loader=loader).parse_overrides(overrides)
+            batches = BasicSweeper.split_arguments(parsed, None)
     except HydraException as error:
         raise ConfigError(str(error).splitlines()[0]) from None
+    for override in parsed:
+        if override.is_sweep_override() and not list(override.sweep_string_iterator()):
+            raise ConfigError(f"{override.input_line}: sweeps over no value, so no job would run")
     return [job for batch in batches for job in batch]
 
 
