@@ -145,6 +145,39 @@ def test_build_searcher_splits_the_space(search):
         assert optuna.logging.get_verbosity() == optuna.logging.WARNING
 
 
+@pytest.mark.parametrize("search", ["tpe", "gp"])
+@pytest.mark.parametrize(("mode", "worst"), [("min", math.inf), ("max", -math.inf)])
+def test_optuna_is_told_a_diverged_trial_as_the_worst_value(search, mode, worst):
+    # the trial's own report keeps its finite penalty (Ray's schedulers rank it); Optuna is
+    # told +-inf, which its GP clips to the worst finite value instead of standardising a 1e9
+    import warnings
+
+    space = parse_space({"x": {"uniform": [0.0, 1.0]}})
+    alg, _ = build_searcher(search, space, metric=METRIC, mode=mode, seed=0, num_samples=4)
+    penalty = 1e9 if mode == "min" else -1e9
+    results = [{METRIC: 1.5}, {METRIC: penalty, "status": "diverged"}, {METRIC: 1.2}, {}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the GP's clipping warning is not printed either
+        for i, result in enumerate(results * 2):
+            trial_id = f"t{i}"
+            assert set(alg.suggest(trial_id)) == {"x"}
+            alg.on_trial_complete(trial_id, result=dict(result) or None, error=not result)
+    trials = alg._ot_study.trials
+    assert [t.value for t in trials] == [1.5, worst, 1.2, None] * 2
+    assert [t.state.name for t in trials][:4] == ["COMPLETE", "COMPLETE", "COMPLETE", "FAIL"]
+    assert results[1][METRIC] == penalty  # the caller's result is not changed in place
+
+
+def test_a_penalty_the_user_chose_is_told_to_optuna_as_it_is():
+    space = parse_space({"x": {"uniform": [0.0, 1.0]}})
+    alg, _ = build_searcher(
+        "gp", space, metric=METRIC, mode=MODE, seed=0, num_samples=4, worst_on_divergence=False
+    )
+    alg.suggest("t0")
+    alg.on_trial_complete("t0", result={METRIC: 9.0, "status": "diverged"})
+    assert [t.value for t in alg._ot_study.trials] == [9.0]
+
+
 @pytest.mark.parametrize("scheduler", ["asha", "hyperband", "bohb"])
 @pytest.mark.parametrize(("grace_fraction", "eta"), [(0.25, 3), (1 / 9, 3), (0.1, 2), (0.5, 4)])
 def test_rungs_are_where_rays_schedulers_stop_trials(scheduler, grace_fraction, eta):

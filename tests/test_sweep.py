@@ -826,6 +826,34 @@ def test_a_users_function_is_swept_with_the_same_dsl(ray_cluster, tmp_path, caps
     assert "every fresh seed gave the same value" in capsys.readouterr().out
 
 
+def test_the_gp_search_is_told_a_diverged_users_trial_as_the_worst_value(ray_cluster, tmp_path):
+    """A user's function's penalty is 1e9; the GP is told +inf instead (it clips that to
+    the worst finite value of each fit), while the records keep the penalty."""
+    import pickle
+
+    sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.bowl_that_diverges_above_lr_0_1",
+        "sweep.stages.0.search=gp",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.0.num_samples=4",
+        "~sweep.stages.0.params.optimizer.matrix_lr",
+        "+sweep.stages.0.params.optimizer.lr.log_uniform=[0.0001,1.0]",
+        "+sweep.stages.0.points=[{optimizer.lr:0.5},{optimizer.lr:0.01}]",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    records = state["stages"][0]["records"]
+    diverged = [r for r in records if r["status"] == "diverged"]
+    assert diverged and all(r["metric"] == 1e9 for r in diverged)  # the records' penalty
+    (saved,) = (tmp_path / "ray" / "stage0_lr").glob("searcher-state-*.pkl")
+    with open(saved, "rb") as f:
+        study = pickle.load(f)["_ot_study"]
+    told = sorted(t.value for t in study.trials)
+    expected = sorted(math.inf if r["status"] == "diverged" else r["metric"] for r in records)
+    assert told == pytest.approx(expected) and len(told) == 4
+
+
 def test_asha_ranks_a_users_function_at_its_rungs_but_lets_it_report_to_its_end(
     ray_cluster, tmp_path
 ):

@@ -142,3 +142,13 @@ def bowl_in_lr_batch_and_budget(config: dict, report) -> None:
     for step in range(1, 5):
         flops = budget * step / 4
         report({"val_bpb": final + 0.5 * (4 - step) / step, "flops": flops, "tokens": step * batch})
+
+
+def bowl_that_diverges_above_lr_0_1(config: dict, report) -> None:
+    """noisy_bowl's value, but NaN (a divergence) for lr above 0.1."""
+    lr = config["optimizer"]["lr"]
+    for step in range(1, 3):
+        value = math.nan if lr > 0.1 else 1.0 + (math.log10(lr) + 2.0) ** 2 + 1.0 / step
+        report({"val_bpb": value, "step": step, "tokens": step * 100})
+        if math.isnan(value):
+            return

@@ -125,6 +125,7 @@ def _model_based_searcher(
     num_samples: int,
     bohb: dict[str, Any] | None,
     points: list[dict[str, Any]],
+    worst_on_divergence: bool,
 ) -> Any:
     shared = {"metric": metric, "mode": mode, "points_to_evaluate": points}
     if search == "bohb":
@@ -133,8 +134,11 @@ def _model_based_searcher(
         return TuneBOHB(space=to_configspace(space), seed=seed, bohb_config=bohb, **shared)
     from ray.tune.search.optuna import OptunaSearch
 
+    from sweeper.sweep.optuna_search import WorstOnDivergenceOptunaSearch
+
     sampler = _optuna_sampler(search, seed, num_samples)
-    return OptunaSearch(space=to_optuna(space), sampler=sampler, **shared)
+    searcher = WorstOnDivergenceOptunaSearch if worst_on_divergence else OptunaSearch
+    return searcher(space=to_optuna(space), sampler=sampler, **shared)
 
 
 def build_searcher(
@@ -148,6 +152,7 @@ def build_searcher(
     max_concurrent: int | None = None,
     bohb: dict[str, Any] | None = None,
     points: list[dict[str, Any]] | None = None,
+    worst_on_divergence: bool = True,
 ) -> tuple[Any, dict[str, Any]]:
     """Return ``(search_alg, param_space)`` for ``TuneConfig`` and ``Tuner``.
 
@@ -161,6 +166,8 @@ def build_searcher(
     (``space.parse_points`` checks them); they count towards ``num_samples``. The model-based
     searchers learn from their results like any other trial's.
     ``max_concurrent`` counts trials that run, not those HyperBand/BOHB paused at a rung.
+    ``worst_on_divergence``: tpe/gp are told a diverged trial (status=diverged) as the worst
+    value, not its penalty (``optuna_search``); False where the user chose the penalty.
     """
     _check_name("search", search, SEARCHES)
     _check_mode(mode)
@@ -186,6 +193,7 @@ def build_searcher(
         num_samples=num_samples,
         bohb=bohb,
         points=points,
+        worst_on_divergence=worst_on_divergence,
     )
     if max_concurrent is not None:
         from sweeper.sweep.hyperband import RunningLimiter

@@ -676,6 +676,7 @@ def run_stage(
         max_concurrent=spec.concurrency,
         bohb=dataclasses.asdict(spec.bohb),
         points=points,
+        worst_on_divergence=spec.penalty is None,  # a penalty the user chose is told as is
     )
     scheduler = build_scheduler(
         scheduler_name,
