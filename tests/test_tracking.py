@@ -674,6 +674,47 @@ def test_a_runs_queued_metrics_go_out_as_one_call_and_other_runs_keep_their_orde
         ]
 
 
+def test_a_sweep_runs_figures_take_a_changed_value_at_a_logged_step(tmp_path):
+    """A resumed sweep that only confirmed (as many trials, so the same step) updates its
+    run's figures; the same value again, or a trial's step logged twice, is skipped."""
+    from mlflow import MlflowClient
+
+    from sweeper.tracking.mlflow_queue import OpQueue
+
+    real = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = real.create_experiment("sweeper")
+
+    def driver(*ops):
+        queue = OpQueue(real, experiment, tmp_path / "pending.jsonl", say=lambda m: None)
+        for run in ("sweep", "t"):  # found again by their tags in a later driver
+            queue.apply_now({"op": "open", "run": run, "name": run, "match": {"trial_id": run}})
+        queue.start()
+        for run, name, value, step, latest in ops:
+            queue.put(
+                {"op": "metrics", "run": run, "metrics": [[name, value, step, 0]], "latest": latest}
+            )
+            time.sleep(0.05)
+        assert queue.close() == 0
+        return queue.run_id("sweep"), queue.run_id("t")
+
+    sweep_id, trial_id = driver(
+        ("sweep", "elapsed_s", 10.0, 4, True),
+        ("sweep", "elapsed_s", 10.0, 4, True),  # the same value: skipped
+        ("t", "val_bpb", 3.0, 4, False),
+        ("t", "val_bpb", 2.9, 4, False),  # a trial's step: the first value stands
+    )
+    # the next driver (a resume) reads the logged values back before it logs
+    assert driver(
+        ("sweep", "elapsed_s", 10.0, 4, True),
+        ("sweep", "elapsed_s", 25.0, 4, True),
+        ("t", "val_bpb", 2.8, 4, False),
+    ) == (sweep_id, trial_id)
+    history = [(m.step, m.value) for m in real.get_metric_history(sweep_id, "elapsed_s")]
+    assert sorted(history) == [(4, 10.0), (4, 25.0)]
+    assert real.get_run(sweep_id).data.metrics["elapsed_s"] == 25.0  # what the UI shows
+    assert [(m.step, m.value) for m in real.get_metric_history(trial_id, "val_bpb")] == [(4, 3.0)]
+
+
 def test_calls_a_dead_server_never_took_are_kept_and_sent_by_the_next_driver(tmp_path):
     from mlflow import MlflowClient
 

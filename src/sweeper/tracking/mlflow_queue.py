@@ -17,7 +17,9 @@ Every op is idempotent, so a retry after an ambiguous failure (a timeout after t
 had written the batch) duplicates nothing:
 - open: the run is looked up by its tags under its parent before one is created;
 - metrics: (key, step) pairs the run already has are skipped; after a failure, or when a
-  run is reopened, the run's logged steps are read back from the store first;
+  run is reopened, the run's logged steps are read back from the store first. An op marked
+  `latest` (a sweep run's figures, which a resume can change without adding a step) logs a
+  changed value at a logged step again, and MLflow shows the later one;
 - params, tags, status and artifacts: setting the same value twice changes nothing.
 """
 
@@ -100,7 +102,8 @@ class OpQueue:
         self.ops: collections.deque[dict] = collections.deque()
         self.cond = threading.Condition()
         self.run_ids: dict[str, str] = {}
-        self.seen: dict[str, dict[str, set[int]]] = {}  # run key -> metric -> logged steps
+        # run key -> metric -> logged step -> its latest value
+        self.seen: dict[str, dict[str, dict[int, float]]] = {}
         self.checked: dict[str, set[str]] = {}  # suspect run -> metrics read back since
         self.sent = self.dropped = self.skipped = 0
         self.failures = 0  # consecutive failed tries of the head op
@@ -227,12 +230,17 @@ class OpQueue:
 
     def _merge_head_metrics(self) -> None:
         """Folds the head run's later metric ops into the head op. Ops of other runs keep
-        their order; nothing moves past a non-metrics op of the same run (or of no run)."""
+        their order; nothing moves past a non-metrics op of the same run (or of no run), nor
+        past one that treats logged steps otherwise (`latest`)."""
         head = self.ops[0]
         run, merged, rest = head["run"], list(head["metrics"]), []
         ops = list(self.ops)[1:]
         for i, op in enumerate(ops):
-            if op.get("run") == run and op["op"] == "metrics":
+            if (
+                op.get("run") == run
+                and op["op"] == "metrics"
+                and op.get("latest") == head.get("latest")
+            ):
                 merged.extend(op["metrics"])
             elif op.get("run") in (run, None):
                 rest.extend(ops[i:])
@@ -356,18 +364,22 @@ class OpQueue:
         batch, batch_keys = [], set()
         for name, value, step, timestamp in op["metrics"]:
             if checked is not None and name not in checked:
-                history = self.client.get_metric_history(run_id, name)
-                seen.setdefault(name, set()).update(m.step for m in history)
+                history = sorted(self.client.get_metric_history(run_id, name), key=_when)
+                seen.setdefault(name, {}).update((m.step, m.value) for m in history)
                 checked.add(name)
-            if int(step) in seen.setdefault(name, set()) or (name, int(step)) in batch_keys:
+            logged = seen.setdefault(name, {})
+            step = int(step)
+            if (name, step) in batch_keys or (
+                step in logged and not (op.get("latest") and logged[step] != float(value))
+            ):
                 self.skipped += 1
                 continue
-            batch_keys.add((name, int(step)))
-            batch.append(Metric(name, float(value), int(timestamp), int(step)))
+            batch_keys.add((name, step))
+            batch.append(Metric(name, float(value), int(timestamp), step))
         for part in chunks(batch, 1000):
             self.client.log_batch(run_id, metrics=part)
         for metric in batch:
-            seen[metric.key].add(metric.step)
+            seen[metric.key][metric.step] = metric.value
 
     def _op_tags(self, op: dict) -> None:
         from mlflow.entities import RunTag
@@ -420,3 +432,9 @@ class OpQueue:
                 "skipped": self.skipped,
                 "last_error": self.last_error,
             }
+
+
+def _when(metric) -> tuple[int, int]:
+    """A metric point's place in its history: MLflow's latest value is the one logged last
+    at the highest step."""
+    return (metric.timestamp, metric.step)

@@ -179,8 +179,9 @@ class MlflowTracker:
             "total_flops": summary.get("total_flops"),
             "elapsed_s": summary.get("elapsed_s"),
         }
-        # a resumed sweep that ran more trials logs its new results as a new step
-        self._metrics(PARENT, values, step=int(summary.get("trials") or 0))
+        # a resumed sweep that ran more trials logs its new results as a new step; one with
+        # as many (it only confirmed, or only fitted) updates them at the same step
+        self._metrics(PARENT, values, step=int(summary.get("trials") or 0), latest=True)
         files = [out / name for name in PARENT_FILES] + sorted(out.glob("*.png"))
         files = [[str(path), None] for path in files if path.is_file()]
         if files:
@@ -303,7 +304,9 @@ class MlflowTracker:
             "text": {"config.yaml": config_yaml(config)},
         }
 
-    def _metrics(self, key: str, values: dict, step: int, at: int | None = None) -> None:
+    def _metrics(
+        self, key: str, values: dict, step: int, at: int | None = None, latest: bool = False
+    ) -> None:
         """A trial run gets the training metrics, or every number a user's function
         reported; the sweep and baseline runs every number they are given."""
         if key in (PARENT, "baseline"):
@@ -328,7 +331,7 @@ class MlflowTracker:
             if math.isfinite(value) and metric_name_taken(name):  # NaN/inf would not plot
                 rows.append([name, float(value), step, at or now_ms()])
         if rows:
-            self.queue.put({"op": "metrics", "run": key, "metrics": rows})
+            self.queue.put({"op": "metrics", "run": key, "metrics": rows, "latest": latest})
 
     def _end(
         self, key: str, status: str, tags: dict | None = None, end_time: int | None = None
