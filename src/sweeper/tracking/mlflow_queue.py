@@ -239,7 +239,7 @@ class OpQueue:
             if (
                 op.get("run") == run
                 and op["op"] == "metrics"
-                and op.get("latest") == head.get("latest")
+                and bool(op.get("latest")) == bool(head.get("latest"))
             ):
                 merged.extend(op["metrics"])
             elif op.get("run") in (run, None):
