@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from sweeper.attention import causal_attention
+
 
 @dataclass(frozen=True)
 class GPTShape:
@@ -241,7 +243,7 @@ class CausalSelfAttention(nn.Module):
         qk, v = qkv.split([2, 1], dim=2)
         q, k = rotate_and_normalise(qk, rotary).unbind(2)  # (B, T, nh, hs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v.squeeze(2)))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = causal_attention(q, k, v)  # SDPA; on CPU in bf16 a faster backward
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 

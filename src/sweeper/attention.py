@@ -1,0 +1,154 @@
+"""Causal attention: PyTorch's SDPA, with a faster backward pass on CPUs in bf16.
+
+On a CPU, SDPA's flash-attention backward in bf16 takes 2-3x its forward and about a third
+of the `small` model's step (BENCHMARKS.md). For the short sequences CPU runs train on,
+the same gradients come faster from the textbook formulas: recompute the attention
+probabilities P from the log-sum-exp the forward saved, then five matmuls,
+
+    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dO * O)),
+    dQ = dS K * scale,   dK = dS^T Q * scale,
+
+done a few heads and a block of query rows at a time, so that each (rows, keys) block of
+scores stays in cache, and skipping the blocks above the diagonal that the causal mask
+zeroes (a quarter of the work with two blocks). P and dS are rounded to bf16 for the
+matmuls, as the forward's inputs are; the exp and the difference dP - rowsum stay fp32.
+
+The forward is SDPA's own CPU flash kernel, so outputs are bit-identical to
+`F.scaled_dot_product_attention`. Anywhere else (CUDA, fp32, under torch.compile, or with
+no gradient to take) `causal_attention` is SDPA itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# bytes of one block of fp32 scores (heads x query rows x keys) in the backward: small
+# enough to stay in a core's share of the cache (2 MiB measured fastest on a 2-core EPYC
+# with 1 MiB of L2 a core and 32 MiB of L3; 4 MiB was 3x slower)
+BLOCK_BYTES = 2 << 20
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention of (B, nh, T, hs) queries, keys and values."""
+    if use_cpu_backward(q, k, v):
+        return _CausalAttentionCPU.apply(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def use_cpu_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    # fp32 is not faster this way (18.5 against 19.8 ms a layer, within noise); under
+    # compile Inductor takes SDPA as it is
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+        and not torch.compiler.is_compiling()
+        and q.shape == k.shape == v.shape
+    )
+
+
+def backward_blocks(n_heads: int, seq_len: int) -> tuple[int, int]:
+    """(heads per block, query blocks) for the backward: two query blocks where T is even
+    (the diagonal's upper half is skipped), more while one block of one head's scores
+    exceeds BLOCK_BYTES; as many heads as then fit in BLOCK_BYTES."""
+    n_query_blocks = 2 if seq_len % 2 == 0 else 1
+    while (seq_len // n_query_blocks) * seq_len * 4 > BLOCK_BYTES and (
+        seq_len % (2 * n_query_blocks) == 0
+    ):
+        n_query_blocks *= 2
+    block_rows = seq_len // n_query_blocks
+    heads = max(1, min(n_heads, BLOCK_BYTES // (block_rows * seq_len * 4)))
+    return heads, n_query_blocks
+
+
+class _CausalAttentionCPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, True
+        )  # out (B, nh, T, hs); lse (B, nh, T) fp32, the log of each row's softmax sum
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        B, H, T, D = q.shape
+        flat = lambda t: t.reshape(B * H, *t.shape[2:])  # heads of every sequence in a row
+        q, k, v, out, lse, grad_out = map(flat, (q, k, v, out, lse, grad_out))
+        # rowsum(dO * O), the softmax's correction term: (B*H, T, 1), fp32
+        delta = torch.linalg.vecdot(grad_out.float(), out.float()).unsqueeze(-1)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        heads, n_query_blocks = backward_blocks(B * H, T)
+        for h in range(0, B * H, heads):
+            s = slice(h, h + heads)
+            dq[s], dk[s], dv[s] = _heads_backward(
+                q[s], k[s], v[s], lse[s], delta[s], grad_out[s], n_query_blocks
+            )
+        shape = (B, H, T, D)
+        return dq.view(shape), dk.view(shape), dv.view(shape)
+
+
+def _with_columns(x: torch.Tensor, columns: list[torch.Tensor | float]) -> torch.Tensor:
+    """x (n, T, D) bf16 with columns appended (tensors (n, T, 1) or constants): the operand
+    of an augmented matmul."""
+    n, T, D = x.shape
+    out = x.new_empty(n, T, D + len(columns))
+    out[..., :D] = x
+    for j, column in enumerate(columns):
+        out[..., D + j : D + j + 1] = column
+    return out
+
+
+def _split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 x as hi + lo, two bf16 tensors whose sum carries ~16 bits of x's mantissa."""
+    hi = x.to(torch.bfloat16)
+    return hi, (x - hi.float()).to(torch.bfloat16)
+
+
+def _heads_backward(q, k, v, lse, delta, grad_out, n_query_blocks: int):
+    """The gradients for a few heads: q, k, v, grad_out (n, T, hs) bf16; lse (n, T) and
+    delta (n, T, 1) fp32. Query block i attends keys [0, end of block i): the blocks above
+    the diagonal are never computed, and the diagonal block is masked after the exp.
+
+    A bf16 matmul's output is rounded to bf16, relative to its size: scores of up to 8
+    (QK-norm's bound for 64-dim heads) rounded so would put ~2% errors into P. So the
+    subtractions ride inside the matmuls, on two extra columns holding -lse and -delta as
+    bf16 hi + lo pairs against columns of ones: the products come out as (s - lse) and
+    (dP - delta), rounded relative to those, which are near 0 exactly where P is large
+    and where dP and delta cancel. The gradients' error is then that of SDPA's own bf16
+    backward (tests/test_attention.py)."""
+    T, D = q.shape[-2:]
+    scale = 1.0 / math.sqrt(D)
+    rows = T // n_query_blocks
+    # q.k - lse/scale and dO.v - delta, each one matmul of (n, T, D + 2) operands
+    q_aug = _with_columns(q, [*_split_bf16(-lse.unsqueeze(-1) / scale)])
+    k_aug = _with_columns(k, [1.0, 1.0])
+    grad_aug = _with_columns(grad_out, [*_split_bf16(-delta)])
+    v_aug = _with_columns(v, [1.0, 1.0])
+    causal = torch.ones(rows, rows).tril_()  # multiplied after the exp: exp(-inf) is slow here
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32)  # summed over the query blocks
+    dv = torch.zeros(v.shape, dtype=torch.float32)
+    for i in range(n_query_blocks):
+        r0, r1 = i * rows, (i + 1) * rows
+        q_i, grad_i = q[:, r0:r1], grad_out[:, r0:r1]
+        k_seen = k[:, :r1]
+        # 1) P recomputed: exp(scale * (q k^T - lse / scale)), in fp32       (n, rows, r1)
+        p = torch.matmul(q_aug[:, r0:r1], k_aug[:, :r1].transpose(-1, -2)).float()
+        p.mul_(scale).exp_()
+        p[:, :, r0:r1].mul_(causal)
+        p_low = p.to(q.dtype)
+        # 2) dV += P^T dO
+        dv[:, :r1] += torch.matmul(p_low.transpose(-1, -2), grad_i)
+        # 3) dS = P * (dO V^T - delta), then bf16 for the matmuls
+        ds = torch.matmul(grad_aug[:, r0:r1], v_aug[:, :r1].transpose(-1, -2)).float()
+        ds = ds.mul_(p).to(q.dtype)
+        # 4) dQ = dS K * scale;  dK += dS^T Q * scale
+        dq[:, r0:r1] = torch.matmul(ds, k_seen).mul_(scale)
+        dk[:, :r1] += torch.matmul(ds.transpose(-1, -2), q_i).mul_(scale)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
