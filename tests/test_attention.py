@@ -77,7 +77,7 @@ def test_small_blocks_give_the_same_gradients(monkeypatch):
     """Many small blocks (one head at a time, eight query blocks) and one big one agree."""
     inputs = qk_normed_inputs(T=64)
     whole = output_and_grads(attention._CausalAttentionCPU.apply, inputs, torch.bfloat16)
-    monkeypatch.setattr(attention, "BLOCK_BYTES", 8 * 64 * 4)
+    monkeypatch.setattr(attention, "BLOCK_BYTES", 8 * 64 * 2)
     assert backward_blocks(6, 64) == (1, 8)
     blocked = output_and_grads(attention._CausalAttentionCPU.apply, inputs, torch.bfloat16)
     for a, b in zip(whole, blocked):
@@ -87,9 +87,9 @@ def test_small_blocks_give_the_same_gradients(monkeypatch):
 @pytest.mark.parametrize(
     "n_heads, seq_len, block_bytes, expected",
     [
-        (64, 256, 2 << 20, (16, 2)),  # the small preset: 16 heads x 128 rows x 256 keys x 4 B
-        (64, 255, 2 << 20, (8, 1)),  # odd T: no causal split
-        (8, 4096, 2 << 20, (1, 32)),  # long sequences: more query blocks, one head
+        (64, 256, 2 << 20, (32, 2)),  # the small preset: 32 heads x 128 rows x 256 keys x 2 B
+        (64, 255, 2 << 20, (16, 1)),  # odd T: no causal split
+        (8, 4096, 2 << 20, (1, 16)),  # long sequences: more query blocks, one head
         (4, 64, 2 << 20, (4, 2)),  # fewer heads than fit
         (4, 6, 1, (1, 2)),  # T=6 splits once: 3 rows cannot halve again
     ],
