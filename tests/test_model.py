@@ -131,23 +131,45 @@ def rotate_pairs_by_hand(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 
-def test_rotary_complex_and_real_forms_agree_and_depend_only_on_relative_position():
-    from sweeper.model import rotary_table, rotate_complex, rotate_real
+def heads_by_hand(qkv: torch.Tensor, rotary: torch.Tensor):
+    """q, k, v (B, nh, T, hs) from qkv (B, T, 3, nh, hs) in textbook ops: RoPE pair by
+    pair, then RMSNorm of each head."""
+    q, k, v = qkv.unbind(2)
+    norm = lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
+    q, k = (norm(rotate_pairs_by_hand(t, rotary[:, 0])) for t in (q, k))
+    return tuple(t.transpose(1, 2) for t in (q, k, v))
+
+
+def test_attention_heads_eagerly_and_in_compile_form_match_the_textbook_and_rope_is_relative(
+    monkeypatch,
+):
+    from sweeper.model import attention_heads, rotary_table, rotate_real
 
     T, hs = 16, 8
     rotary = rotary_table(T, hs).double()
-    x = torch.randn(2, T, 2, 3, hs, dtype=torch.float64)  # (B, T, q/k, heads, head size)
-    ref, ref_grads = _grads(rotate_pairs_by_hand, x, rotary)
-    for form in (rotate_complex, rotate_real):  # eager, compiled
-        ours, ours_grads = _grads(form, x, rotary)
-        torch.testing.assert_close(ours, ref)
-        torch.testing.assert_close(ours_grads[0], ref_grads[0])
-    torch.testing.assert_close(ours.norm(dim=-1), x.norm(dim=-1))  # a rotation: norms kept
+    qkv = torch.randn(2, T, 3, 3, hs, dtype=torch.float64)  # (B, T, q/k/v, heads, head size)
+    stacked = lambda fn: lambda x: torch.stack(fn(x, rotary))  # noqa: E731
+    ref, ref_grads = _grads(stacked(heads_by_hand), qkv)
+    ours, ours_grads = _grads(stacked(attention_heads), qkv)  # the autograd.Function
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(ours_grads, ref_grads)
+    assert all(t.is_contiguous() for t in attention_heads(qkv, rotary))  # as attention reads
+    assert torch.autograd.gradcheck(
+        stacked(attention_heads), qkv[:1, :, :, :1].clone().requires_grad_()
+    )
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    compiled, compiled_grads = _grads(stacked(attention_heads), qkv)  # the plain ops
+    torch.testing.assert_close(compiled, ref)
+    torch.testing.assert_close(compiled_grads, ref_grads)
+    x = qkv[:, :, :2]
+    torch.testing.assert_close(rotate_real(x, rotary), rotate_pairs_by_hand(x, rotary))
+    torch.testing.assert_close(rotate_real(x, rotary).norm(dim=-1), x.norm(dim=-1))  # a rotation
+    monkeypatch.undo()
 
     # the same q and k placed at positions (m, n) and (m + s, n + s): the same score
     q, k = torch.randn(hs, dtype=torch.float64), torch.randn(hs, dtype=torch.float64)
-    at = lambda v, pos: rotate_complex(v.expand(1, T, 1, 1, hs).contiguous(), rotary)[0, pos]
-    score = lambda m, n: (at(q, m) * at(k, n)).sum()
+    at = lambda v, pos: attention_heads(v.expand(1, T, 3, 1, hs), rotary)[0][0, 0, pos]  # noqa: E731
+    score = lambda m, n: (at(q, m) * at(k, n)).sum()  # noqa: E731
     torch.testing.assert_close(score(3, 1), score(12, 10))
     assert not torch.isclose(score(3, 1), score(3, 2))
 

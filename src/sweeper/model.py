@@ -108,7 +108,7 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 class _ReLUSquared(torch.autograd.Function):
-    """relu(x)^2: 2 passes forward, 2 backward (autograd's relu then multiply take 4)."""
+    """relu(x)^2: 2 passes forward, 1 backward (autograd's relu then multiply take 4)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,9 @@ class _ReLUSquared(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (r,) = ctx.saved_tensors
-        return torch.mul(grad, r).mul_(2)  # d relu(x)^2 / dx = 2 relu(x)
+        # d relu(x)^2 / dx = 2 relu(x); addcmul onto a broadcast 0 scales in the same pass
+        # (mul then mul_(2) is two: 0.54 against 0.35 ms on the `small` model's MLP)
+        return torch.addcmul(grad.new_zeros(()), grad, r, value=2)
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
@@ -162,25 +164,81 @@ def rotary_table(seq_len: int, head_dim: int, base: float = 10000.0) -> torch.Te
     return torch.stack([angles.cos(), angles.sin()], dim=-1)[:, None, None]
 
 
-def rotate_and_normalise(qk: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
-    """RoPE, then QK-norm, on queries and keys together: qk is (B, T, 2, nh, hs).
+def attention_heads(
+    qkv: torch.Tensor, rotary: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as (B, nh, T, hs) from the projections qkv (B, T, 3, nh, hs): RoPE, then
+    QK-norm, on queries and keys. QK-norm keeps attention logits bounded at any LR.
 
-    Each head's dimensions rotate in adjacent pairs (2i, 2i+1), read as one complex
-    number, so the rotation is a single complex multiply: one pass forward and one back,
-    where the rotate-half form takes seven each way (measured on CPU: 18 ms against 27 ms
-    per layer, forward + backward, RoPE and QK-norm together). Which dimensions pair up
-    is only a relabelling of the q/k projection's rows: the model family is the same.
-    QK-norm keeps attention logits bounded at any LR.
+    Each head's dimensions rotate in adjacent pairs (2i, 2i+1), read as one complex number,
+    so the rotation is a single complex multiply (one pass, where the rotate-half form takes
+    seven each way). Which dimensions pair up is only a relabelling of the q/k projection's
+    rows: the model family is the same. Eagerly, `_AttentionHeads` does it all in one
+    autograd.Function; under torch.compile the plain ops below, for Inductor to fuse.
     """
-    # Inductor has no complex kernels: compiled, the same maths in real arithmetic
-    rotate = rotate_real if torch.compiler.is_compiling() else rotate_complex
+    if not torch.compiler.is_compiling():
+        return _AttentionHeads.apply(qkv, rotary[:, 0, 0])  # rotary (T, hs/2, 2)
+    qk, v = qkv.split([2, 1], dim=2)  # split, not indexing: one pass for its backward
+    q, k = rotate_and_normalise(qk, rotary).unbind(2)  # (B, T, nh, hs)
+    return q.transpose(1, 2), k.transpose(1, 2), v.squeeze(2).transpose(1, 2)
+
+
+def rotate_and_normalise(qk: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    """RoPE, then QK-norm, on queries and keys together (qk: (B, T, 2, nh, hs)) in plain
+    real-arithmetic ops: the form torch.compile sees (Inductor has no complex kernels)."""
     x = qk.to(torch.promote_types(qk.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
-    return rms_norm(rotate(x, rotary)).to(qk.dtype)
+    return rms_norm(rotate_real(x, rotary)).to(qk.dtype)
 
 
-def rotate_complex(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
-    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * torch.view_as_complex(rotary)).flatten(-2)
+class _AttentionHeads(torch.autograd.Function):
+    """`attention_heads` eagerly: 4 passes over q and k forward and 5 backward, where the
+    same ops through autograd take 5 and 9, and the attention then copied its transposed
+    heads. The outputs come out contiguous in the (B, nh, T, hs) layout attention reads,
+    and the backward writes the projections' gradient in one buffer (no `cat` of q/k's
+    and v's). Measured on a layer of the `small` model (2-core EPYC, bf16), forward and
+    backward: 5.0 against 7.4 ms, and 22.2 against 24.4 with the attention after it.
+    Computed in (at least) fp32, like rms_norm."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, rotary: torch.Tensor):
+        B, T, _, H, D = qkv.shape
+        work = torch.promote_types(qkv.dtype, torch.float32)
+        # rotated queries and keys, (2, B, nh, T, hs): the cast and the re-layout, one pass
+        rotated = torch.empty(2, B, H, T, D, dtype=work, device=qkv.device)
+        rotated.copy_(qkv[:, :, :2].permute(2, 0, 3, 1, 4))
+        rotation = torch.view_as_complex(rotary.to(work))  # (T, hs/2)
+        torch.view_as_complex(rotated.unflatten(-1, (-1, 2))).mul_(rotation)
+        norm = torch.linalg.vector_norm(rotated, dim=-1, keepdim=True)
+        r = torch.rsqrt(norm.square_().div_(D).add_(RMS_NORM_EPS))
+        qk = torch.empty(2, B, H, T, D, dtype=qkv.dtype, device=qkv.device)
+        torch.mul(rotated, r, out=qk)  # normalised and cast back, one pass
+        ctx.save_for_backward(rotated, r, rotation)
+        ctx.qkv_dtype = qkv.dtype
+        return qk[0], qk[1], qkv[:, :, 2].transpose(1, 2).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        rotated, r, rotation = ctx.saved_tensors
+        _, B, H, T, D = rotated.shape
+        # RMSNorm's backward, y = x r with r = mean(x^2)^-1/2 (x: the rotated heads):
+        # dx = r g - x r^2 mean(r g . x); r g is written first, cast in the same pass
+        grad = torch.empty_like(rotated)
+        for i, g in enumerate((grad_q, grad_k)):
+            if g is None:
+                grad[i].zero_()
+            else:
+                torch.mul(g, r[i], out=grad[i])
+        coef = torch.linalg.vecdot(grad, rotated).unsqueeze(-1).mul_(r.square()).div_(D)
+        grad.addcmul_(rotated, coef, value=-1)
+        # the rotation's backward: the opposite rotation
+        torch.view_as_complex(grad.unflatten(-1, (-1, 2))).mul_(rotation.conj())
+        grad_qkv = torch.empty(B, T, 3, H, D, dtype=ctx.qkv_dtype, device=rotated.device)
+        grad_qkv[:, :, :2] = grad.permute(1, 3, 0, 2, 4)  # back to the projections' layout
+        if grad_v is None:
+            grad_qkv[:, :, 2].zero_()
+        else:
+            grad_qkv[:, :, 2] = grad_v.transpose(1, 2)
+        return grad_qkv, None
 
 
 def rotate_real(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
@@ -238,11 +296,7 @@ class CausalSelfAttention(nn.Module):
         # matrices, so Muon orthogonalises each on its own
         w_qkv = torch.cat([self.c_q.weight, self.c_k.weight, self.c_v.weight])
         qkv = F.linear(x, w_qkv).view(B, T, 3, self.n_heads, self.head_dim)
-        # split, not indexing: its backward writes the q/k/v gradient in one pass, where
-        # each index's backward fills a zero tensor of the full size
-        qk, v = qkv.split([2, 1], dim=2)
-        q, k = rotate_and_normalise(qk, rotary).unbind(2)  # (B, T, nh, hs)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v.squeeze(2)))  # (B, nh, T, hs)
+        q, k, v = attention_heads(qkv, rotary)  # (B, nh, T, hs); q, k rotated and normed
         y = causal_attention(q, k, v)  # SDPA; on CPU in bf16 a faster backward
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
