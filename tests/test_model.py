@@ -76,6 +76,21 @@ def test_softcap_bounds_logits():
     assert logits.abs().max() <= SHAPE.softcap + 1e-4
 
 
+def test_soft_cap_by_sigmoid_matches_tanh_in_value_and_gradient(monkeypatch):
+    from sweeper.model import soft_cap
+
+    logits = torch.cat([torch.randn(4096) * 20, torch.tensor([0.0, 1e-3, 1e4, -1e4])])
+    by_tanh = lambda t: 15.0 * torch.tanh(t / 15.0)  # noqa: E731
+    ours, ours_grads = _grads(lambda t: soft_cap(t, 15.0), logits)
+    ref, ref_grads = _grads(by_tanh, logits)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours_grads, ref_grads, rtol=0, atol=1e-5)
+    assert ours.abs().max() <= 15.0 and ours[-2] == 15.0 and ours[-1] == -15.0
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled form
+    torch.testing.assert_close(soft_cap(logits, 15.0), ref, rtol=0, atol=0)
+    assert soft_cap(logits, 0.0) is logits
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_hand_written_rms_norm_matches_torch_forward_and_backward(dtype, tol):
     from sweeper.model import rms_norm

@@ -255,7 +255,15 @@ def rotate_real(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(logits / cap): logits bounded in (-cap, cap); 0 means no cap."""
-    return cap * torch.tanh(logits / cap) if cap else logits
+    if not cap:
+        return logits
+    if logits.device.type == "cpu" and not torch.compiler.is_compiling():
+        # tanh(z) = 2 sigmoid(2z) - 1: torch's CPU tanh is 7x slower than its sigmoid (1.14
+        # against 0.16 ms on the `small` model's logits); the capped loss's forward and
+        # backward took 3.6 ms a micro-batch with tanh and 2.4 with this. The two agree
+        # to ~1e-6 on logits of size 15, far inside the bf16 matmul's rounding before them.
+        return torch.sigmoid(logits * (2 / cap)) * (2 * cap) - cap
+    return cap * torch.tanh(logits / cap)
 
 
 def capped_cross_entropy(
