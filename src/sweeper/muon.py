@@ -114,12 +114,18 @@ class Muon(torch.optim.Muon):
                 by_shape[grad.shape].append(i)
             lr, decay = group["lr"], group["weight_decay"]
             for shape, indices in by_shape.items():
-                stacked = torch.stack([updates[i] for i in indices]).to(self.ns_dtype)
+                # stacked and cast in one pass (stack, then cast, is two)
+                stacked = updates[indices[0]].new_empty((len(indices), *shape), dtype=self.ns_dtype)
+                torch._foreach_copy_(list(stacked.unbind(0)), [updates[i] for i in indices])
                 ortho = newton_schulz(
                     stacked, group["ns_coefficients"], group["ns_steps"], group["eps"]
                 )
+                # a tall matrix's result is a transposed view: adding it to the weights read
+                # it strided, 5x slower than a copy and a contiguous add
+                ortho = ortho.contiguous()
                 targets = [params[i] for i in indices]
-                torch._foreach_mul_(targets, 1 - lr * decay)
+                if decay:
+                    torch._foreach_mul_(targets, 1 - lr * decay)
                 torch._foreach_add_(
                     targets,
                     list(ortho.unbind(0)),
