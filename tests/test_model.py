@@ -137,6 +137,15 @@ def test_hand_written_relu_squared_and_scaled_sum_match_plain_ops():
     assert torch.autograd.gradcheck(
         scaled_sum, [t.clone().requires_grad_() for t in (a, x[:1, :2], b, y[:1, :2])]
     )
+    # the first layer's case, x and y one tensor: its gradient is both terms'
+    ours, ours_grads = _grads(lambda a, x, b: scaled_sum(a, x, b, x), a, x, b)
+    ref, ref_grads = _grads(lambda a, x, b: a * x + b * x, a, x, b)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(ours_grads, ref_grads)
+    assert torch.autograd.gradcheck(
+        lambda a, x, b: scaled_sum(a, x, b, x),
+        [t.clone().requires_grad_() for t in (a, x[:1, :2], b)],
+    )
 
 
 def rotate_pairs_by_hand(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:

@@ -133,11 +133,15 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
 class _ScaledSum(torch.autograd.Function):
     """a * x + b * y for scalar parameters a and b. Their gradients are dot products, one
     pass each with no temporary; autograd multiplies and then sums, two passes and a
-    full-size temporary each."""
+    full-size temporary each. When x is y (the first layer, where the stream is still the
+    embedding x0) it is (a + b) * x: one pass forward, one dot and one pass backward."""
 
     @staticmethod
     def forward(ctx, a, x, b, y):
         ctx.save_for_backward(a, x, b, y)
+        ctx.same = x is y
+        if ctx.same:
+            return x * (a + b)
         return torch.addcmul(y * b, x, a)
 
     @staticmethod
@@ -145,6 +149,8 @@ class _ScaledSum(torch.autograd.Function):
         a, x, b, y = ctx.saved_tensors
         g = grad.reshape(-1)
         grad_a = torch.dot(g, x.reshape(-1).to(g.dtype)).to(a.dtype)
+        if ctx.same:  # x's gradient carries y's: autograd would add them, another pass
+            return grad_a, (grad * (a + b)).to(x.dtype), grad_a.to(b.dtype), None
         grad_b = torch.dot(g, y.reshape(-1).to(g.dtype)).to(b.dtype)
         return grad_a, (grad * a).to(x.dtype), grad_b, (grad * b).to(y.dtype)
 
