@@ -88,8 +88,8 @@ class _CausalAttentionCPU(torch.autograd.Function):
         heads, n_query_blocks = backward_blocks(B * H, T)
         for h in range(0, B * H, heads):
             s = slice(h, h + heads)
-            dq[s], dk[s], dv[s] = _heads_backward(
-                q[s], k[s], v[s], lse[s], delta[s], grad_out[s], n_query_blocks
+            _heads_backward(
+                q[s], k[s], v[s], lse[s], delta[s], grad_out[s], n_query_blocks, dq[s], dk[s], dv[s]
             )
         shape = (B, H, T, D)
         return dq.view(shape), dk.view(shape), dv.view(shape)
@@ -112,10 +112,11 @@ def _split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (x - hi.float()).to(torch.bfloat16)
 
 
-def _heads_backward(q, k, v, lse, delta, grad_out, n_query_blocks: int):
-    """The gradients for a few heads: q, k, v, grad_out (n, T, hs) bf16; lse (n, T) and
-    delta (n, T, 1) fp32. Query block i attends keys [0, end of block i): the blocks above
-    the diagonal are never computed, and the diagonal block is masked after the exp.
+def _heads_backward(q, k, v, lse, delta, grad_out, n_query_blocks: int, dq, dk, dv) -> None:
+    """The gradients for a few heads, written into dq, dk, dv: q, k, v, grad_out and the
+    gradients (n, T, hs) bf16; lse (n, T) and delta (n, T, 1) fp32. Query block i attends
+    keys [0, end of block i): the blocks above the diagonal are never computed, and the
+    diagonal block is masked after the exp.
 
     Everything here is bf16 (torch computes each op in fp32 and rounds once), and a bf16
     matmul's output is rounded relative to its size: scores of up to 8 (QK-norm's bound for
@@ -137,9 +138,9 @@ def _heads_backward(q, k, v, lse, delta, grad_out, n_query_blocks: int):
     v_aug = _with_columns(v, [1.0, 1.0])
     # the diagonal block's future keys are zeroed after the exp: exp(-inf) is slow on CPU
     future = torch.ones(rows, rows, dtype=torch.bool).triu_(1)
-    dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32)  # summed over the query blocks
-    dv = torch.zeros(v.shape, dtype=torch.float32)
+    # dK and dV are sums over the query blocks, kept in fp32 (dK without its scale till the end)
+    dk_sum = torch.zeros(k.shape, dtype=torch.float32)
+    dv_sum = torch.zeros(v.shape, dtype=torch.float32)
     for i in range(n_query_blocks):
         r0, r1 = i * rows, (i + 1) * rows
         q_i, grad_i = q[:, r0:r1], grad_out[:, r0:r1]
@@ -148,10 +149,11 @@ def _heads_backward(q, k, v, lse, delta, grad_out, n_query_blocks: int):
         p = torch.matmul(q_aug[:, r0:r1], k_aug[:, :r1].transpose(-1, -2)).exp_()
         p[:, :, r0:r1].masked_fill_(future, 0.0)
         # 2) dV += P^T dO
-        dv[:, :r1] += torch.matmul(p.transpose(-1, -2), grad_i)
+        dv_sum[:, :r1] += torch.matmul(p.transpose(-1, -2), grad_i)
         # 3) dS = P * (dO V^T - delta)
         ds = torch.matmul(grad_aug[:, r0:r1], v_aug[:, :r1].transpose(-1, -2)).mul_(p)
-        # 4) dQ = dS K * scale;  dK += dS^T Q * scale
-        dq[:, r0:r1] = torch.matmul(ds, k_seen).mul_(scale)
-        dk[:, :r1] += torch.matmul(ds.transpose(-1, -2), q_i).mul_(scale)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+        # 4) dQ = dS K * scale;  dK += dS^T Q (* scale, below)
+        torch.mul(torch.matmul(ds, k_seen), scale, out=dq[:, r0:r1])
+        dk_sum[:, :r1] += torch.matmul(ds.transpose(-1, -2), q_i)
+    torch.mul(dk_sum, scale, out=dk)  # scaled and cast in one pass
+    dv.copy_(dv_sum)
