@@ -307,3 +307,19 @@ def test_a_kill_inside_the_first_save_leaves_a_resumable_or_a_reusable_dir(tmp_p
     assert written  # the state was written, then the kill
     check_resumable_run(str(tmp_path), run.to_dict())  # its record is there: resumable
     assert load_resume_state(tmp_path)["step"] == 2
+
+
+def test_a_checkpoint_record_names_the_evaluations_a_ddp_driver_may_not_have_logged(tmp_path):
+    """A DDP run's driver, interrupted, logs from the checkpoint's record the evaluations
+    rank 0 sent after the driver's last look at its queue (__main__.run_ddp)."""
+    import torch
+
+    from sweeper.run_checkpoint import save_run_checkpoint, saved_evaluations_after
+
+    assert saved_evaluations_after(tmp_path, 0) == []  # no checkpoint: nothing to add
+    history = [{"step": 5, "val_bpb": 3.1}, {"step": 10, "val_bpb": 2.9, "status": "running"}]
+    state = {"model": {"w": torch.zeros(2)}, "step": 10, "history": history}
+    save_run_checkpoint(tmp_path, state, load_run_config(tiny()).to_dict())
+    assert saved_evaluations_after(tmp_path, 5) == history[1:]
+    assert saved_evaluations_after(tmp_path, 0) == history
+    assert saved_evaluations_after(tmp_path, 10) == []

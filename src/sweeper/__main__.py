@@ -295,21 +295,32 @@ def run_ddp(cfg, out_dir: str, checkpointing: bool, logger) -> dict:
     from ray.util.queue import Queue
 
     from sweeper.distributed import train_ddp
+    from sweeper.run_checkpoint import saved_evaluations_after
     from sweeper.sweep.ray_cluster import start_ray
 
     start_ray(cfg.ray, log_to_driver=True)
     # Why a queue actor: rank 0 may run on another node, and Ray Train passes a report to
     # the driver only through Tune. No CPU: the ranks hold all of a small machine's.
     reports = Queue(actor_options={"num_cpus": 0}) if logger is not None else None
+    logged_step = 0  # the last evaluation handed to the logger
 
     def forward_reports() -> None:
-        nonlocal reports
+        nonlocal reports, logged_step
         try:
             if reports is not None and (waiting := reports.qsize()):
                 for metrics in reports.get_nowait_batch(waiting):
                     logger.report(metrics)
+                    logged_step = metrics.get("step", logged_step)
         except Exception:  # the queue is gone with the cluster: the result has the history
             reports = None
+
+    def report_saved_evaluations() -> None:
+        # After an interrupt: between the last look at the queue and the cluster's end, rank
+        # 0 may have sent an evaluation and saved its checkpoint, and the queue went with the
+        # cluster. The checkpoint's record holds them: a checkpoint's step is in MLflow.
+        if logger is not None and checkpointing:
+            for metrics in saved_evaluations_after(out_dir, logged_step):
+                logger.report(metrics)
 
     run_cfg = OmegaConf.to_container(cfg, resolve=True)
     run_cfg["trainer"]["checkpoint_every_eval"] = checkpointing
@@ -326,16 +337,16 @@ def run_ddp(cfg, out_dir: str, checkpointing: bool, logger) -> dict:
         reports=reports,
         verbose=True,
     )
-    interruptible(fit, forward_reports)
+    interruptible(fit, forward_reports, report_saved_evaluations)
     with open(f"{out_dir}/result.json") as f:
         return json.load(f)
 
 
-def interruptible(fit, tick) -> None:
+def interruptible(fit, tick, after_interrupt=lambda: None) -> None:
     """Runs a TorchTrainer's fit() so that Ctrl+C (or SIGTERM) ends it as it ends a
     one-process run: KeyboardInterrupt here, and a failed result.json. `tick()` runs
     every half second while it trains, once more at the end and before an interrupt
-    takes the cluster down.
+    takes the cluster down; `after_interrupt()` runs once the cluster is down.
 
     Why a thread: called from the main thread, Ray Train puts its own SIGINT handler in
     place, which aborts the run and exits with code 1, without a word and before the
@@ -360,6 +371,7 @@ def interruptible(fit, tick) -> None:
     except KeyboardInterrupt:
         tick()  # what rank 0 sent before the interrupt
         ray.shutdown()  # the ranks stop with the cluster; rank 0's checkpoint is whole
+        after_interrupt()
         raise
     tick()
     if "error" in outcome:

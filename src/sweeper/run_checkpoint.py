@@ -54,7 +54,9 @@ def save_run_checkpoint(run_dir: str | Path, state: dict, run_config: dict) -> N
 
     folder = checkpoint_folder(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"step": state["step"], "config": run_config}
+    # the evaluations too: after an interrupt, a DDP run's driver logs from here those that
+    # rank 0 sent after the driver's last look at its queue (saved_evaluations_after)
+    record = {"step": state["step"], "history": state.get("history", []), "config": run_config}
     try:
         recorded = json.loads((folder / RECORD_FILE).read_text()).get("config")
     except (OSError, ValueError, AttributeError):
@@ -73,6 +75,16 @@ def checkpoint_saver(run_dir: str | Path, run_config: dict) -> Callable:
             save_run_checkpoint(run_dir, state(), run_config)
 
     return report
+
+
+def saved_evaluations_after(run_dir: str | Path, step: int) -> list[dict]:
+    """The evaluations in the run's checkpoint record taken after `step` (none if there is
+    no readable record)."""
+    try:
+        history = json.loads((checkpoint_folder(run_dir) / RECORD_FILE).read_text())["history"]
+        return [metrics for metrics in history if metrics["step"] > step]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def read_record(run_dir: str | Path) -> dict:
