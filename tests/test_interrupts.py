@@ -101,3 +101,26 @@ def test_an_interrupt_during_a_tick_loses_nothing_the_tick_took(signum, sigterm_
     finally:
         release.set()
     assert logged == [{"step": 5, "val_bpb": 3.1}]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_after_an_interrupt_the_hook_runs_once_the_cluster_is_down(signum, sigterm_as_ctrl_c):
+    """run_ddp's hook logs from rank 0's checkpoint record what rank 0 sent after the last
+    tick (the queue goes with the cluster); it runs after an interrupt, and only then."""
+    calls = []
+    release = threading.Event()
+
+    def fit():
+        time.sleep(0.2)  # training, when the interrupt comes
+        os.kill(os.getpid(), signum)
+        release.wait(timeout=30)
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interruptible(fit, lambda: calls.append("tick"), lambda: calls.append("after"))
+    finally:
+        release.set()
+    assert calls[-2:] == ["tick", "after"] and calls.count("after") == 1
+    calls.clear()
+    interruptible(lambda: None, lambda: calls.append("tick"), lambda: calls.append("after"))
+    assert "after" not in calls and calls[-1] == "tick"
