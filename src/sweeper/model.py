@@ -228,22 +228,17 @@ class _AttentionHeads(torch.autograd.Function):
         _, B, H, T, D = rotated.shape
         # RMSNorm's backward, y = x r with r = mean(x^2)^-1/2 (x: the rotated heads):
         # dx = r g - x r^2 mean(r g . x); r g is written first, cast in the same pass
+        # (autograd hands an unused output's gradient over as zeros, never None)
         grad = torch.empty_like(rotated)
-        for i, g in enumerate((grad_q, grad_k)):
-            if g is None:
-                grad[i].zero_()
-            else:
-                torch.mul(g, r[i], out=grad[i])
+        torch.mul(grad_q, r[0], out=grad[0])
+        torch.mul(grad_k, r[1], out=grad[1])
         coef = torch.linalg.vecdot(grad, rotated).unsqueeze(-1).mul_(r.square()).div_(D)
         grad.addcmul_(rotated, coef, value=-1)
         # the rotation's backward: the opposite rotation
         torch.view_as_complex(grad.unflatten(-1, (-1, 2))).mul_(rotation.conj())
         grad_qkv = torch.empty(B, T, 3, H, D, dtype=ctx.qkv_dtype, device=rotated.device)
         grad_qkv[:, :, :2] = grad.permute(1, 3, 0, 2, 4)  # back to the projections' layout
-        if grad_v is None:
-            grad_qkv[:, :, 2].zero_()
-        else:
-            grad_qkv[:, :, 2] = grad_v.transpose(1, 2)
+        grad_qkv[:, :, 2] = grad_v.transpose(1, 2)
         return grad_qkv, None
 
 

@@ -81,9 +81,8 @@ def saved_evaluations_after(run_dir: str | Path, step: int) -> list[dict]:
     """The evaluations in the run's checkpoint record taken after `step` (none if there is
     no readable record)."""
     try:
-        history = json.loads((checkpoint_folder(run_dir) / RECORD_FILE).read_text())["history"]
-        return [metrics for metrics in history if metrics["step"] > step]
-    except (OSError, ValueError, KeyError, TypeError):
+        return [metrics for metrics in read_record(run_dir)["history"] if metrics["step"] > step]
+    except (ConfigError, KeyError, TypeError):
         return []
 
 
