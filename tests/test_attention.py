@@ -144,3 +144,18 @@ def test_model_trains_through_it_under_autocast(monkeypatch):
     assert model.blocks[0].attn.c_q.weight.grad.abs().sum() > 0
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=5e-2)
+
+
+@pytest.mark.parametrize("shape", [(5, 7, 64), (2, 3, 4, 9, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_dot_is_the_last_dimensions_dot_product(shape, dtype):
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(shape, generator=g, dtype=dtype)
+    b = torch.randn(shape, generator=g, dtype=dtype)
+    expected = (a.double() * b.double()).sum(-1, keepdim=True)
+    got = attention.row_dot(a, b)
+    assert got.shape == (*shape[:-1], 1) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    # a transposed (non-contiguous) operand reads the same numbers
+    at = a.transpose(0, 1).contiguous().transpose(0, 1)
+    torch.testing.assert_close(attention.row_dot(at, b), got)

@@ -40,6 +40,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b) over the last dimension, kept as a size-1 dimension: (..., D) -> (..., 1).
+
+    On CPU a batched (1 x D) @ (D x 1) matmul: it reads a and b once, where vecdot and
+    (a * b).sum write the products to memory first. Measured on a 2-core EPYC, fp32,
+    (16, 256, 256): 0.32 against 0.63 ms. Elsewhere vecdot: CUDA runs fp32 matmuls in TF32
+    (runtime.resolve_device), which would round a and b to 10 bits."""
+    if a.device.type == "cpu":
+        return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)
+    return torch.linalg.vecdot(a, b).unsqueeze(-1)
+
+
 def use_cpu_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     # fp32 is not faster this way (18.5 against 19.8 ms a layer, within noise); under
     # compile Inductor takes SDPA as it is
@@ -83,7 +95,7 @@ class _CausalAttentionCPU(torch.autograd.Function):
         flat = lambda t: t.reshape(B * H, *t.shape[2:])  # heads of every sequence in a row
         q, k, v, out, lse, grad_out = map(flat, (q, k, v, out, lse, grad_out))
         # rowsum(dO * O), the softmax's correction term: (B*H, T, 1), fp32
-        delta = torch.linalg.vecdot(grad_out.float(), out.float()).unsqueeze(-1)
+        delta = row_dot(grad_out.float(), out.float())
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         heads, n_query_blocks = backward_blocks(B * H, T)
         for h in range(0, B * H, heads):

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sweeper.attention import causal_attention
+from sweeper.attention import causal_attention, row_dot
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class _RMSNorm(torch.autograd.Function):
         # y = x * r, r = mean(x^2)^-1/2  =>  dx = r * (g - y * mean(g * y))
         y, r = ctx.saved_tensors
         g = grad.to(y.dtype)
-        mean_gy = (g * y).mean(-1, keepdim=True)
+        mean_gy = row_dot(g, y).div_(y.size(-1))
         return torch.addcmul(g, y, mean_gy, value=-1).mul_(r).to(grad.dtype)
 
 
@@ -232,7 +232,7 @@ class _AttentionHeads(torch.autograd.Function):
         grad = torch.empty_like(rotated)
         torch.mul(grad_q, r[0], out=grad[0])
         torch.mul(grad_k, r[1], out=grad[1])
-        coef = torch.linalg.vecdot(grad, rotated).unsqueeze(-1).mul_(r.square()).div_(D)
+        coef = row_dot(grad, rotated).mul_(r.square()).div_(D)
         grad.addcmul_(rotated, coef, value=-1)
         # the rotation's backward: the opposite rotation
         torch.view_as_complex(grad.unflatten(-1, (-1, 2))).mul_(rotation.conj())
