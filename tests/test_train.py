@@ -260,19 +260,33 @@ def test_a_low_lr_spike_is_waited_out_and_a_collapse_to_a_uniform_guess_is_not()
     patience = load_run_config(tiny()).trainer.max_loss_patience  # the default
     batch = {"total_batch_size": 1024, "max_steps": 64, "dtype": "float32"}
     low_lr = {"matrix_lr": 0.001, "embedding_lr": 0.01}
-    patient = train(tiny(optimizer=low_lr, trainer=batch), verbose=False)
+    # the spike's height is chaotic: 8.2-9.1 at its top (the default limit, 1.5 ln(256), is
+    # 8.3) as the last bits of the norms' backward change; a limit of 1.25 ln(256) (6.9)
+    # catches it however its top falls (4 steps over it on a 2-core EPYC, 8 before a
+    # change of summation order)
+    spike_limit = 1.25 * LN_V
+    patient = train(
+        tiny(optimizer=low_lr, trainer={**batch, "max_loss": spike_limit}), verbose=False
+    )
     assert patient["status"] == "completed" and patient["steps"] == 64, patient.get("reason")
-    spiked = [loss > LIMIT for loss in patient["loss_trace"]]
-    # the spike this test is about: 3 steps on an AMD EPYC (AVX2), 1 on a Cascade Lake
-    # Xeon, 6 on an Intel Xeon of model 207 (AVX-512): fp32 kernels differ by CPU
+    spiked = [loss > spike_limit for loss in patient["loss_trace"]]
+    # the spike this test is about: 3 steps over 1.5 ln(256) on an AMD EPYC (AVX2), 1 on a
+    # Cascade Lake Xeon, 6 on an Intel Xeon of model 207 (AVX-512): fp32 kernels differ by CPU
     assert 0 < sum(spiked) < patience
     assert patient["loss_trace"][-1] < patient["loss_trace"][spiked.index(True) - 1]
-    hasty = train(tiny(optimizer=low_lr, trainer={**batch, "max_loss_patience": 1}), verbose=False)
+    hasty = train(
+        tiny(optimizer=low_lr, trainer={**batch, "max_loss": spike_limit, "max_loss_patience": 1}),
+        verbose=False,
+    )
     assert hasty["status"] == "diverged" and hasty["steps"] == spiked.index(True) + 1
 
     adamw = {"name": "adamw", "lr": 100.0, "weight_decay": 0.1, "adam_beta1": 0.9}  # conf's
     dead = train(tiny(optimizer=adamw, trainer=batch), verbose=False)
-    first_dead = next(i for i, loss in enumerate(dead["loss_trace"], 1) if loss < LIMIT and i > 1)
+    # its first step at ln(256) (after the spike; one step between can be near, not at, it)
+    at_uniform = DivergenceWatch.UNIFORM_TOLERANCE
+    first_dead = next(
+        i for i, loss in enumerate(dead["loss_trace"], 1) if abs(loss - LN_V) < at_uniform and i > 1
+    )
     assert dead["status"] == "diverged" and dead["steps"] == first_dead + patience - 1
     assert dead["steps"] < 18 and "uniform guess" in dead["reason"]  # before its NaN
     assert dead["loss_trace"][-1] == pytest.approx(LN_V, abs=1e-5)  # under the limit
