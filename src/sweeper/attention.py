@@ -140,7 +140,9 @@ def _split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _heads_backward(q_aug, k_aug, grad_aug, v_aug, k, n_blocks: int, dq, dk, dv) -> None:
     """The gradients for a few heads, written into dq, dk, dv (n, T, hs) bf16. q_aug is
     [q * scale, -lse as bf16 hi + lo], k_aug [k, 1, 1], grad_aug [dO, -delta as hi + lo],
-    v_aug [v, 1, 1], each (n, T, hs + 2); k is k alone.
+    v_aug [v, 1, 1], each (n, T, hs + 2); k is k alone. (q * scale is rounded to bf16,
+    exactly where scale is a power of 2 as at 64-dim heads; elsewhere it moves each score
+    and dK by ~2^-9 / sqrt(hs) of their size, less than their own rounding.)
 
     Key block j (keys [j rows, (j+1) rows)) meets the query rows from its own first row
     on: P and dS for the block are (T - j rows) x rows, the blocks above the diagonal are
