@@ -261,10 +261,10 @@ def test_a_low_lr_spike_is_waited_out_and_a_collapse_to_a_uniform_guess_is_not()
     batch = {"total_batch_size": 1024, "max_steps": 64, "dtype": "float32"}
     low_lr = {"matrix_lr": 0.001, "embedding_lr": 0.01}
     # the spike's height is chaotic: 8.2-9.1 at its top (the default limit, 1.5 ln(256), is
-    # 8.3) as the last bits of the norms' backward change; a limit of 1.25 ln(256) (6.9)
-    # catches it however its top falls (4 steps over it on a 2-core EPYC, 8 before a
-    # change of summation order)
-    spike_limit = 1.25 * LN_V
+    # 8.3) as the last bits of the norms' backward change; a limit of 1.35 ln(256) (7.5)
+    # catches it however its top falls, with a margin under the patience (3 steps over it
+    # on a 2-core EPYC, 7 before a change of summation order)
+    spike_limit = 1.35 * LN_V
     patient = train(
         tiny(optimizer=low_lr, trainer={**batch, "max_loss": spike_limit}), verbose=False
     )
