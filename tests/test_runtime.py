@@ -1,5 +1,6 @@
-"""trainer.dtype=auto on a CPU: bf16 where a timed matmul says it is faster, the same answer
-for every process on the machine."""
+"""trainer.dtype=auto on a CPU: bf16 where a timed matmul says it is faster, and fp32 linear
+layers on oneDNN where its matmul beats torch's own; the same answers for every process on
+the machine."""
 
 import json
 import os
@@ -10,17 +11,42 @@ import torch
 from sweeper import runtime
 
 
+def timing(bf16_ms=None, fp32_ms=10.0, fp32_onednn_ms=None) -> dict:
+    return {"bf16_ms": bf16_ms, "fp32_ms": fp32_ms, "fp32_onednn_ms": fp32_onednn_ms}
+
+
 @pytest.mark.parametrize(
-    "bf16_ms, fp32_ms, faster",
+    "bf16_ms, fp32_ms, fp32_onednn_ms, faster",
     [
-        (0.57, 6.1, True),  # an AMX Xeon
-        (10.0, 12.5, True),  # exactly the margin
-        (10.0, 12.0, False),  # faster, not by enough to pay for autocast's casts
-        (19.7, 11.9, False),  # AVX512-BF16 without AMX, measured 2026-12-02
+        (0.57, 6.1, None, True),  # an AMX Xeon
+        (10.0, 12.5, None, True),  # exactly the margin
+        (10.0, 12.0, None, False),  # faster, not by enough to pay for autocast's casts
+        (19.7, 11.9, None, False),  # AVX512-BF16 without AMX, measured 2026-12-02
+        (2.3, 10.7, 4.7, True),  # an AMD EPYC of family 26, measured 2026-12-05
+        (4.0, 10.7, 4.7, False),  # beats MKL's fp32, not oneDNN's, which fp32 would use
+        (None, 10.0, 4.0, False),  # no bf16 units: not timed
     ],
 )
-def test_bf16_is_taken_only_where_its_matmul_beats_fp32_by_the_margin(bf16_ms, fp32_ms, faster):
-    assert runtime.bf16_beats_fp32({"bf16_ms": bf16_ms, "fp32_ms": fp32_ms}) is faster
+def test_bf16_is_taken_only_where_its_matmul_beats_fp32_by_the_margin(
+    bf16_ms, fp32_ms, fp32_onednn_ms, faster
+):
+    assert runtime.bf16_beats_fp32(timing(bf16_ms, fp32_ms, fp32_onednn_ms)) is faster
+
+
+@pytest.mark.parametrize(
+    "fp32_ms, fp32_onednn_ms, faster",
+    [
+        (10.7, 4.7, True),  # an AMD EPYC with AVX-512, where MKL runs its AVX2 kernel
+        (12.0, 10.0, True),  # exactly the margin
+        (11.9, 10.0, False),  # faster, within what timing noise can do
+        (5.0, 6.0, False),
+        (10.0, None, False),  # a torch without oneDNN
+    ],
+)
+def test_onednn_is_taken_for_fp32_only_where_it_beats_torchs_matmul_by_the_margin(
+    fp32_ms, fp32_onednn_ms, faster
+):
+    assert runtime.onednn_beats_fp32(timing(None, fp32_ms, fp32_onednn_ms)) is faster
 
 
 def test_the_matmul_timing_is_measured_once_and_read_back_by_later_processes(tmp_path, monkeypatch):
@@ -31,9 +57,9 @@ def test_the_matmul_timing_is_measured_once_and_read_back_by_later_processes(tmp
         calls.append(timing)
         return timing
 
-    first = runtime.recorded_bf16_timing(lambda: measure({"bf16_ms": 5.0, "fp32_ms": 9.0}))
-    later = runtime.recorded_bf16_timing(lambda: measure({"bf16_ms": 9.0, "fp32_ms": 5.0}))
-    assert first == later == {"bf16_ms": 5.0, "fp32_ms": 9.0}
+    first = runtime.recorded_cpu_timing(lambda: measure(timing(5.0, 9.0, 4.0)))
+    later = runtime.recorded_cpu_timing(lambda: measure(timing(9.0, 5.0, None)))
+    assert first == later == timing(5.0, 9.0, 4.0)
     assert len(calls) == 1
     (record,) = (tmp_path / "cache").iterdir()  # no temporary file left beside it
     assert json.loads(record.read_text())["torch"] == torch.__version__
@@ -43,13 +69,12 @@ def test_a_process_that_measured_second_takes_the_first_ones_answer(tmp_path, mo
     monkeypatch.setenv("SWEEPER_CACHE_DIR", str(tmp_path))
 
     def measured_while_another_process_wrote_first():
-        runtime.recorded_bf16_timing(lambda: {"bf16_ms": 1.0, "fp32_ms": 8.0})
-        return {"bf16_ms": 8.0, "fp32_ms": 1.0}
+        runtime.recorded_cpu_timing(lambda: timing(1.0, 8.0))
+        return timing(8.0, 1.0)
 
-    assert runtime.recorded_bf16_timing(measured_while_another_process_wrote_first) == {
-        "bf16_ms": 1.0,
-        "fp32_ms": 8.0,
-    }
+    assert runtime.recorded_cpu_timing(measured_while_another_process_wrote_first) == timing(
+        1.0, 8.0
+    )
     assert len(os.listdir(tmp_path)) == 1
 
 
@@ -57,25 +82,25 @@ def test_an_unreadable_record_or_cache_dir_falls_back_to_the_processs_own_timing
     tmp_path, monkeypatch
 ):
     monkeypatch.setenv("SWEEPER_CACHE_DIR", str(tmp_path))
-    runtime.recorded_bf16_timing(lambda: {"bf16_ms": 1.0, "fp32_ms": 8.0})
+    runtime.recorded_cpu_timing(lambda: timing(1.0, 8.0))
     (record,) = tmp_path.iterdir()
     record.write_text("{not json")
-    assert runtime.recorded_bf16_timing(lambda: {"bf16_ms": 3.0, "fp32_ms": 4.0}) == {
-        "bf16_ms": 3.0,
-        "fp32_ms": 4.0,
-    }
+    assert runtime.recorded_cpu_timing(lambda: timing(3.0, 4.0)) == timing(3.0, 4.0)
+    # a record from before the oneDNN timing (two keys) is not read as this one
+    record.write_text('{"bf16_ms": 1.0, "fp32_ms": 8.0}')
+    assert runtime.recorded_cpu_timing(lambda: timing(3.0, 4.0)) == timing(3.0, 4.0)
     blocked = tmp_path / "a file, not a dir"
     blocked.write_text("")
     monkeypatch.setenv("SWEEPER_CACHE_DIR", str(blocked))
-    assert runtime.recorded_bf16_timing(lambda: {"bf16_ms": 2.0, "fp32_ms": 7.0}) == {
-        "bf16_ms": 2.0,
-        "fp32_ms": 7.0,
-    }
+    assert runtime.recorded_cpu_timing(lambda: timing(2.0, 7.0)) == timing(2.0, 7.0)
 
 
 def test_the_real_matmuls_are_timed_on_this_cpu():
-    timing = runtime.measure_bf16_matmul()
-    assert timing["bf16_ms"] > 0 and timing["fp32_ms"] > 0
+    measured = runtime.measure_cpu_matmuls(bf16=True)
+    assert measured["bf16_ms"] > 0 and measured["fp32_ms"] > 0
+    # torch's CPU wheels carry oneDNN (bf16 matmuls run on it)
+    assert measured["fp32_onednn_ms"] > 0
+    assert runtime.measure_cpu_matmuls(bf16=False)["bf16_ms"] is None
 
 
 def test_auto_follows_the_recorded_timing_where_the_cpu_has_bf16_units(tmp_path, monkeypatch):
@@ -84,11 +109,11 @@ def test_auto_follows_the_recorded_timing_where_the_cpu_has_bf16_units(tmp_path,
     try:
         auto = runtime.resolve_dtype("auto", torch.device("cpu"))
         if runtime.cpu_has_bf16_units():
-            expected = runtime.bf16_beats_fp32(runtime.recorded_bf16_timing())
-            assert len(os.listdir(tmp_path)) == 1
-        else:  # emulated bf16: nothing timed, nothing written
+            expected = runtime.bf16_beats_fp32(runtime.recorded_cpu_timing())
+        else:  # emulated bf16: not timed
             expected = False
-            assert os.listdir(tmp_path) == []
+            assert runtime.recorded_cpu_timing()["bf16_ms"] is None
+        assert len(os.listdir(tmp_path)) == 1  # one record, whichever process wrote it
         assert auto == (torch.bfloat16 if expected else torch.float32)
     finally:
         runtime.cpu_bf16_is_fast.cache_clear()

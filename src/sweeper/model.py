@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sweeper.attention import causal_attention, row_dot
+from sweeper.linear import Linear, linear
 
 
 @dataclass(frozen=True)
@@ -294,17 +295,17 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, shape: GPTShape):
         super().__init__()
         self.n_heads, self.head_dim = shape.n_heads, shape.head_dim
-        self.c_q = nn.Linear(shape.d_model, shape.d_model, bias=False)
-        self.c_k = nn.Linear(shape.d_model, shape.d_model, bias=False)
-        self.c_v = nn.Linear(shape.d_model, shape.d_model, bias=False)
-        self.c_proj = nn.Linear(shape.d_model, shape.d_model, bias=False)
+        self.c_q = Linear(shape.d_model, shape.d_model)
+        self.c_k = Linear(shape.d_model, shape.d_model)
+        self.c_v = Linear(shape.d_model, shape.d_model)
+        self.c_proj = Linear(shape.d_model, shape.d_model)
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         # one matmul for q, k, v (faster than three on CPU); the weights stay three
         # matrices, so Muon orthogonalises each on its own
         w_qkv = torch.cat([self.c_q.weight, self.c_k.weight, self.c_v.weight])
-        qkv = F.linear(x, w_qkv).view(B, T, 3, self.n_heads, self.head_dim)
+        qkv = linear(x, w_qkv).view(B, T, 3, self.n_heads, self.head_dim)
         q, k, v = attention_heads(qkv, rotary)  # (B, nh, T, hs); q, k rotated and normed
         y = causal_attention(q, k, v)  # SDPA; on CPU in bf16 a faster backward
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
@@ -313,8 +314,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, shape: GPTShape):
         super().__init__()
-        self.c_fc = nn.Linear(shape.d_model, 4 * shape.d_model, bias=False)
-        self.c_proj = nn.Linear(4 * shape.d_model, shape.d_model, bias=False)
+        self.c_fc = Linear(shape.d_model, 4 * shape.d_model)
+        self.c_proj = Linear(4 * shape.d_model, shape.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(relu_squared(self.c_fc(x)))
@@ -342,7 +343,7 @@ class GPT(nn.Module):
         self.residual_dtype = residual_dtype
         self.wte = nn.Embedding(shape.vocab_size, shape.d_model)
         self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.depth))
-        self.lm_head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+        self.lm_head = Linear(shape.d_model, shape.vocab_size)
         # per-layer scalars: x <- resid * x + x0_mix * x0 before each block (modded-nanogpt);
         # they let a layer re-read the token embedding and rescale the residual stream
         self.resid_lambdas = nn.Parameter(torch.ones(shape.depth))
@@ -360,8 +361,8 @@ class GPT(nn.Module):
         nn.init.normal_(self.lm_head.weight, std=0.001)
         bound = math.sqrt(3.0 / d)  # uniform with std 1/sqrt(fan_in)
         for block in self.blocks:
-            for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
-                nn.init.uniform_(linear.weight, -bound, bound)
+            for layer in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(layer.weight, -bound, bound)
             # zero output projections: each block starts as the identity
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)

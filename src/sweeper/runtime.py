@@ -109,6 +109,11 @@ def _readable(n: float, unit: str) -> str:
 
 # bf16 autocast must beat fp32 by this much in a matmul to pay for its casts
 BF16_MIN_SPEEDUP = 1.25
+# oneDNN's fp32 matmul must beat torch's own (MKL's sgemm) by this much to be taken: a
+# margin over timing noise, so that a machine does not switch kernels on a close call
+ONEDNN_MIN_SPEEDUP = 1.2
+# what measure_cpu_matmuls records, in ms (None: not timed on this CPU)
+_TIMINGS = ("bf16_ms", "fp32_ms", "fp32_onednn_ms")
 # the `small` model's widest matmul (a micro-batch of 16 x 256 tokens into its MLP)
 _PROBE_SHAPE = (4096, 256, 1024)
 
@@ -134,32 +139,59 @@ def cpu_has_bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def measure_bf16_matmul() -> dict:
-    """Median time of the probe matmul in bf16 and in fp32 (ms), at torch's thread count."""
+def onednn_fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in fp32 by oneDNN's matmul (torch's own fp32 matmul on CPU is MKL's).
+    A private op of torch's (Inductor's CPU linear), so it is looked up where it is used:
+    a torch without it raises AttributeError, and measure_cpu_matmuls then records None."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def measure_cpu_matmuls(bf16: bool = True) -> dict:
+    """Median time (ms) of the probe matmul at torch's thread count: in fp32 as torch runs
+    it (`fp32_ms`), in fp32 by oneDNN (`fp32_onednn_ms`, None where torch has no oneDNN)
+    and in bf16 (`bf16_ms`, None unless asked: timing emulated bf16 tells nothing)."""
     import time
 
     m, k, n = _PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
-    pairs = {
-        dtype: (
-            torch.randn(m, k, generator=gen).to(dtype),
-            torch.randn(k, n, generator=gen).to(dtype),
-        )
-        for dtype in (torch.bfloat16, torch.float32)
-    }
-    times = {dtype: [] for dtype in pairs}
-    for rep in range(7):  # alternating, so a noisy neighbour slows both alike
-        for dtype, (a, b) in pairs.items():
+    a, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    kernels = {"fp32_ms": lambda: a @ b.T}
+    if torch.backends.mkldnn.is_available():
+        kernels["fp32_onednn_ms"] = lambda: onednn_fp32_linear(a, b)
+    if bf16:
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        kernels["bf16_ms"] = lambda: a16 @ b16.T
+    for name, kernel in list(kernels.items()):
+        try:
+            kernel()  # also the first warm-up of oneDNN's kernels
+        except (AttributeError, RuntimeError):  # no such op in this torch build
+            del kernels[name]
+    times = {name: [] for name in kernels}
+    for rep in range(6):  # alternating, so a noisy neighbour slows all alike
+        for name, kernel in kernels.items():
             started = time.perf_counter()
-            a @ b
-            if rep >= 2:  # the first two warm up oneDNN's kernels
-                times[dtype].append(time.perf_counter() - started)
-    bf16, fp32 = (sorted(times[d])[len(times[d]) // 2] * 1e3 for d in pairs)
-    return {"bf16_ms": round(bf16, 3), "fp32_ms": round(fp32, 3)}
+            kernel()
+            if rep >= 1:
+                times[name].append(time.perf_counter() - started)
+    timing = dict.fromkeys(_TIMINGS)
+    for name, elapsed in times.items():
+        timing[name] = round(sorted(elapsed)[len(elapsed) // 2] * 1e3, 3)
+    return timing
 
 
 def bf16_beats_fp32(timing: dict) -> bool:
-    return timing["fp32_ms"] >= BF16_MIN_SPEEDUP * timing["bf16_ms"]
+    """bf16 against the faster of the fp32 kernels (the one fp32 training would use)."""
+    if timing["bf16_ms"] is None:
+        return False
+    fp32_ms = min(t for t in (timing["fp32_ms"], timing["fp32_onednn_ms"]) if t is not None)
+    return fp32_ms >= BF16_MIN_SPEEDUP * timing["bf16_ms"]
+
+
+def onednn_beats_fp32(timing: dict) -> bool:
+    return (
+        timing["fp32_onednn_ms"] is not None
+        and timing["fp32_ms"] >= ONEDNN_MIN_SPEEDUP * timing["fp32_onednn_ms"]
+    )
 
 
 def cache_dir() -> str:
@@ -176,22 +208,31 @@ def _recorded_timing(path: str) -> dict | None:
     try:
         with open(path) as f:
             recorded = json.load(f)
-        return {"bf16_ms": float(recorded["bf16_ms"]), "fp32_ms": float(recorded["fp32_ms"])}
+        timing = {name: recorded[name] for name in _TIMINGS}
+        if timing["fp32_ms"] is None:
+            return None
+        return {name: None if ms is None else float(ms) for name, ms in timing.items()}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def recorded_bf16_timing(measure: Callable[[], dict] = measure_bf16_matmul) -> dict:
-    """This CPU's bf16-against-fp32 timing, measured once per CPU and torch version and
-    kept in cache_dir(): every later process on the machine reads the same answer, so
-    trials of one sweep never train in different precisions because one timing was noisy.
-    The first process to write it wins; one that cannot write uses its own measurement."""
+def _measure_this_cpu() -> dict:
+    return measure_cpu_matmuls(bf16=cpu_has_bf16_units())
+
+
+def recorded_cpu_timing(measure: Callable[[], dict] = _measure_this_cpu) -> dict:
+    """This CPU's matmul timings (measure_cpu_matmuls), measured once per CPU and torch
+    version and kept in cache_dir(): every later process on the machine reads the same
+    answer, so trials of one sweep never train in different precisions or kernels because
+    one timing was noisy. The first process to write it wins; one that cannot write uses
+    its own measurement."""
     import hashlib
     import json
 
     identity, _ = _cpu_identity()
     key = hashlib.sha1(f"{identity}\n{torch.__version__}".encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir(), f"cpu_bf16-{key}.json")
+    # cpu_matmul-: a record of the three timings (the older cpu_bf16- held two)
+    path = os.path.join(cache_dir(), f"cpu_matmul-{key}.json")
     if recorded := _recorded_timing(path):
         return recorded
     timing = measure()
@@ -217,8 +258,18 @@ def cpu_bf16_is_fast() -> bool:
     2-core Xeon with AVX512-BF16 and no AMX (model 207, 2026-12-02) oneDNN's bf16 matmul
     took 19.7 ms against fp32's 11.9 ms and training in bf16 was 1.45x slower, where an
     EPYC's AVX512-BF16 trained 2.6x faster and an AMX Xeon's matmul was 10x faster. So
-    where the units exist, one timed matmul decides (recorded_bf16_timing)."""
-    return cpu_has_bf16_units() and bf16_beats_fp32(recorded_bf16_timing())
+    where the units exist, one timed matmul decides (recorded_cpu_timing)."""
+    return cpu_has_bf16_units() and bf16_beats_fp32(recorded_cpu_timing())
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_fp32_matmul_by_onednn() -> bool:
+    """Whether fp32 linear layers on this CPU should run on oneDNN's matmul rather than
+    torch's (MKL's sgemm). MKL picks its kernels by CPU vendor: on an AMD EPYC with AVX-512
+    (family 26, 2026-12-05) its sgemm ran at 210 GF/s, the AVX2 rate, where oneDNN's
+    reached 455-499 GF/s and fp32 training steps took 0.67x the time. On Intel CPUs MKL
+    takes its AVX-512 kernels, and the timed probe decides (recorded_cpu_timing)."""
+    return onednn_beats_fp32(recorded_cpu_timing())
 
 
 def _libc():
