@@ -7,7 +7,8 @@ same batch, same precision, in one process. Runs alternate so machine noise hits
 
 Prints the median tokens/s of each and the ratio (target: >= 1.0 on CPU). On a GPU machine
 it also prints MFU (the d12 target is >= 45% with bf16 + compile). `optimizer=adamw` as an
-override gives sweeper's GPT the plain one's optimizer: the model and loop alone.
+override gives sweeper's GPT the plain one's optimizer: the model and loop alone;
+`--plain-same-matmul` gives the plain GPT sweeper's fp32 matmul kernel (sweeper/linear.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from omegaconf import OmegaConf
 from sweeper.cli import compose
 from sweeper.config import load_run_config
 from sweeper.data import BatchSampler, load_data
+from sweeper.linear import linear
 from sweeper.model import GPT, GPTShape
 from sweeper.optim import build_optimizer
 from sweeper.runtime import autocast_context, resolve_device, resolve_dtype
@@ -63,12 +65,27 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def plain_tokens_per_s(cfg, steps: int, compile_model: bool) -> float:
+def on_sweepers_matmul(model: nn.Module) -> nn.Module:
+    """The plain GPT's linear layers through sweeper.linear (oneDNN's fp32 matmul where the
+    probe took it) plus their bias: the kernel's gain taken out of the comparison."""
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            layer.forward = lambda x, layer=layer: (
+                linear(x, layer.weight)
+                if layer.bias is None
+                else linear(x, layer.weight) + layer.bias
+            )
+    return model
+
+
+def plain_tokens_per_s(cfg, steps: int, compile_model: bool, same_matmul: bool = False) -> float:
     device = resolve_device(cfg.trainer.device)
     dtype = resolve_dtype(cfg.trainer.dtype, device)
     m, t = cfg.model, cfg.trainer
     torch.manual_seed(0)
     model = PlainGPT(m.vocab_size, m.width, m.depth, m.width // m.head_dim, m.seq_len).to(device)
+    if same_matmul:
+        model = on_sweepers_matmul(model)
     if compile_model:
         model = torch.compile(model, dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=None)
@@ -204,6 +221,12 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="time each piece of a step instead (eager)"
     )
+    parser.add_argument(
+        "--plain-same-matmul",
+        action="store_true",
+        help="the plain GPT's linear layers on sweeper's matmul too (oneDNN's in fp32 where "
+        "the probe took it): the model and loop alone, without the kernel's gain",
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (trainer=gpu ...)")
     args = parser.parse_args()
     extra = ["trainer.compile=true"] if args.compile else ["trainer.compile=false"]
@@ -233,7 +256,12 @@ def main() -> None:
         ours.append(tok_s)
         mfus.append(mfu)
         plain.append(
-            plain_tokens_per_s(cfg, args.steps, args.compile or cfg.trainer.compile == "true")
+            plain_tokens_per_s(
+                cfg,
+                args.steps,
+                args.compile or cfg.trainer.compile == "true",
+                same_matmul=args.plain_same_matmul,
+            )
         )
         print(f"run {i + 1}: sweeper {ours[-1]:,.0f} tok/s | plain {plain[-1]:,.0f} tok/s")
     med_ours, med_plain = statistics.median(ours), statistics.median(plain)
