@@ -69,6 +69,16 @@ def test_every_searcher_and_scheduler_runs_the_real_trainable(
         stops = "25%, 75%" if scheduler == "asha" else "33%"
         assert f"rungs at {stops} of it" in header, header
     assert ("1 of its 2 brackets" in header) == one_bracket, header
+    # 16 steps, reports every 4: HyperBand's rung at a third (5.3 steps) is evaluated at
+    # step 6, in place of 8, so a trial it pauses there has trained nothing past it
+    with open(tmp_path / "reports.csv") as f:
+        steps: dict[str, list[int]] = {}
+        for row in csv.DictReader(f):
+            if row["stage"] == "lr":
+                steps.setdefault(row["trial_id"], []).append(int(row["step"]))
+    expected = [4, 6, 12, 16] if scheduler in ("hyperband", "bohb") else [4, 8, 12, 16]
+    assert all(seen == expected[: len(seen)] for seen in steps.values()), steps
+    assert max(len(seen) for seen in steps.values()) == 4, steps
 
 
 def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(

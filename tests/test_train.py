@@ -21,6 +21,7 @@ from sweeper.train import (
     evaluate,
     is_eval_step,
     resolve_total_steps,
+    rung_steps,
     train,
 )
 
@@ -323,6 +324,59 @@ def test_no_evaluation_just_before_the_final_one(total_steps, eval_every, expect
     steps = range(1, total_steps + 1)
     points = [s for s in steps if s == total_steps or is_eval_step(s, total_steps, eval_every)]
     assert points == expected
+
+
+@pytest.mark.parametrize(
+    "total_steps, eval_every, rung_steps, expected",
+    [
+        # Hyperband's rung at a third of a 25-step trial (8.3): step 9, not 12, which it
+        # replaces
+        (25, 4, {9}, [4, 8, 9, 16, 20, 25]),
+        # ASHA's rungs at a quarter and three quarters: 7 and 19 in place of 8 and 20
+        (25, 4, {7, 19}, [4, 7, 12, 16, 19, 25]),
+        (16, 4, {6}, [4, 6, 12, 16]),
+        (16, 4, {4, 12}, [4, 8, 12, 16]),  # rungs on the grid change nothing
+        # a ninth and a third of 64 steps (8 and 22) on a grid of 8: 24 gives way to 22
+        (64, 8, {8, 22}, [8, 16, 22, 32, 40, 48, 56, 64]),
+        (64, 8, set(), [8, 16, 24, 32, 40, 48, 56, 64]),
+    ],
+)
+def test_a_sweep_trial_also_evaluates_at_its_rungs(total_steps, eval_every, rung_steps, expected):
+    steps = range(1, total_steps + 1)
+    points = [
+        s for s in steps if s == total_steps or is_eval_step(s, total_steps, eval_every, rung_steps)
+    ]
+    assert points == expected
+
+
+@pytest.mark.parametrize(
+    "rungs, step_fraction, total_steps, expected",
+    [
+        ([1 / 9, 1 / 3], 1 / 64, 64, {8, 22}),  # 7.1 and 21.3 steps: the next whole ones
+        ([0.25, 0.75], 1 / 64, 64, {16, 48}),  # on a step: that step, not the one after
+        ([1 / 3], 1 / 25, 25, {9}),
+        # a budget the steps overshoot (1000 tokens, 300 a step: 4 steps); a rung at the
+        # last step is the final evaluation, not one of its own
+        ([0.25, 0.5, 0.95], 0.3, 4, {1, 2}),
+        ([0.5], 1 / 2, 2, {1}),
+    ],
+)
+def test_a_rung_is_evaluated_at_the_first_step_at_or_past_it(
+    rungs, step_fraction, total_steps, expected
+):
+    assert rung_steps(rungs, step_fraction, total_steps) == expected
+
+
+def test_a_run_given_rungs_reports_there_and_trains_as_without_them():
+    common = {"max_steps": None, "budget_tokens": 24 * 512, "total_batch_size": 512}
+    common["num_evals"] = 4  # every 6 steps
+    plain, seen = train(tiny(trainer=common), verbose=False), []
+    ruled = train(tiny(trainer={**common, "rungs": [1 / 9, 1 / 3]}), seen.append, verbose=False)
+    # the rungs at 2.7 and 8 steps report at 3 and 8, in place of the grid's 6 and 12
+    assert [m["step"] for m in seen] == [3, 8, 18, 24]
+    assert "rung_val_bpb" not in seen[0]  # no forks without a cooldown
+    assert ruled["loss_trace"] == plain["loss_trace"]  # evaluating trains nothing
+    assert ruled["val_bpb"] == plain["val_bpb"]
 
 
 def test_a_run_reports_at_its_evaluation_steps_and_at_the_end():

@@ -14,7 +14,7 @@ import copy
 import gc
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -42,11 +42,41 @@ from sweeper.schedule import lr_multiplier, muon_momentum, weight_decay_multipli
 Report = Callable[..., Any]
 
 
-def is_eval_step(step: int, total_steps: int, eval_every: int) -> bool:
+def is_eval_step(
+    step: int, total_steps: int, eval_every: int, rung_steps: Collection[int] = ()
+) -> bool:
     """Every eval_every steps, except one less than half an interval before the end: the
     final evaluation follows it at once and would nearly repeat it (25 steps every 4 would
-    evaluate at 24 and 25; each evaluation costs ~4% of a sweep trial on a CPU)."""
-    return step % eval_every == 0 and 2 * (total_steps - step) >= eval_every
+    evaluate at 24 and 25; each evaluation costs ~4% of a sweep trial on a CPU).
+
+    And at a sweep's rungs (`rung_steps`, see rung_steps): its scheduler decides there, so
+    a trial it stops or pauses trains nothing past the rung, where on the grid alone a
+    trial of 25 steps with a rung at a third (8.3) went on to step 12. The grid step that
+    follows a rung within an interval is left out, so a run evaluates no more often."""
+    if step in rung_steps:
+        return True
+    if step % eval_every or 2 * (total_steps - step) < eval_every:
+        return False
+    return not any(0 < step - rung < eval_every for rung in rung_steps)
+
+
+# a step whose progress is this close under a rung is at it: rung fractions come back from
+# the sweep's time axis through a division, and Ray's HyperBand rounds its units to 1e-9
+RUNG_TOLERANCE = 1e-9
+
+
+def rung_steps(rungs: Collection[float], step_fraction: float, total_steps: int) -> set[int]:
+    """The first step at or past each rung, for a run whose every step moves it
+    `step_fraction` of the sweep's budget along: where the scheduler first sees the trial
+    there. Rungs the run never reaches are left out."""
+    found = set()
+    for rung in rungs:
+        step = max(1, math.floor(rung / step_fraction))
+        while step * step_fraction < rung * (1 - RUNG_TOLERANCE):
+            step += 1
+        if step < total_steps:
+            found.add(step)
+    return found
 
 
 class DivergenceWatch:
@@ -336,13 +366,14 @@ def train(
     def weight_decay_at(at_step: int) -> float:
         return weight_decay_multiplier(at_step, total_steps, cfg.optimizer.weight_decay_schedule)
 
-    def progress() -> float:
-        """How far along its budget the run is, on the time axis a sweep's rungs use."""
-        if t.budget_flops:
-            return step * tokens_per_step * flops_per_token / t.budget_flops
-        if t.budget_tokens:
-            return step * tokens_per_step / t.budget_tokens
-        return step / total_steps
+    # how far along its budget each step moves the run, on the time axis a sweep's rungs use
+    if t.budget_flops:
+        step_fraction = tokens_per_step * flops_per_token / t.budget_flops
+    elif t.budget_tokens:
+        step_fraction = tokens_per_step / t.budget_tokens
+    else:
+        step_fraction = 1 / total_steps
+    at_rungs = rung_steps(t.rungs, step_fraction, total_steps)
 
     # --- loop ----------------------------------------------------------------------------
     status, reason, val_bpb, train_loss = "completed", None, None, float("nan")
@@ -353,7 +384,7 @@ def train(
     timed_from = start_step  # train_seconds times the steps after this one
     # the largest gradient norm since the last report: a spike between evaluations shows
     grad_norm_max: torch.Tensor | None = None
-    rungs_ahead = sorted(r for r in t.rungs if r > progress()) if t.rung_cooldown else []
+    fork_steps_ahead = sorted(s for s in at_rungs if s > step) if t.rung_cooldown else []
     # training FLOPs of the cooldown forks so far: compute the sweep spent, though not the
     # run's own (its `flops`, the scaling fits' axis, leaves them out)
     fork_flops = history[-1].get("fork_flops", 0.0) if history else 0.0
@@ -377,7 +408,7 @@ def train(
             # 2) forward/backward over the micro-batches, clip, step; before a report, how
             # far the step moves the weights (a copy of them: only then, it is not free)
             reports_next = step + 1 == total_steps or is_eval_step(
-                step + 1, total_steps, eval_every
+                step + 1, total_steps, eval_every, at_rungs
             )
             wdm = weight_decay_at(step)
             loss_sum, grad_norm, ratios = optimizer_step(step, lrm, wdm, momentum, reports_next)
@@ -422,7 +453,7 @@ def train(
                 )
                 window_tokens, window_start = 0, time.perf_counter()
             # 5) evaluate (and, at a sweep's rung, a cooled-down fork) and report
-            if last or is_eval_step(step, total_steps, eval_every):
+            if last or is_eval_step(step, total_steps, eval_every, at_rungs):
                 eval_start = time.perf_counter()
                 if status == "diverged":
                     val_bpb = float("nan")
@@ -436,9 +467,9 @@ def train(
                         + (f" | {activations_text(watch.stats)}" if watch.stats else "")
                     )
                 rung_val_bpb = val_bpb
-                at_rung = bool(rungs_ahead) and progress() >= rungs_ahead[0]
-                while rungs_ahead and progress() >= rungs_ahead[0]:
-                    rungs_ahead.pop(0)
+                at_rung = bool(fork_steps_ahead) and step >= fork_steps_ahead[0]
+                while fork_steps_ahead and step >= fork_steps_ahead[0]:
+                    fork_steps_ahead.pop(0)
                 if at_rung and not last:
                     cooled, fork_steps = cooled_val_bpb(lrm, wdm, momentum)
                     fork_flops += fork_steps * tokens_per_step * flops_per_token

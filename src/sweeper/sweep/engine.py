@@ -594,7 +594,8 @@ def stage_context(
         gpus=spec.gpus_per_trial,
         sampled=tuple(space.names),
         storage=storage,
-        rungs=rung_fractions(spec, stage, target) if spec.rung_cooldown else (),
+        # trials evaluate at the rungs (a user's function reports where it likes)
+        rungs=() if target else rung_fractions(spec, stage, target),
         rung_cooldown=spec.rung_cooldown,
         metric_read_by=metric_reader(spec.stage_search(stage), scheduler),
     )
@@ -682,7 +683,7 @@ def run_stage(
         scheduler_name,
         # with rung forks, trials are ranked at the rungs by their cooled-down copies; the
         # searcher, the records and the plots keep the run's own val_bpb
-        metric=RUNG_METRIC if ctx.rungs else spec.metric,
+        metric=RUNG_METRIC if ctx.ranks_forks else spec.metric,
         mode=spec.mode,
         time_attr=time_attr,
         max_t=max_t,
@@ -697,7 +698,7 @@ def run_stage(
         from sweeper.sweep.hyperband import record_earlier_trials
 
         earlier = record_earlier_trials(
-            scheduler, earlier_reports, time_attr, RUNG_METRIC if ctx.rungs else spec.metric
+            scheduler, earlier_reports, time_attr, RUNG_METRIC if ctx.ranks_forks else spec.metric
         )
     workers = 1 if target else int(base["trainer"]["workers"])
     # a DDP trial only launches its TorchTrainer, whose workers hold the CPUs/GPUs
@@ -761,7 +762,7 @@ def run_stage(
         f"{len(points)} given point{'s' * (len(points) > 1)} first" if points else None,
         f"rungs at {', '.join(f'{f:.0%}' for f in stops)} of it" if stops else None,
         f"each ranked on a copy cooled down over {spec.rung_cooldown:.0%} of its steps"
-        if ctx.rungs
+        if ctx.ranks_forks
         else None,
         f"{min(spec.brackets, levels)} of its {levels} brackets"
         if spec.brackets and hyperband
@@ -806,7 +807,7 @@ def run_stage(
             from sweeper.sweep.hyperband import replay_restored_rungs
 
             count = replay_restored_rungs(
-                tuner, time_attr, RUNG_METRIC if ctx.rungs else spec.metric
+                tuner, time_attr, RUNG_METRIC if ctx.ranks_forks else spec.metric
             )
             replayed = f"; ASHA's rungs hold the values of its {count} trials that reported"
         print(f"[{stage.name}] resuming the interrupted stage from {experiment}{replayed}")

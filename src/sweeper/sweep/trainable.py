@@ -49,6 +49,11 @@ class TrialContext:
     # a trial's last report)
     metric_read_by: str | None = None
 
+    @property
+    def ranks_forks(self) -> bool:
+        """Whether the scheduler ranks cooled-down forks (RUNG_METRIC) at its rungs."""
+        return bool(self.rung_cooldown and self.rungs)
+
 
 # the metric a stage's scheduler ranks when sweep.rung_cooldown forks trials at its rungs
 RUNG_METRIC = "rung_val_bpb"
@@ -359,11 +364,13 @@ def run_trial(
 
 def with_run_settings(run_cfg: dict, ctx: TrialContext) -> None:
     """How the stage runs its trials, not what they train (left out of the recorded
-    config, so the reproduce line stays a plain run): checkpoints, rung forks."""
+    config, so the reproduce line stays a plain run): checkpoints, evaluations at the
+    scheduler's rungs and the forks there."""
     trainer = run_cfg["trainer"]
     trainer["checkpoint_every_eval"] = ctx.checkpoint
-    if ctx.rung_cooldown and ctx.rungs:
-        trainer.update(rungs=list(ctx.rungs), rung_cooldown=ctx.rung_cooldown)
+    trainer["rungs"] = list(ctx.rungs)
+    if ctx.ranks_forks:
+        trainer["rung_cooldown"] = ctx.rung_cooldown
 
 
 def _run_one_process_trial(run_cfg: dict, ctx: TrialContext, report) -> None:
