@@ -52,7 +52,7 @@ def is_eval_step(
     And at a sweep's rungs (`rung_steps`, see rung_steps): its scheduler decides there, so
     a trial it stops or pauses trains nothing past the rung, where on the grid alone a
     trial of 25 steps with a rung at a third (8.3) went on to step 12. The grid step that
-    follows a rung within an interval is left out, so a run evaluates no more often."""
+    follows a rung within an interval is left out, so a run evaluates about as often."""
     if step in rung_steps:
         return True
     if step % eval_every or 2 * (total_steps - step) < eval_every:
