@@ -220,8 +220,8 @@ def test_a_diverging_trial_is_stopped_with_a_penalty_and_the_sweep_finishes(ray_
 
 def halving_over_matrix_lrs(grid: str) -> list[str]:
     """Successive halving over a grid of three matrix LRs, one trial at a time: the best at
-    the rung (halfway through a trial) goes on, the others stop there. The batch stage
-    that follows is a single point."""
+    the rung (a third of a trial, evaluated at step 6 of 16) goes on, the others stop
+    there. The batch stage that follows is a single point."""
     return [
         "sweep.stages.0.search=grid",
         "sweep.stages.0.scheduler=hyperband",
@@ -241,19 +241,19 @@ def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, 
 
     # the first LR (the best) reaches the rung, is paused there with a checkpoint until the
     # other two have, then goes on
-    overrides = halving_over_matrix_lrs("[0.03,0.001,0.002]")
+    overrides = halving_over_matrix_lrs("[0.16,0.002,0.004]")
     summary = sweep(tmp_path, *overrides)
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     (survivor,) = [r for r in state["stages"][0]["records"] if r["status"] == "completed"]
-    assert survivor["params"] == {"optimizer.matrix_lr": 0.03}
+    assert survivor["params"] == {"optimizer.matrix_lr": 0.16}
     # the largest LR of the grid won: the sweep says a larger one may be better still, under
     # the stage's table and in the summary; the one-point batch stage has no ends
     (edge,) = summary["stages"][0]["at_range_edge"]
-    assert (edge["param"], edge["value"], edge["side"]) == ("optimizer.matrix_lr", 0.03, "high")
+    assert (edge["param"], edge["value"], edge["side"]) == ("optimizer.matrix_lr", 0.16, "high")
     assert summary["stages"][1]["at_range_edge"] == []
     assert capsys.readouterr().out.count(f"note: {edge['note']}") == 2
-    # and names the next value past it, by the grid's spacing (0.002 -> 0.03: x15)
-    grid = "sweep.stages.0.params.optimizer.matrix_lr.grid=[0.001,0.002,0.03,0.45]"
+    # and names the next value past it, by the grid's spacing (0.004 -> 0.16: x40)
+    grid = "sweep.stages.0.params.optimizer.matrix_lr.grid=[0.002,0.004,0.16,6.4]"
     assert edge["widen"] == grid
     lines = (Path(survivor["path"]) / "result.json").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
@@ -270,16 +270,16 @@ def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, 
 def test_with_rung_cooldown_the_rung_ranks_cooled_forks_not_the_runs_as_they_are(
     ray_cluster, tmp_path
 ):
-    # successive halving over three LRs (found for this: at the rung, halfway through, the
-    # runs as they are and their cooled-down copies rank a different LR first, 0.027 apart)
-    overrides = halving_over_matrix_lrs("[0.01,0.16,0.3]")
+    # successive halving over three LRs (found for this: at the rung, a third of the way,
+    # the runs as they are rank 0.16 first and their cooled-down copies 0.1, by 0.017-0.019)
+    overrides = halving_over_matrix_lrs("[0.1,0.16,0.3]")
     overrides += ["trainer.dtype=float32", "sweep.rung_cooldown=0.5"]  # fp32: same on every CPU
     summary = sweep(tmp_path, *overrides)
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     lr_stage, batch_stage = state["stages"]
     lr_of = {r["trial_id"]: r["params"]["optimizer.matrix_lr"] for r in lr_stage["records"]}
-    at_rung = {lr_of[r["trial_id"]]: r for r in lr_stage["reports"] if r["step"] == 8}
-    assert sorted(at_rung) == [0.01, 0.16, 0.3]
+    at_rung = {lr_of[r["trial_id"]]: r for r in lr_stage["reports"] if r["step"] == 6}
+    assert sorted(at_rung) == [0.1, 0.16, 0.3]
     cooled_best = min(at_rung, key=lambda lr: at_rung[lr]["rung_val_bpb"])
     live_best = min(at_rung, key=lambda lr: at_rung[lr]["val_bpb"])
     assert cooled_best != live_best  # the case this test is for
@@ -1612,7 +1612,7 @@ def test_a_hyperband_stage_the_time_cap_cut_resumes_its_brackets_exactly(
         return not done.is_set()
 
     monkeypatch.setattr(engine, "wait_for_time_cap", until_two_trials_reach_the_rung)
-    overrides = halving_over_matrix_lrs("[0.03,0.001,0.002]")
+    overrides = halving_over_matrix_lrs("[0.16,0.002,0.004]")
     sweep(tmp_path, *overrides, "sweep.max_seconds=60")
     assert "[lr] sweep.max_seconds=60 ran out during this stage" in capsys.readouterr().out
     cut = json.loads((tmp_path / "sweep_state.json").read_text())["stages"][0]["records"]
@@ -1624,7 +1624,7 @@ def test_a_hyperband_stage_the_time_cap_cut_resumes_its_brackets_exactly(
     assert {r["trial_id"] for r in cut} <= {r["trial_id"] for r in lr["records"]}
     assert len(lr["records"]) == 3
     by_status = sorted((r["status"], r["params"]["optimizer.matrix_lr"]) for r in lr["records"])
-    assert by_status == [("completed", 0.03), ("pruned", 0.001), ("pruned", 0.002)]
+    assert by_status == [("completed", 0.16), ("pruned", 0.002), ("pruned", 0.004)]
     for record in lr["records"]:
         rows = (Path(record["path"]) / "result.json").read_text().splitlines()
         steps = [json.loads(row)["training_iteration"] for row in rows]
