@@ -409,6 +409,18 @@ BATCH, MATRIX_LR, EMBEDDING_LR = (
         ([], "batch_size", {BATCH: 16384}, BATCH, 32768),
         ([], "lr", {MATRIX_LR: 0.099, EMBEDDING_LR: 0.3}, MATRIX_LR, 0.1),
         ([], "lr", {MATRIX_LR: 0.02, EMBEDDING_LR: 0.031}, EMBEDDING_LR, 0.03),
+        # a list of LRs at its high end: the next value by its last ratio, 0.16 * 0.16 /
+        # 0.003, written as a person would (8.53, not 8.5333333333)
+        (
+            [
+                "~sweep.stages.0.params.optimizer.matrix_lr",
+                "+sweep.stages.0.params.optimizer.matrix_lr.choice=[0.002,0.003,0.16]",
+            ],
+            "lr",
+            {MATRIX_LR: 0.16, EMBEDDING_LR: 0.3},
+            MATRIX_LR,
+            8.53,
+        ),
         # a weight decay range from 0 has nothing below it: no edge, no note
         (
             ["+sweep.stages.0.params.optimizer.weight_decay.uniform=[0.0,0.2]"],
@@ -461,7 +473,7 @@ def test_the_override_a_range_edge_names_makes_a_sweep_that_searches_past_it(
         assert edge["widen"] is None
         assert edge["note"].endswith("; widen the range")
         return
-    listed = stage == "batch_size"  # lr_bs's batch grid
+    listed = edge["widen"].split("=")[0].endswith((".grid", ".choice"))
     assert f"; {'add values beyond it' if listed else 'widen the range'}: " in edge["note"]
     assert shlex.quote(edge["widen"]) in edge["note"]
     # the sweep it makes passes the checks made before Ray starts (a value that is no valid

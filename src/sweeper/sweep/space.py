@@ -311,7 +311,8 @@ def extended_values(param: ParamSpec, side: str, count: int) -> ParamSpec | None
     """The next `count` values past the `side` end ('low' or 'high') of a numeric grid or
     choice, nearest first, continuing its spacing: equal steps go on by that step (1, 2, 3
     -> 4, 5); positive values otherwise by the ratio of the two values nearest that end
-    (batch sizes 4096, 8192, 16384 -> 2048, 1024 below). An integer list stays integer,
+    (batch sizes 4096, 8192, 16384 -> 2048, 1024 below; floats to 3 significant digits,
+    `_round_past`). An integer list stays integer,
     without repeats; values that were all >= 0 stay >= 0, and a ratio's stay > 0 (>= 1 for
     integers). None where nothing lies past that end."""
     values = sorted(param.values) if all(_is_number(v) for v in param.values) else []
@@ -325,8 +326,12 @@ def extended_values(param: ParamSpec, side: str, count: int) -> ParamSpec | None
     new: list = []
     for k in range(1, count + 1):
         value = end * (end / near) ** k if by_ratio else end + k * (end - near)
-        # integers stay integers; floats lose the last bits' noise (0.1 + 0.2 is 0.3 here)
-        value = round(value) if integer else float(f"{value:.12g}")
+        if integer:
+            value = round(value)
+        elif by_ratio:  # 8.53, not 8.5333333333 from 0.16 * 0.16 / 0.003
+            value = _round_past(value, new[-1] if new else end)
+        else:  # equal steps keep the list's own digits, less the last bits' noise (0.3)
+            value = float(f"{value:.12g}")
         if by_ratio:  # a ratio keeps values > 0, but an integer can round down to 0
             allowed = value >= 1 if integer else value > 0
         else:  # a list of values >= 0 (a weight decay, a warm-up) stays >= 0
@@ -335,6 +340,17 @@ def extended_values(param: ParamSpec, side: str, count: int) -> ParamSpec | None
             break
         new.append(value)
     return replace(param, values=tuple(new)) if new else None
+
+
+def _round_past(value: float, previous: float) -> float:
+    """`value` to 3 significant digits, as a person writes a grid's next value, or to as
+    many more as keep it within a twentieth of its step from `previous` (a ratio near 1:
+    1.0005 after 1.0003, not 1.0 or 1.001)."""
+    for digits in range(3, 13):
+        rounded = float(f"{value:.{digits}g}")
+        if abs(rounded - value) <= abs(value - previous) / 20:
+            return rounded
+    return value
 
 
 def _refuse_grid(param: ParamSpec, backend: str) -> None:
