@@ -19,6 +19,8 @@ from sweeper.sweep.spec import BUILTIN_METRICS
 from sweeper.train import (
     DivergenceWatch,
     evaluate,
+    evaluation_count,
+    evaluation_steps,
     is_eval_step,
     resolve_total_steps,
     rung_steps,
@@ -370,10 +372,21 @@ def test_a_rung_is_evaluated_at_the_first_step_at_or_past_it(
 def test_a_run_given_rungs_reports_there_and_trains_as_without_them():
     common = {"max_steps": None, "budget_tokens": 24 * 512, "total_batch_size": 512}
     common["num_evals"] = 4  # every 6 steps
-    plain, seen = train(tiny(trainer=common), verbose=False), []
-    ruled = train(tiny(trainer={**common, "rungs": [1 / 9, 1 / 3]}), seen.append, verbose=False)
+    seen_plain, seen, ruled_trainer = [], [], {**common, "rungs": [1 / 9, 1 / 3]}
+    plain = train(tiny(trainer=common), seen_plain.append, verbose=False)
+    ruled = train(tiny(trainer=ruled_trainer), seen.append, verbose=False)
     # the rungs at 2.7 and 8 steps report at 3 and 8, in place of the grid's 6 and 12
     assert [m["step"] for m in seen] == [3, 8, 18, 24]
+    assert [m["step"] for m in seen_plain] == [6, 12, 18, 24]
+    # a rung past the grid's last step adds an evaluation: 5, not num_evals' 4
+    late, seen_late = {**common, "rungs": [0.9]}, []
+    train(tiny(trainer=late), seen_late.append, verbose=False)
+    assert [m["step"] for m in seen_late] == [6, 12, 18, 22, 24]
+    # and a sweep's plan prices as many evaluations as each run makes
+    for trainer, reports in ((common, seen_plain), (ruled_trainer, seen), (late, seen_late)):
+        run = load_run_config(tiny(trainer=trainer))
+        steps, per_token = ruled["steps"], plain["flops_per_token"]
+        assert evaluation_count(steps, *evaluation_steps(run, steps, per_token)) == len(reports)
     assert "rung_val_bpb" not in seen[0]  # no forks without a cooldown
     assert ruled["loss_trace"] == plain["loss_trace"]  # evaluating trains nothing
     assert ruled["val_bpb"] == plain["val_bpb"]

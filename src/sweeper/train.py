@@ -79,6 +79,31 @@ def rung_steps(rungs: Collection[float], step_fraction: float, total_steps: int)
     return found
 
 
+def evaluation_steps(
+    cfg: RunConfig, total_steps: int, flops_per_token: int
+) -> tuple[int, set[int]]:
+    """(eval_every, the rung steps) of a run of `total_steps`: where is_eval_step
+    evaluates it."""
+    t = cfg.trainer
+    # num_evals (sweeps) spreads a fixed number of evaluations over any run length
+    eval_every = math.ceil(total_steps / t.num_evals) if t.num_evals else t.eval_every
+    # how far along its budget each step moves the run, on the time axis a sweep's rungs use
+    if t.budget_flops:
+        step_fraction = t.total_batch_size * flops_per_token / t.budget_flops
+    elif t.budget_tokens:
+        step_fraction = t.total_batch_size / t.budget_tokens
+    else:
+        step_fraction = 1 / total_steps
+    return eval_every, rung_steps(t.rungs, step_fraction, total_steps)
+
+
+def evaluation_count(total_steps: int, eval_every: int, at_rungs: Collection[int]) -> int:
+    """How many times a run evaluates: at each is_eval_step before its last step, and at
+    its last (what a sweep's plan prices)."""
+    between = range(1, total_steps)
+    return 1 + sum(is_eval_step(step, total_steps, eval_every, at_rungs) for step in between)
+
+
 class DivergenceWatch:
     """Tells a diverged run from one that spikes and recovers, one train loss at a time.
 
@@ -218,8 +243,7 @@ def train(
     optimizer = build_optimizer(model, cfg.optimizer)
     sampler = BatchSampler(data.train, t.device_batch_size, cfg.model.seq_len, t.seed, rank, world)
     accum = cfg.grad_accum_steps
-    # num_evals (sweeps) spreads a fixed number of evaluations over any run length
-    eval_every = math.ceil(total_steps / t.num_evals) if t.num_evals else t.eval_every
+    eval_every, at_rungs = evaluation_steps(cfg, total_steps, flops_per_token)
     tokens_per_step = t.total_batch_size
     max_loss = t.max_loss or 1.5 * math.log(cfg.model.vocab_size)
 
@@ -365,15 +389,6 @@ def train(
 
     def weight_decay_at(at_step: int) -> float:
         return weight_decay_multiplier(at_step, total_steps, cfg.optimizer.weight_decay_schedule)
-
-    # how far along its budget each step moves the run, on the time axis a sweep's rungs use
-    if t.budget_flops:
-        step_fraction = tokens_per_step * flops_per_token / t.budget_flops
-    elif t.budget_tokens:
-        step_fraction = tokens_per_step / t.budget_tokens
-    else:
-        step_fraction = 1 / total_steps
-    at_rungs = rung_steps(t.rungs, step_fraction, total_steps)
 
     # --- loop ----------------------------------------------------------------------------
     status, reason, val_bpb, train_loss = "completed", None, None, float("nan")

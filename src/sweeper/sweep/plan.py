@@ -167,28 +167,34 @@ def param_text(param) -> str:
     return f"{param.name} {param.kind} [{', '.join(hydra_value(v) for v in values)}]"
 
 
-def run_cost(config: dict) -> TrialCost:
-    """The cost of the run `config` makes (a sweep run: its micro-batch fitted)."""
-    from sweeper.budget import model_counts, planned_flops
+def run_cost(config: dict, rungs: tuple[float, ...] = ()) -> TrialCost:
+    """The cost of the run `config` makes (a sweep run: its micro-batch fitted), which
+    evaluates on its grid and at `rungs` (its scheduler's, as a trial is given them)."""
+    from sweeper.budget import model_counts, planned_flops, resolve_total_steps
     from sweeper.config import load_run_config
+    from sweeper.train import evaluation_count, evaluation_steps
 
-    run = load_run_config(sweep_run(config, {}))
-    evaluations = run.trainer.num_evals or 1
-    return TrialCost(
-        planned_flops(run), model_counts(run)[1], evaluations * run.trainer.eval_tokens
-    )
+    run = load_run_config(sweep_run(config, {"trainer.rungs": list(rungs)}))
+    params, flops_per_token = model_counts(run)
+    steps = resolve_total_steps(run, params, flops_per_token)
+    evaluations = evaluation_count(steps, *evaluation_steps(run, steps, flops_per_token))
+    return TrialCost(planned_flops(run), flops_per_token, evaluations * run.trainer.eval_tokens)
 
 
-def trial_costs(base: dict, space, trials: int, grid: bool) -> tuple[tuple, list[TrialCost]]:
+def trial_costs(
+    base: dict, space, trials: int, grid: bool, rungs: tuple[float, ...] = ()
+) -> tuple[tuple, list[TrialCost]]:
     """((least, most) FLOPs of one trial, each trial's cost), from the run each combination
-    of the params' bounding values makes. A pure grid runs exactly its combinations;
-    sampled trials are each counted at the dearest."""
+    of the params' bounding values makes, evaluating at `rungs` too. A pure grid runs
+    exactly its combinations; sampled trials are each counted at the dearest."""
     options = {p.name: bounding_values(p) for p in space.params}
     if math.prod(map(len, options.values())) <= MAX_COMBINATIONS:
         combos = [dict(zip(options, c)) for c in itertools.product(*options.values())]
     else:
         combos = [{key: value} for key, values in options.items() for value in values]
-    costs = [run_cost(apply_params(base, {**space.fixed, **combo})) for combo in combos or [{}]]
+    costs = [
+        run_cost(apply_params(base, {**space.fixed, **combo}), rungs) for combo in combos or [{}]
+    ]
     flops = [cost.flops for cost in costs]
     if not (grid and len(costs) == trials):
         costs = [max(costs, key=lambda cost: cost.flops)] * trials
@@ -212,7 +218,7 @@ def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> lis
         trial_flops = costs = None
         if not target:  # a user's function's cost is its own business
             stage_base = with_reports(base, spec.stage_reports(stage), target)
-            trial_flops, costs = trial_costs(stage_base, space, trials, grid)
+            trial_flops, costs = trial_costs(stage_base, space, trials, grid, tuple(rungs))
         plans.append(
             StagePlan(
                 name=stage.name,
