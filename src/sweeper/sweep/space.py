@@ -312,9 +312,9 @@ def extended_values(param: ParamSpec, side: str, count: int) -> ParamSpec | None
     choice, nearest first, continuing its spacing: equal steps go on by that step (1, 2, 3
     -> 4, 5); positive values otherwise by the ratio of the two values nearest that end
     (batch sizes 4096, 8192, 16384 -> 2048, 1024 below; floats to 3 significant digits,
-    `_round_past`). An integer list stays integer,
-    without repeats; values that were all >= 0 stay >= 0, and a ratio's stay > 0 (>= 1 for
-    integers). None where nothing lies past that end."""
+    `_round_past`). An integer list stays integer, without repeats; values that were all
+    >= 0 stay >= 0, and a ratio's stay > 0 (>= 1 for integers). None where nothing lies
+    past that end."""
     values = sorted(param.values) if all(_is_number(v) for v in param.values) else []
     if count < 1 or len(values) < 2:
         return None
