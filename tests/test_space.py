@@ -342,7 +342,8 @@ def test_extended_range_lies_just_past_the_end(spec, side, expected):
         ({"grid": [0.001, 0.01, 0.03]}, "low", 2, [0.0001, 0.00001]),
         ({"grid": [0.001, 0.01, 0.03]}, "high", 1, [0.09]),
         # a ratio's values are rounded to 3 significant digits (0.16 * 0.16 / 0.003 is
-        # 8.5333...), or to as many more as keep them past the end (a ratio near 1)
+        # 8.5333...), or to as many more as keep them within a twentieth of a step of the
+        # exact value (a ratio near 1, where 3 or 4 digits give 1.0 or 1.001)
         ({"grid": [0.16, 0.002, 0.003]}, "high", 2, [8.53, 455.0]),
         ({"grid": [0.002, 0.003, 0.16]}, "low", 1, [0.00133]),
         ({"grid": [1.0, 1.0001, 1.0003]}, "high", 2, [1.0005, 1.0007]),
