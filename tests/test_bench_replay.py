@@ -1,6 +1,6 @@
-"""bench/bench_search.py replays Ray's ASHA rule over recorded curves to find what ASHA
-could at best save (its oracle floor). The rule is written there by hand, so it is
-checked here against a schedule worked out on paper."""
+"""bench/bench_search.py replays Ray's ASHA rule, and ASHA as published, over recorded
+curves to find what ASHA could at best save (its oracle floor). The rules are written there
+by hand, so they are checked here against schedules worked out on paper."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from .conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
-from bench_search import rank_report, replay_asha  # noqa: E402
+from bench_search import rank_report, replay_asha, replay_asha_promotion  # noqa: E402
 
 # three trials of 4 FLOPs, reported at 1, 2 and 4; rungs at 1 and 2 (grace 1/4, rf 2)
 POOL = [
@@ -41,6 +41,40 @@ def test_a_trial_stopped_on_its_rung_value_is_kept_by_the_oracle():
     assert replay_asha(pool, [0, 1, 2], 2.0, 0.25, 2, oracle=False) == float("inf")
     # ranked by finals it runs beside A to the end: 4 + 4 FLOPs when both end at t=4
     assert replay_asha(pool, [0, 1, 2], 2.0, 0.25, 2, oracle=True) == pytest.approx(8 / 4)
+
+
+@pytest.mark.parametrize(
+    "target, spent",
+    [
+        # A and B to rung 1 (t=1); A waits (1 recorded, floor(1/2) = 0 to promote) while C
+        # starts; B's value makes 2, so A, the better, goes on (1-2). C reaches rung 1 at t=2
+        # and goes on as the best of 3 (2-3); with no draws left A goes on from rung 2 as its
+        # leader (2-4), then C (3-5): 1 + 1 + 1 + 1 + 1 + 2 + 2 FLOPs when C ends at t=5
+        (2.5, 9 / 4),
+        # A ends at t=4: all but the last FLOP of C's last leg
+        (3.0, 8 / 4),
+    ],
+)
+def test_the_published_rule_pauses_at_a_rung_and_promotes_the_top_of_each(target, spent):
+    assert replay_asha_promotion(POOL, [0, 1, 2], target, 0.25, 2, oracle=False) == (
+        pytest.approx(spent)
+    )
+
+
+def test_the_published_rule_does_not_let_the_first_trial_through_unranked():
+    pool = [
+        [(1.0, 9.0), (2.0, 8.0), (4.0, 7.0)],  # A: first and worst
+        [(1.0, 5.0), (2.0, 4.0), (4.0, 3.0)],  # B: the best
+        [(1.0, 6.0), (2.0, 5.0), (4.0, 3.5)],
+    ]
+    # Ray's rule: A and B are each the first or better than the first at both rungs, so
+    # both train to the end (4 + 4 FLOPs at t=4)
+    assert replay_asha(pool, [0, 1, 2], 3.0, 0.25, 2, oracle=False) == pytest.approx(8 / 4)
+    # published: A waits at rung 1 and is never in the top half there; B goes on at t=1
+    # and ends at t=4; C trains to rung 2 and waits behind B: A 1 + B 4 + C 2 FLOPs
+    assert replay_asha_promotion(pool, [0, 1, 2], 3.0, 0.25, 2, oracle=False) == (
+        pytest.approx(7 / 4)
+    )
 
 
 def test_rank_report_gives_each_reports_rank_correlation_with_the_final_value():
