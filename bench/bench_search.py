@@ -21,6 +21,10 @@ meets it, varies so much between seeds (0.12x to 1.05x) that a median of three m
 more than the target's margin. Ten are not enough either: on the same code ASHA's median
 was 0.25x over seeds 0-9 and 0.43x over seeds 10-19 (0.37x over 0-29), so run new seeds
 (--first-seed) before trusting a setting chosen on old ones.
+
+--replay replays two ASHA rules over the random runs' curves, with no trials run: Ray's,
+which stops trials and lets a rung's first arrivals through unranked, and the published one
+(Li et al., 2020), which pauses them and promotes only the top of each rung.
 """
 
 from __future__ import annotations
