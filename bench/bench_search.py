@@ -219,6 +219,15 @@ def curves(reports: list[dict]) -> list[list[tuple[float, float]]]:
     ]
 
 
+def replay_rungs(full: float, grace: float, rf: float) -> list[float]:
+    """ASHA's rungs below a trial of `full` FLOPs: grace x full, then x rf each."""
+    rungs, at = [], grace * full
+    while at < full * (1 - 1e-9):
+        rungs.append(at)
+        at *= rf
+    return rungs
+
+
 def replay_asha(
     pool: list, order: list[int], target: float, grace: float, rf: float, oracle: bool
 ) -> float:
@@ -226,10 +235,7 @@ def replay_asha(
     reaches `target`. Ray's rule: at a rung, a trial goes on if no value is recorded there
     yet or its value is within the best 1/rf of those recorded before it."""
     full = pool[0][-1][0]
-    rungs, g = [], grace * full
-    while g < full * (1 - 1e-9):
-        rungs.append(g)
-        g *= rf
+    rungs = replay_rungs(full, grace, rf)
     recorded: dict[int, list[float]] = {k: [] for k in range(len(rungs))}
     queue, spent, running = list(order), [], []
     for worker in range(2):
@@ -273,10 +279,7 @@ def replay_asha_promotion(
     always goes on; here the first goes on only once rf trials are recorded there. When
     the draws run out, the top ceil(n/rf) of a rung go on, so a rung's last leader finishes."""
     full = pool[0][-1][0]
-    rungs, g = [], grace * full
-    while g < full * (1 - 1e-9):
-        rungs.append(g)
-        g *= rf
+    rungs = replay_rungs(full, grace, rf)
     levels = [*rungs, full]
     recorded: list[dict[int, float]] = [{} for _ in rungs]
     promoted: list[set[int]] = [set() for _ in rungs]
