@@ -1689,7 +1689,9 @@ def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
 
     monkeypatch.setattr(engine, "wait_for_time_cap", until_both_trials_reported(tmp_path))
     lr_stage_only = [
-        "sweep.budget.tokens_per_trial=600000",
+        # trials of ~15 s on 2 cores: in one full run the second trial's worker started
+        # ~20 s after the first, which had finished a trial of 600,000 tokens by then
+        "sweep.budget.tokens_per_trial=1200000",
         "sweep.reports_per_trial=10",
         "sweep.stages.0.scheduler=fifo",
         "sweep.stages.0.num_samples=2",

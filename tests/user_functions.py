@@ -94,10 +94,12 @@ def diverges_after_a_report(config: dict, report) -> None:
 
 
 def paced_reports_without_tokens(config: dict, report) -> None:
-    """40 reports of a falling val_bpb, 0.5 s apart, and no compute figure."""
+    """120 reports of a falling val_bpb, 0.5 s apart, and no compute figure: a minute, so
+    that a second trial whose worker is slow to start still reports while the first runs
+    (the time-cap test stops both once both have reported)."""
     import time
 
-    for step in range(1, 41):
+    for step in range(1, 121):
         time.sleep(0.5)
         report({"val_bpb": 2.0 + 1.0 / step, "step": step})
 
