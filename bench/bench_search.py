@@ -272,7 +272,7 @@ def replay_asha_promotion(
     pool: list, order: list[int], target: float, grace: float, rf: float, oracle: bool
 ) -> float:
     """Compute (in full trials) ASHA as published (Li et al., 2020, Algorithm 2) spends, 2
-    trials at a time, until a completed trial reaches `target`. A trial stops at each rung;
+    trials at a time, until a completed trial reaches `target`. A trial pauses at each rung;
     a free worker takes the best trial not yet promoted from the top floor(n/rf) of the
     highest rung that has one, and resumes it to the next rung, else starts the next draw.
     Ray's scheduler stops trials rather than pausing them, so its first trial at a rung
