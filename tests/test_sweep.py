@@ -1689,8 +1689,8 @@ def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
 
     monkeypatch.setattr(engine, "wait_for_time_cap", until_both_trials_reported(tmp_path))
     lr_stage_only = [
-        # trials of ~15 s on 2 cores: in one full run the second trial's worker started
-        # ~20 s after the first, which had finished a trial of 600,000 tokens by then
+        # long enough to outlast a second trial that starts late: in one full run the first
+        # trial had finished 600,000 tokens before the second's first report
         "sweep.budget.tokens_per_trial=1200000",
         "sweep.reports_per_trial=10",
         "sweep.stages.0.scheduler=fifo",
