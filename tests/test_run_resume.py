@@ -14,8 +14,10 @@ import pytest
 from sweeper.cli import compose, other_budgets_cleared
 from sweeper.config import ConfigError, load_run_config
 from sweeper.run_checkpoint import (
+    check_new_run_dir,
     check_resumable_run,
     checkpoint_saver,
+    has_checkpoint,
     load_resume_state,
     resume_command,
 )
@@ -46,8 +48,8 @@ def _interrupt_after_first_checkpoint(args: list[str], cwd) -> tuple[int, str]:
     """Starts `python -m sweeper args`, sends SIGTERM (kill, docker stop) once its first
     checkpoint is written; returns the exit code and stderr."""
     run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir="))
-    # the state, not its record: a run's first save writes the record first
-    state = cwd / run_dir / "checkpoint" / "training_state.pt"
+    # the record: a save writes it last, naming the state written before it
+    state = cwd / run_dir / "checkpoint" / "checkpoint.json"
     with subprocess.Popen(
         [sys.executable, "-m", "sweeper", *args],
         cwd=cwd,
@@ -137,7 +139,7 @@ BAD_RESUMES = [
     (["trainer.resume=true"], "add hydra.run.dir=<the interrupted run's dir>"),
     (
         ["hydra.run.dir={empty}", "trainer.resume=true"],
-        "holds no checkpoint (checkpoint/training_state.pt)",
+        "holds no checkpoint (checkpoint/checkpoint.json)",
     ),
     (
         ["hydra.run.dir={run}", "trainer.resume=true", "optimizer.matrix_lr=0.05"],
@@ -276,37 +278,68 @@ def test_a_resumed_run_holds_no_second_copy_of_its_weights(tmp_path):
     assert alive == [False], alive  # the loaded tensor was freed once copied into the model
 
 
-def test_a_kill_inside_the_first_save_leaves_a_resumable_or_a_reusable_dir(tmp_path, monkeypatch):
-    """Killed after the state was written but before its record, on the run's first save:
-    the dir must still be one that trainer.resume=true reads, not a state without its
-    record (which neither a new run nor a resume could use)."""
+@pytest.mark.parametrize("killed_save", [1, 2])
+def test_a_kill_between_a_state_and_its_record_leaves_them_agreeing(
+    killed_save, tmp_path, monkeypatch
+):
+    """Killed after a save's state was written but before its record. The first save: no
+    checkpoint, a dir a new run may use (and whose next save clears the stray state). A
+    later one: the record and the state it names are the previous save's, at one step.
+    With one state file replaced in place, the record said step 2 and the state held 4:
+    a DDP resume went on from step 10 where the interrupted run had printed 5 (CI)."""
     import sweeper.run_checkpoint as rc
     import sweeper.sweep.state as st
 
     class Killed(BaseException):
         pass
 
-    written = []
+    saves = []
     save_state, write_json = rc.save_state, st.write_json_atomic
 
-    def state_then_mark(folder, state):
-        written.append(save_state(folder, state))
+    def state_then_count(folder, state, *name):
+        saves.append(save_state(folder, state, *name))
 
-    def record_unless_after_the_state(path, data):
-        if written:
+    def record_unless_the_killed_save(path, data):
+        if len(saves) == killed_save:
             raise Killed
         write_json(path, data)
 
-    monkeypatch.setattr(rc, "save_state", state_then_mark)
-    monkeypatch.setattr(st, "write_json_atomic", record_unless_after_the_state)
+    monkeypatch.setattr(rc, "save_state", state_then_count)
+    monkeypatch.setattr(st, "write_json_atomic", record_unless_the_killed_save)
     run = load_run_config(
-        tiny(trainer={"checkpoint_every_eval": True, "max_steps": 4, "eval_every": 2})
+        tiny(trainer={"checkpoint_every_eval": True, "max_steps": 6, "eval_every": 2})
     )
     with pytest.raises(Killed):
         train(run, checkpoint_saver(tmp_path, run.to_dict()), verbose=False)
-    assert written  # the state was written, then the kill
-    check_resumable_run(str(tmp_path), run.to_dict())  # its record is there: resumable
-    assert load_resume_state(tmp_path)["step"] == 2
+    if killed_save == 1:
+        assert not has_checkpoint(tmp_path)
+        check_new_run_dir(str(tmp_path))  # a new run may start here
+        monkeypatch.undo()
+        train(run, checkpoint_saver(tmp_path, run.to_dict()), verbose=False)
+        names = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+        assert names == ["checkpoint.json", "training_state-6.pt"]  # the stray one went
+        return
+    check_resumable_run(str(tmp_path), run.to_dict())
+    record = json.loads((tmp_path / "checkpoint" / "checkpoint.json").read_text())
+    assert record["step"] == load_resume_state(tmp_path)["step"] == 2
+    assert [h["step"] for h in record["history"]] == [2]
+    assert saves[-1].name == "training_state-4.pt"  # the killed save's, left for the next
+
+
+def test_a_record_whose_state_is_gone_is_refused_in_one_line(tmp_path):
+    run = load_run_config(
+        tiny(trainer={"checkpoint_every_eval": True, "max_steps": 4, "eval_every": 2})
+    )
+    saver = checkpoint_saver(tmp_path, run.to_dict())
+    train(run, lambda metrics, state=None: saver(metrics, state) if metrics["step"] < 4 else None)
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [
+        "checkpoint.json",
+        "training_state-2.pt",
+    ]
+    check_resumable_run(str(tmp_path), run.to_dict())
+    (tmp_path / "checkpoint" / "training_state-2.pt").unlink()
+    with pytest.raises(ConfigError, match=r"training_state-2\.pt is missing, the state its"):
+        check_resumable_run(str(tmp_path), run.to_dict())
 
 
 def test_a_checkpoint_record_names_the_evaluations_a_ddp_driver_may_not_have_logged(tmp_path):

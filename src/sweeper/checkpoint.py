@@ -13,11 +13,11 @@ from pathlib import Path
 STATE_FILE = "training_state.pt"
 
 
-def save_state(folder: str | Path, state: dict) -> Path:
+def save_state(folder: str | Path, state: dict, name: str = STATE_FILE) -> Path:
     import torch
 
-    path = Path(folder) / STATE_FILE
-    tmp = path.with_name(f".{STATE_FILE}.tmp")
+    path = Path(folder) / name
+    tmp = path.with_name(f".{name}.tmp")
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
@@ -26,13 +26,13 @@ def save_state(folder: str | Path, state: dict) -> Path:
     return path
 
 
-def load_state(folder: str | Path) -> dict:
+def load_state(folder: str | Path, name: str = STATE_FILE) -> dict:
     """The saved state, every tensor on the CPU: train() copies it to the run's device.
     Loaded where it was saved instead, every rank of a DDP resume would put rank 0's whole
     state on cuda:0, and a GPU run's checkpoint would not load on a CPU machine."""
     import torch
 
-    return torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=False)
+    return torch.load(Path(folder) / name, map_location="cpu", weights_only=False)
 
 
 def load_latest_state(checkpoint_dir: str | Path) -> dict | None:

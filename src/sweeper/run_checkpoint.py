@@ -2,7 +2,8 @@
 
 With `trainer.checkpoint_every_eval=true`, `python -m sweeper` keeps the run's training
 state (model, optimizer, RNG, step, history) in `<run dir>/checkpoint/` at each evaluation,
-beside `checkpoint.json`: the step it holds and the run config it was trained under. The
+beside `checkpoint.json`: the state file, the step it holds and the run config it was
+trained under. The record is written last and names its state, so the two always agree. The
 same command plus `hydra.run.dir=<that dir> trainer.resume=true` goes on from that step;
 the batches are a function of the step (data.BatchSampler), so the run ends as it would
 have without the stop, bit for bit on the same machine.
@@ -40,31 +41,37 @@ def checkpoint_folder(run_dir: str | Path) -> Path:
 
 
 def has_checkpoint(run_dir: str | Path) -> bool:
-    return (checkpoint_folder(run_dir) / STATE_FILE).is_file()
+    """Whether a save was committed there: its record is written last (a state file
+    without one is a save cut short, which the run's next save removes)."""
+    return (checkpoint_folder(run_dir) / RECORD_FILE).is_file()
 
 
 def save_run_checkpoint(run_dir: str | Path, state: dict, run_config: dict) -> None:
-    """The training state, then the record that names its step and config. Both files are
-    replaced atomically: a kill mid-save leaves the previous checkpoint whole. A run's
-    first save writes the record before the state too: a kill between the two would
-    otherwise leave a state without its record (or beside an earlier run's), which a new
-    run may not overwrite and trainer.resume=true cannot read or would judge by the
-    wrong config."""
-    from sweeper.sweep.state import as_json, write_json_atomic
+    """The training state in a file of its step's, then the record that names it, its step
+    and the run's config, then the older states go. Each file is written atomically and the
+    record's rename is the commit: a kill at any moment leaves a record and the state it
+    names at the same step. Why not one state file replaced in place: a kill between its
+    rename and the record's left the record an evaluation behind the state (a resume went
+    on from a later step than the interrupted run had printed, and a DDP driver missed the
+    evaluations in between)."""
+    from sweeper.sweep.state import write_json_atomic
 
     folder = checkpoint_folder(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
+    name = f"training_state-{state['step']}.pt"
+    save_state(folder, state, name)
     # the evaluations too: after an interrupt, a DDP run's driver logs from here those that
     # rank 0 sent after the driver's last look at its queue (saved_evaluations_after)
-    record = {"step": state["step"], "history": state.get("history", []), "config": run_config}
-    try:
-        recorded = json.loads((folder / RECORD_FILE).read_text()).get("config")
-    except (OSError, ValueError, AttributeError):
-        recorded = None
-    if recorded != as_json(run_config):
-        write_json_atomic(folder / RECORD_FILE, record)
-    save_state(folder, state)
+    record = {
+        "step": state["step"],
+        "state": name,
+        "history": state.get("history", []),
+        "config": run_config,
+    }
     write_json_atomic(folder / RECORD_FILE, record)
+    for older in folder.glob("training_state*.pt"):  # STATE_FILE: a checkpoint of older code
+        if older.name != name:
+            older.unlink(missing_ok=True)
 
 
 def checkpoint_saver(run_dir: str | Path, run_config: dict) -> Callable:
@@ -134,7 +141,7 @@ def check_resumable_run(run_dir: str, run_config: dict) -> None:
     if not has_checkpoint(run_dir):
         raise ConfigError(
             f"trainer.resume=true: hydra.run.dir={run_dir} holds no checkpoint "
-            f"({CHECKPOINT_DIR}/{STATE_FILE}); a run keeps one at each evaluation with "
+            f"({CHECKPOINT_DIR}/{RECORD_FILE}); a run keeps one at each evaluation with "
             "trainer.checkpoint_every_eval=true"
         )
     if finished(run_dir):
@@ -142,7 +149,13 @@ def check_resumable_run(run_dir: str, run_config: dict) -> None:
             f"trainer.resume=true: hydra.run.dir={run_dir} holds a finished run "
             "(result.json); nothing to resume"
         )
-    saved = read_record(run_dir)["config"]
+    record = read_record(run_dir)
+    state = checkpoint_folder(run_dir) / state_name(record)
+    if not state.is_file():
+        raise ConfigError(
+            f"trainer.resume=true: {state} is missing, the state its {RECORD_FILE} names"
+        )
+    saved = record["config"]
     changed = [
         (key, old, new)
         for key, old, new in differences(as_json(saved), as_json(run_config))
@@ -156,8 +169,13 @@ def check_resumable_run(run_dir: str, run_config: dict) -> None:
         )
 
 
+def state_name(record: dict) -> str:
+    """The state file a record names (older code kept one, STATE_FILE, and named none)."""
+    return record.get("state", STATE_FILE)
+
+
 def load_resume_state(run_dir: str | Path) -> dict:
-    return load_state(checkpoint_folder(run_dir))
+    return load_state(checkpoint_folder(run_dir), state_name(read_record(run_dir)))
 
 
 def resume_command(overrides: Sequence[str], run_dir: str | Path) -> str:
