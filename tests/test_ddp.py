@@ -279,7 +279,8 @@ def test_an_interrupted_two_rank_run_goes_on_from_rank_0s_checkpoint(tmp_path):
 
     proc = run_cli([*args, "hydra.run.dir=run", "trainer.resume=true"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resumed at step {step}/{steps} from a checkpoint" in proc.stdout + proc.stderr
+    said = proc.stdout + proc.stderr
+    assert f"resumed at step {step}/{steps} from a checkpoint" in said, said[-3000:]
     resumed = json.loads((tmp_path / "run" / "result.json").read_text())
     assert resumed["status"] == "completed" and resumed["workers"] == 2
     one_rank = compose([*args, "trainer.workers=1", "trainer.budget_tokens=null"])
