@@ -44,10 +44,10 @@ def rank0_saves_slowly(config: dict) -> None:
 
     save_state = run_checkpoint.save_state
 
-    def slow_save(folder, state):
+    def slow_save(folder, state, *name):
         if dist.get_rank() == 0:
             time.sleep(config["run"]["trainer"]["dist_timeout_s"] + 4)
-        return save_state(folder, state)
+        return save_state(folder, state, *name)
 
     run_checkpoint.save_state = slow_save
     _worker_loop(config)

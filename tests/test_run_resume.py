@@ -342,6 +342,25 @@ def test_a_record_whose_state_is_gone_is_refused_in_one_line(tmp_path):
         check_resumable_run(str(tmp_path), run.to_dict())
 
 
+def test_a_checkpoint_of_older_code_resumes_and_its_state_file_goes(tmp_path):
+    """Older code kept one state file, training_state.pt, and a record that named none."""
+    run = load_run_config(
+        tiny(trainer={"checkpoint_every_eval": True, "max_steps": 4, "eval_every": 2})
+    )
+    saver = checkpoint_saver(tmp_path, run.to_dict())
+    train(run, lambda metrics, state=None: saver(metrics, state) if metrics["step"] < 4 else None)
+    folder = tmp_path / "checkpoint"
+    (folder / "training_state-2.pt").rename(folder / "training_state.pt")
+    record = json.loads((folder / "checkpoint.json").read_text())
+    del record["state"]
+    (folder / "checkpoint.json").write_text(json.dumps(record))
+    check_resumable_run(str(tmp_path), run.to_dict())
+    state = load_resume_state(tmp_path)
+    assert state["step"] == 2
+    train(run, saver, resume_state=state, verbose=False)
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.json", "training_state-4.pt"]
+
+
 def test_a_checkpoint_record_names_the_evaluations_a_ddp_driver_may_not_have_logged(tmp_path):
     """A DDP run's driver, interrupted, logs from the checkpoint's record the evaluations
     rank 0 sent after the driver's last look at its queue (__main__.run_ddp)."""
