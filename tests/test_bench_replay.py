@@ -106,3 +106,20 @@ def test_the_search_bench_spaces_compose_into_the_stages_they_name(space, names)
     searched = stage_space(spec, spec.stages[0])
     assert set(searched.names) == names
     assert all(param.log for param in searched.params)
+
+
+def test_the_seed_noise_bench_trains_one_configuration_over_a_grid_of_seeds():
+    from bench_search_noise import seed_grid_overrides
+
+    from sweeper.cli import compose
+    from sweeper.sweep.spec import load_sweep_spec, stage_space
+
+    cfg = compose(seed_grid_overrides(0.09, 0.3, 5))
+    spec = load_sweep_spec(cfg.sweep)
+    searched = stage_space(spec, spec.stages[0])
+    assert [(p.name, p.kind, list(p.values)) for p in searched.params] == [
+        ("trainer.seed", "grid", [0, 1, 2, 3, 4])
+    ]
+    assert (cfg.optimizer.matrix_lr, cfg.optimizer.embedding_lr) == (0.09, 0.3)
+    # the search bench's trials otherwise
+    assert (cfg.trainer.eval_tokens, cfg.trainer.total_batch_size) == (8192, 1024)
