@@ -162,20 +162,23 @@ def run(
     method: str, seed: int, samples: int, tokens: int, extra: list[str], space: str = "lr2"
 ) -> list[dict]:
     seed += OWN_DRAWS.get(method, 0)
-    with tempfile.TemporaryDirectory() as tmp:
-        args = [
-            sys.executable,
-            "-m",
-            "sweeper",
+    return sweep_reports(
+        [
             *COMMON,
             *SPACES[space],
             *METHODS[method],
             f"sweep.seed={seed}",
             f"sweep.stages.0.num_samples={samples}",
             f"sweep.budget.tokens_per_trial={tokens}",
-            f"hydra.run.dir={tmp}/run",
             *extra,
         ]
+    )
+
+
+def sweep_reports(overrides: list[str]) -> list[dict]:
+    """Every report of `python -m sweeper overrides`, run in a throwaway dir (reports.csv)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [sys.executable, "-m", "sweeper", *overrides, f"hydra.run.dir={tmp}/run"]
         env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
         proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp)
         if proc.returncode != 0:

@@ -13,16 +13,10 @@ configuration seed 0 favoured, not one an early-stopping rule could have seen co
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-from bench_search import COMMON, REPO
+from bench_search import COMMON, sweep_reports
 
 
 def seed_grid_overrides(matrix_lr: float, embedding_lr: float, seeds: int) -> list[str]:
@@ -41,16 +35,8 @@ def seed_grid_overrides(matrix_lr: float, embedding_lr: float, seeds: int) -> li
 
 def by_seed(matrix_lr: float, embedding_lr: float, seeds: int, tokens: int) -> dict[int, float]:
     """{seed: final val_bpb} of one configuration."""
-    with tempfile.TemporaryDirectory() as tmp:
-        args = [sys.executable, "-m", "sweeper"]
-        args += seed_grid_overrides(matrix_lr, embedding_lr, seeds)
-        args += [f"sweep.budget.tokens_per_trial={tokens}", f"hydra.run.dir={tmp}/run"]
-        env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-        proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp)
-        if proc.returncode != 0:
-            raise SystemExit(proc.stderr[-3000:])
-        with open(Path(tmp) / "run" / "reports.csv") as f:
-            rows = list(csv.DictReader(f))
+    overrides = seed_grid_overrides(matrix_lr, embedding_lr, seeds)
+    rows = sweep_reports([*overrides, f"sweep.budget.tokens_per_trial={tokens}"])
     return {int(r["seed"]): float(r["val_bpb"]) for r in rows if r["final"] == "True"}
 
 

@@ -123,3 +123,22 @@ def test_the_seed_noise_bench_trains_one_configuration_over_a_grid_of_seeds():
     assert (cfg.optimizer.matrix_lr, cfg.optimizer.embedding_lr) == (0.09, 0.3)
     # the search bench's trials otherwise
     assert (cfg.trainer.eval_tokens, cfg.trainer.total_batch_size) == (8192, 1024)
+
+
+def test_a_replay_within_a_margin_of_the_best_counts_a_trial_inside_it():
+    from bench_search import replay_report
+
+    # every search holds all three, so its best is the late bloomer's 2.0; its rung values
+    # are the worst, so the recorded ranking stops it and the best is never reached. Within
+    # 1.0 of it, the two trials that finish at 3.0 count
+    twin = [(1.0, 5.0), (2.0, 4.0), (4.0, 3.0)]
+    pool = [twin, list(twin), [(1.0, 6.0), (2.0, 5.0), (4.0, 2.0)]]
+
+    def recorded(line: str) -> list[float]:
+        cells = [cell.split() for cell in line.split(" | ")[1:]]
+        return [float(cell[2].rstrip("x")) for cell in cells if cell[1] == "recorded"]
+
+    exact, loose = (replay_report(pool, 3, 3, 0.25, 2, within) for within in (0.0, 1.0))
+    assert "within 1:" in loose and "within" not in exact.split(" | ")[0]
+    assert recorded(exact) == [float("inf")] * 2  # Ray's rule and the published one
+    assert all(0 < value < 1 for value in recorded(loose))
