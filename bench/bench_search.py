@@ -66,6 +66,12 @@ SPACES = {
     # the default) to 3.85 (0.0005) and 3.59 (0.128) at the 2-D optimum, where the scalars'
     # LR moves it by 0.07 over 0.002-0.2
     "lr3": ["+sweep.stages.0.params.optimizer.unembedding_lr.log_uniform=[0.0005,0.1]"],
+    # the two LRs over 3.5 decades each, as a first sweep spans them when the LR's scale is
+    # unknown (a new model or optimizer): the band of good LRs is a smaller part of the space
+    "wide": [
+        "sweep.stages.0.params.optimizer.matrix_lr.log_uniform=[0.0003,1.0]",
+        "sweep.stages.0.params.optimizer.embedding_lr.log_uniform=[0.003,10.0]",
+    ],
 }
 METHODS = {
     "random": ["sweep.stages.0.search=random", "sweep.stages.0.scheduler=fifo"],
@@ -73,6 +79,13 @@ METHODS = {
     # the same, drawing its own configurations (see OWN_DRAWS): random search's best is then
     # not among ASHA's first 16 trials, as it never is for BOHB's
     "asha_own": ["sweep.stages.0.search=random", "sweep.stages.0.scheduler=asha"],
+    # ASHA as published (sweep.asha_promotion): trials pause at a rung until they rank in
+    # its top third; the same 16 first draws as random search
+    "asha_promote": [
+        "sweep.stages.0.search=random",
+        "sweep.stages.0.scheduler=asha",
+        "sweep.asha_promotion=true",
+    ],
     "bohb": ["sweep.stages.0.search=bohb", "sweep.stages.0.scheduler=bohb"],
     # BOHB leaning on its model: budgets of 1/9, 1/3 and 1 (its first 9 trials at 1/9 give
     # the model its 6 points soonest), a tenth of proposals random instead of a third, and

@@ -509,6 +509,7 @@ def _fit(
     points=None,
     max_concurrent=None,
     brackets=None,
+    promotion=False,
     **tune_config,
 ):
     """A real Tune run of quadratic_trainable: (searcher, Tune's results). Its actors run
@@ -535,6 +536,7 @@ def _fit(
         grace_period=grace_steps * TOKENS_PER_STEP,
         max_concurrent=max_concurrent,
         brackets=brackets,
+        promotion=promotion,
     )
     tuner = tune.Tuner(
         quadratic_trainable,
@@ -695,6 +697,77 @@ def test_brackets_keeps_the_most_aggressive_brackets(scheduler, brackets, opened
         bracket = built._trial_info[trial][0]
         seen[bracket] = seen.get(bracket, 0) + 1
     assert [(taken, bracket._r0) for bracket, taken in seen.items()] == opened
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize(("search", "limit"), [("random", None), ("tpe", 2)])
+def test_asha_with_promotions_pauses_trials_at_a_rung_until_they_rank_in_its_top_third(
+    ray_session, tmp_path, search, limit
+):
+    # rungs at 1 and 3 of 9 steps. A trial goes past a rung only once 3 trials are recorded
+    # there (Ray's ASHA lets the first through unranked), a paused trial goes on from its
+    # checkpoint, and the trials left paused at the end are ended at their rung.
+    params = {"optimizer.lr": {"log_uniform": [1e-3, 1.0]}, "model.n_layer": 1}
+    _, results = _fit(search, "asha", params, 1, 9, tmp_path, max_concurrent=limit, promotion=True)
+    assert results.num_errors == 0 and len(results) == 9
+    frames = [r.metrics_dataframe for r in results]
+    for frame in frames:  # every step once, in order: a resume goes on where it paused
+        steps = list(frame[TIME_ATTR] // TOKENS_PER_STEP)
+        assert steps == list(range(1, len(steps) + 1)), steps
+    ends = sorted(len(frame) for frame in frames)
+    assert set(ends) <= {1, 3, STEPS}, ends
+    # a rung of n promotes its top floor(n / 3) as they arrive: at most 1 + 2 + 3 of 9
+    assert STEPS in ends and ends.count(1) >= 3, ends
+    # nothing trained past a rung before three trials had been recorded there
+    for rung in (1, 3):
+        recorded = sorted(
+            f.loc[f[TIME_ATTR] == rung * TOKENS_PER_STEP, "ended"].iloc[0]
+            for f in frames
+            if len(f) >= rung
+        )
+        past = [
+            f.loc[f[TIME_ATTR] == (rung + 1) * TOKENS_PER_STEP, "began"].iloc[0]
+            for f in frames
+            if len(f) > rung
+        ]
+        assert len(recorded) >= 3 and min(past) > recorded[2], (rung, recorded, past)
+    # the best configuration (lr nearest 10**-1.5 ranks first at every step) ran to the end
+    best = min(results, key=lambda r: abs(math.log10(r.config["optimizer.lr"]) + 1.5))
+    assert len(best.metrics_dataframe) == STEPS
+    if limit:
+        assert _most_at_once(results) <= limit
+
+
+def test_asha_with_promotions_promotes_from_the_highest_rung_the_best_not_yet_promoted():
+    from ray.tune.experiment import Trial
+
+    built = _nine_units("asha", promotion=True)  # rungs at 1 and 3 of 9 units
+    trials = {name: Trial("stand_in", stub=True) for name in "abcd"}
+
+    def arrive(name: str, rung: int, value: float) -> None:  # a trial paused at its rung
+        trial = trials[name]
+        built._ascending_rungs()[rung][1][trial.trial_id] = -value  # Ray's sign: min is -
+        built._waiting[trial.trial_id] = (trial, rung)
+
+    def next_up(last_draws: bool = False):
+        chosen = built.promotion(last_draws)
+        if chosen is None:
+            return None
+        built._promote(chosen[0].trial_id, chosen[1])
+        return next(name for name, t in trials.items() if t is chosen[0]), chosen[1]
+
+    for name, value in (("a", 0.5), ("b", 0.4), ("c", 0.9)):
+        arrive(name, 0, value)
+    assert next_up() == ("b", 0)  # floor(3 / 3): the best of the three
+    assert next_up() is None and next_up(last_draws=True) is None  # ceil(3 / 3) is 1 too
+    arrive("d", 0, 0.3)
+    assert next_up() == ("d", 0)  # floor(4 / 3) = 1: d now leads, b went on before it
+    arrive("b", 1, 0.2)
+    assert next_up() is None  # one trial at the second rung: floor(1 / 3) = 0
+    arrive("a", 0, 0.5)  # (a stays where it was)
+    assert next_up(last_draws=True) == ("b", 1)  # no draws left: ceil, highest rung first
+    assert next_up(last_draws=True) is None  # ceil(4 / 3) = 2 at the first: b and d went on
 
 
 def test_asha_takes_brackets_from_the_sweep():

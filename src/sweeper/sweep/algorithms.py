@@ -265,6 +265,7 @@ def build_scheduler(
     reduction_factor: float = 3,
     max_concurrent: int | None = None,
     brackets: int | None = None,
+    promotion: bool = False,
 ) -> Any:
     """Return the Tune trial scheduler; ``max_t`` and ``grace_period`` are in ``time_attr``.
 
@@ -274,6 +275,8 @@ def build_scheduler(
     their rungs are ``max_t / reduction_factor**j``, the smallest no shorter than
     ``grace_period`` (see ``hyperband_units``). ``max_concurrent``: hyperband/bohb resume a
     paused trial only while fewer trials run (pass the searcher's limit: see ``hyperband``).
+    ``promotion``: asha pauses trials at its rungs and promotes the best (``promotion``;
+    it then needs checkpoints, as hyperband/bohb do, and runs one bracket).
     ``brackets``: how many brackets hyperband/bohb cycle through, the most aggressive kept
     (None: all of them, as HyperBand is published; 1: successive halving from
     ``grace_period``), and ASHA's own ``brackets`` (None: Ray's 1).
@@ -290,18 +293,24 @@ def build_scheduler(
     if scheduler == "fifo":
         return schedulers.FIFOScheduler()
     if scheduler == "asha":
-        return schedulers.ASHAScheduler(
+        asha = dict(
             time_attr=time_attr,
             metric=metric,
             mode=mode,
             max_t=max_t,
             grace_period=grace_period,
             reduction_factor=reduction_factor,
-            brackets=brackets or 1,
             # a user's function's budget is its own: counted in reports (no compute budget),
             # max_t only places the rungs, and the trial is not cut at its max_t-th report
             stop_last_trials=time_attr != "training_iteration",
         )
+        if promotion:
+            if brackets and brackets > 1:
+                raise ValueError(f"asha with promotions runs one bracket, got {brackets}")
+            from sweeper.sweep.promotion import PromotingASHA
+
+            return PromotingASHA(max_concurrent=max_concurrent, **asha)
+        return schedulers.ASHAScheduler(brackets=brackets or 1, **asha)
     from sweeper.sweep.hyperband import grace_unit_scheduler
 
     base = schedulers.HyperBandForBOHB if scheduler == "bohb" else schedulers.HyperBandScheduler

@@ -580,7 +580,7 @@ def stage_context(
 ) -> TrialContext:
     space = stage_space(spec, stage, flatten(base))
     scheduler = spec.stage_scheduler(stage)
-    pausing = scheduler in ("hyperband", "bohb")
+    pausing = pauses_trials(spec, scheduler)
     return TrialContext(
         metric=spec.metric,
         penalty=default_penalty(spec, base, target),
@@ -599,6 +599,11 @@ def stage_context(
         rung_cooldown=spec.rung_cooldown,
         metric_read_by=metric_reader(spec.stage_search(stage), scheduler),
     )
+
+
+def pauses_trials(spec: SweepSpec, scheduler: str) -> bool:
+    """Whether the stage's scheduler pauses trials at its rungs (they then checkpoint)."""
+    return scheduler in ("hyperband", "bohb") or (scheduler == "asha" and spec.asha_promotion)
 
 
 def rung_fractions(spec: SweepSpec, stage, target: str | None) -> tuple[float, ...]:
@@ -691,6 +696,7 @@ def run_stage(
         reduction_factor=spec.reduction_factor,
         max_concurrent=spec.concurrency,
         brackets=spec.brackets,
+        promotion=spec.asha_promotion,
     )
     hyperband = scheduler_name in ("hyperband", "bohb")  # brackets, and paused trials
     earlier = 0
@@ -766,6 +772,9 @@ def run_stage(
         else None,
         f"{min(spec.brackets, levels)} of its {levels} brackets"
         if spec.brackets and hyperband
+        else None,
+        f"each paused there until it ranks in the best 1/{spec.reduction_factor:g} (promotions)"
+        if scheduler_name == "asha" and spec.asha_promotion and stops
         else None,
         random_start(search, space, planned, given=len(points)),
         None if target else fitted_micro_batches(space.params, base),

@@ -89,6 +89,8 @@ class SweepSpec:
     # > 0: rungs rank a cooled-down fork of each trial (train.py); null: see rung_cooldown_for
     rung_cooldown: float | None = None
     brackets: int | None = None  # null: all of HyperBand's, ASHA's one
+    # asha pauses trials at its rungs and promotes the best, as published (sweep/promotion.py)
+    asha_promotion: bool = False
     bohb: BohbSpec = field(default_factory=BohbSpec)
     penalty: float | None = None
     seed: int = 0
@@ -345,6 +347,10 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
     _check(
         spec.brackets is None or spec.brackets >= 1,
         f"sweep.brackets must be >= 1 or null, got {spec.brackets}",
+    )
+    _check(
+        not (spec.asha_promotion and spec.brackets and spec.brackets > 1),
+        f"sweep.asha_promotion runs one bracket, got sweep.brackets={spec.brackets}",
     )
     _check_bohb(spec.bohb)
     if not custom_trainable:
