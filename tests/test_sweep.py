@@ -81,6 +81,40 @@ def test_every_searcher_and_scheduler_runs_the_real_trainable(
     assert max(len(seen) for seen in steps.values()) == 4, steps
 
 
+def test_asha_with_promotions_pauses_the_real_trainable_at_its_rungs(ray_cluster, tmp_path, capsys):
+    # 4 trials, rungs at steps 4 and 12 of 16: the first rung promotes its best of 3, then
+    # of 4, and once no trial is left to start, the top ceil(4 / 3) = 2; the second rung
+    # holds at most 2, so only its best, at the end, trains all 16 steps.
+    summary = sweep(
+        tmp_path,
+        "sweep.stages.0.search=random",
+        "sweep.stages.0.scheduler=asha",
+        "sweep.asha_promotion=true",
+        "sweep.stages.0.num_samples=4",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    lr_stage = summary["stages"][0]
+    assert lr_stage["trials"] == 4
+    assert sorted(lr_stage["statuses"].items()) == [("completed", 1), ("pruned", 3)], lr_stage
+    header = next(line for line in capsys.readouterr().out.splitlines() if "[lr] " in line)
+    assert "rungs at 25%, 75% of it" in header and "promotions" in header, header
+    with open(tmp_path / "reports.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row["stage"] == "lr"]
+    steps: dict[str, list[int]] = {}
+    for row in sorted(rows, key=lambda row: float(row["wall_time"])):
+        steps.setdefault(row["trial_id"], []).append(int(row["step"]))
+    # a paused trial goes on from its checkpoint: each step once, ending at a rung or the end
+    assert sorted(map(len, steps.values())) in ([1, 1, 1, 4], [1, 1, 3, 4]), steps
+    assert all(seen == [4, 8, 12, 16][: len(seen)] for seen in steps.values()), steps
+    # no trial trained past the first rung before 3 were ranked there: Ray's ASHA lets
+    # the first to arrive go on at once
+    at = {
+        step: sorted(float(r["wall_time"]) for r in rows if r["step"] == str(step))
+        for step in (4, 8)
+    }
+    assert at[8][0] > at[4][2], at
+
+
 def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(
     ray_cluster, tmp_path, capsys
 ):
