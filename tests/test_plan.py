@@ -127,6 +127,20 @@ def test_a_resumed_sweep_plans_only_what_is_left_from_the_config_its_stages_left
     )
 
 
+@pytest.mark.parametrize(
+    ("promotion", "rule"),
+    [
+        ("false", "keeps the best 1/3 at each"),
+        ("true", "pauses each trial there until it ranks in the best 1/3"),
+    ],
+)
+def test_the_plan_says_how_asha_decides_at_its_rungs(tmp_path, promotion, rule):
+    args = ["+sweep=lr", f"sweep.asha_promotion={promotion}", *PLAN]
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"of its budget ({rule})" in proc.stdout, proc.stdout
+
+
 def test_a_users_function_has_its_trials_planned_and_no_flops(tmp_path):
     # a module of the user's own in the working directory, as `python -m` finds it
     (tmp_path / "mine.py").write_text("def fit(config, report):\n    report({'loss': 1.0})\n")

@@ -318,7 +318,12 @@ def plan_text(
             lines.append(
                 f"{pad}{plan.scheduler} may stop a trial at "
                 f"{', '.join(fraction_text(f) for f in plan.rungs)} of its budget "
-                f"(keeps the best 1/{spec.reduction_factor:g} at each)"
+                + (
+                    f"(pauses each trial there until it ranks in the best "
+                    f"1/{spec.reduction_factor:g})"
+                    if plan.scheduler == "asha" and spec.asha_promotion
+                    else f"(keeps the best 1/{spec.reduction_factor:g} at each)"
+                )
                 + (
                     f"; a fork at each rung cools down over {spec.rung_cooldown:g} of the "
                     "steps so far"
