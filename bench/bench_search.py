@@ -28,7 +28,8 @@ seed is partly that seed's luck.
 
 --replay replays two ASHA rules over the random runs' curves, with no trials run: Ray's,
 which stops trials and lets a rung's first arrivals through unranked, and the published one
-(Li et al., 2020), which pauses them and promotes only the top of each rung.
+(Li et al., 2020), which pauses them and promotes only the top of each rung. The sweeps run
+the published one with sweep.asha_promotion=true (method asha_promote here).
 """
 
 from __future__ import annotations
