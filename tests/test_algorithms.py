@@ -770,6 +770,17 @@ def test_asha_with_promotions_promotes_from_the_highest_rung_the_best_not_yet_pr
     assert next_up(last_draws=True) is None  # ceil(4 / 3) = 2 at the first: b and d went on
 
 
+def test_asha_with_promotions_ranks_a_diverged_trial_but_does_not_hold_it():
+    from ray.tune.experiment import Trial
+
+    built = _nine_units("asha", promotion=True)
+    trial = Trial("stand_in", stub=True)
+    diverged = {TIME_ATTR: 1.0, METRIC: 1e9, "status": "diverged"}  # its penalty
+    assert built.on_trial_result(None, trial, diverged) == built.CONTINUE  # it ends itself
+    assert built._ascending_rungs()[0][1] == {trial.trial_id: -1e9}  # counts at the rung
+    assert trial.trial_id not in built._waiting
+
+
 def test_asha_takes_brackets_from_the_sweep():
     built = _nine_units("asha", brackets=2)
     assert len(built._brackets) == 2

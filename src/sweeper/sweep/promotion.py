@@ -88,9 +88,10 @@ class PromotingASHA(AsyncHyperBandScheduler):
         if trial.trial_id in recorded:
             return self.CONTINUE  # promoted from this rung, on its way to the next
         recorded[trial.trial_id] = self._metric_op * result[self._metric]
-        if time >= self._max_t:
+        if time >= self._max_t or result.get("status") == "diverged":
             # a user's function counted in reports goes on past max_t, which only placed
-            # the rungs: its value ranks the others, and it is not held back
+            # the rungs, and a diverged trial ends itself: their values rank the others,
+            # and they are not held back
             return self.CONTINUE
         self._waiting[trial.trial_id] = (trial, k)
         chosen = self.promotion(self._last_draws(tune_controller))
