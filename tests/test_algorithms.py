@@ -745,10 +745,11 @@ def test_asha_with_promotions_promotes_from_the_highest_rung_the_best_not_yet_pr
     built = _nine_units("asha", promotion=True)  # rungs at 1 and 3 of 9 units
     trials = {name: Trial("stand_in", stub=True) for name in "abcd"}
 
-    def arrive(name: str, rung: int, value: float) -> None:  # a trial paused at its rung
-        trial = trials[name]
+    def arrive(name: str, rung: int, value: float, status=Trial.PAUSED) -> None:
+        trial = trials[name]  # a trial paused at its rung
         built._ascending_rungs()[rung][1][trial.trial_id] = -value  # Ray's sign: min is -
         built._waiting[trial.trial_id] = (trial, rung)
+        trial.set_status(status)
 
     def next_up(last_draws: bool = False):
         chosen = built.promotion(last_draws)
@@ -757,8 +758,12 @@ def test_asha_with_promotions_promotes_from_the_highest_rung_the_best_not_yet_pr
         built._promote(chosen[0].trial_id, chosen[1])
         return next(name for name, t in trials.items() if t is chosen[0]), chosen[1]
 
-    for name, value in (("a", 0.5), ("b", 0.4), ("c", 0.9)):
+    for name, value in (("a", 0.5), ("c", 0.9)):
         arrive(name, 0, value)
+    # Tune is still pausing b (saving its checkpoint): it waits its turn, and is kept
+    arrive("b", 0, 0.4, status=Trial.RUNNING)
+    assert next_up() is None and trials["b"].trial_id in built._waiting
+    trials["b"].set_status(Trial.PAUSED)
     assert next_up() == ("b", 0)  # floor(3 / 3): the best of the three
     assert next_up() is None and next_up(last_draws=True) is None  # ceil(3 / 3) is 1 too
     arrive("d", 0, 0.3)

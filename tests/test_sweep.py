@@ -83,8 +83,9 @@ def test_every_searcher_and_scheduler_runs_the_real_trainable(
 
 def test_asha_with_promotions_pauses_the_real_trainable_at_its_rungs(ray_cluster, tmp_path, capsys):
     # 4 trials, rungs at steps 4 and 12 of 16: the first rung promotes its best of 3, then
-    # of 4, and once no trial is left to start, the top ceil(4 / 3) = 2; the second rung
-    # holds at most 2, so only its best, at the end, trains all 16 steps.
+    # of 4, and once no trial is left to start, the top ceil(4 / 3) = 2, so 2 trials stop
+    # at step 4; the second rung holds at most those 2 and lets its leader of the moment go
+    # on once no trial is left to start (ceil(1 / 3) = 1), so one or both train 16 steps.
     summary = sweep(
         tmp_path,
         "sweep.stages.0.search=random",
@@ -95,7 +96,8 @@ def test_asha_with_promotions_pauses_the_real_trainable_at_its_rungs(ray_cluster
     )
     lr_stage = summary["stages"][0]
     assert lr_stage["trials"] == 4
-    assert sorted(lr_stage["statuses"].items()) == [("completed", 1), ("pruned", 3)], lr_stage
+    statuses = lr_stage["statuses"]
+    assert set(statuses) == {"completed", "pruned"} and statuses["pruned"] >= 2, lr_stage
     header = next(line for line in capsys.readouterr().out.splitlines() if "[lr] " in line)
     assert "rungs at 25%, 75% of it" in header and "promotions" in header, header
     with open(tmp_path / "reports.csv") as f:
@@ -104,7 +106,8 @@ def test_asha_with_promotions_pauses_the_real_trainable_at_its_rungs(ray_cluster
     for row in sorted(rows, key=lambda row: float(row["wall_time"])):
         steps.setdefault(row["trial_id"], []).append(int(row["step"]))
     # a paused trial goes on from its checkpoint: each step once, ending at a rung or the end
-    assert sorted(map(len, steps.values())) in ([1, 1, 1, 4], [1, 1, 3, 4]), steps
+    assert sorted(map(len, steps.values())) in ([1, 1, 1, 4], [1, 1, 3, 4], [1, 1, 4, 4]), steps
+    assert sum(len(seen) == 4 for seen in steps.values()) == statuses["completed"], steps
     assert all(seen == [4, 8, 12, 16][: len(seen)] for seen in steps.values()), steps
     # no trial trained past the first rung before 3 were ranked there: Ray's ASHA lets
     # the first to arrive go on at once

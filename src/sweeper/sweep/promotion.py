@@ -46,10 +46,17 @@ class PromotingASHA(AsyncHyperBandScheduler):
         reached = [k for k, (milestone, _) in enumerate(rungs) if time >= milestone]
         return reached[-1] if reached else None
 
-    def promotion(self, last_draws: bool) -> tuple[Trial, int] | None:
+    def promotion(
+        self, last_draws: bool, arriving: Trial | None = None
+    ) -> tuple[Trial, int] | None:
         """The paused trial to go on next and its rung: the best not yet promoted among the
         top of the highest rung that has one. `last_draws`: no new trial is left to start,
-        so a rung keeps ceil(n / eta) of its trials, not floor."""
+        so a rung keeps ceil(n / eta) of its trials, not floor. `arriving`: the trial whose
+        report is being decided, which may go on at once.
+
+        A trial Tune is still pausing (its checkpoint being saved) reads RUNNING: it waits
+        its turn until it reads PAUSED, and is never dropped, or it would stay paused for
+        ever and the stage would never end."""
         rungs = self._ascending_rungs()
         for k in reversed(range(len(rungs))):
             recorded = rungs[k][1]
@@ -59,7 +66,12 @@ class PromotingASHA(AsyncHyperBandScheduler):
             keep = math.ceil(share - 1e-9) if last_draws else math.floor(share + 1e-9)
             for trial_id in ranked[:keep]:
                 waiting = self._waiting.get(trial_id)
-                if waiting and waiting[1] == k and (k, trial_id) not in self._promoted:
+                if (
+                    waiting
+                    and waiting[1] == k
+                    and (k, trial_id) not in self._promoted
+                    and (waiting[0] is arriving or waiting[0].status == Trial.PAUSED)
+                ):
                     return waiting
         return None
 
@@ -94,7 +106,7 @@ class PromotingASHA(AsyncHyperBandScheduler):
             # and they are not held back
             return self.CONTINUE
         self._waiting[trial.trial_id] = (trial, k)
-        chosen = self.promotion(self._last_draws(tune_controller))
+        chosen = self.promotion(self._last_draws(tune_controller), arriving=trial)
         if chosen is not None and chosen[0] is trial:
             self._promote(trial.trial_id, k)
             return self.CONTINUE
@@ -105,12 +117,12 @@ class PromotingASHA(AsyncHyperBandScheduler):
         trials = tune_controller.get_trials()
         active = [t for t in trials if t.status in (Trial.RUNNING, Trial.PENDING)]
         last_draws = self._last_draws(tune_controller)
+        for trial, _ in list(self._waiting.values()):
+            if trial.status in (Trial.TERMINATED, Trial.ERROR):  # ended while it waited
+                self._waiting.pop(trial.trial_id)
         chosen = self.promotion(last_draws)
         if chosen is not None:
             trial, k = chosen
-            if trial.status != Trial.PAUSED:  # ended meanwhile (a stop, a failure)
-                self._waiting.pop(trial.trial_id, None)
-                return self.choose_trial_to_run(tune_controller)
             if self._max_concurrent and len(active) >= self._max_concurrent:
                 return None  # it goes on when a running trial pauses or ends
             self._promote(trial.trial_id, k)
@@ -118,13 +130,12 @@ class PromotingASHA(AsyncHyperBandScheduler):
             return trial
         pending = next((t for t in trials if t.status == Trial.PENDING), None)
         if pending is None and last_draws and not active:
-            # nothing runs, nothing is left to start, and no rung promotes any of the
-            # paused trials: they are done (pruned at their rung)
+            # nothing runs (so no pause is in flight), nothing is left to start, and no
+            # rung promotes any of the paused trials: they are done (pruned at their rung)
             for trial, _ in list(self._waiting.values()):
                 self._waiting.pop(trial.trial_id)
-                if trial.status == Trial.PAUSED:
-                    self._num_stopped += 1
-                    tune_controller.stop_trial(trial)
+                self._num_stopped += 1
+                tune_controller.stop_trial(trial)
         return pending
 
     def on_trial_add(self, tune_controller: Any, trial: Trial) -> None:
