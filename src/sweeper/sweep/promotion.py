@@ -111,7 +111,7 @@ class PromotingASHA(AsyncHyperBandScheduler):
             self._promote(trial.trial_id, k)
             return self.CONTINUE
         _tell_searcher(tune_controller, "on_pause", trial)
-        return self.PAUSE
+        return self.PAUSE  # the slot goes to choose_trial_to_run's pick
 
     def choose_trial_to_run(self, tune_controller: Any) -> Trial | None:
         trials = tune_controller.get_trials()
@@ -131,11 +131,14 @@ class PromotingASHA(AsyncHyperBandScheduler):
         pending = next((t for t in trials if t.status == Trial.PENDING), None)
         if pending is None and last_draws and not active:
             # nothing runs (so no pause is in flight), nothing is left to start, and no
-            # rung promotes any of the paused trials: they are done (pruned at their rung)
-            for trial, _ in list(self._waiting.values()):
-                self._waiting.pop(trial.trial_id)
-                self._num_stopped += 1
-                tune_controller.stop_trial(trial)
+            # rung promotes any of the paused trials: they are done (pruned at their rung).
+            # Every paused trial, not only those waiting here: one left paused would keep
+            # Tune's loop going for ever.
+            self._waiting.clear()
+            for trial in trials:
+                if trial.status == Trial.PAUSED:
+                    self._num_stopped += 1
+                    tune_controller.stop_trial(trial)
         return pending
 
     def on_trial_add(self, tune_controller: Any, trial: Trial) -> None:
