@@ -1194,6 +1194,7 @@ REFUSED = [
     (["sweep.stages.0.scheduler=hyperband", "sweep.reduction_factor=2.5"], "reduction_factor"),
     (["sweep.stages=[]"], "no stages"),
     (["sweep.brackets=0"], "sweep.brackets must be >= 1"),
+    (["sweep.asha_promotion=true", "sweep.brackets=2"], "sweep.asha_promotion runs one bracket"),
     (["sweep.bohb.random_fraction=1.5"], "sweep.bohb.random_fraction"),
     (["sweep.bohb.top_n_percent=0"], "sweep.bohb.top_n_percent"),
     (["trainable._target_=no.such.module.fn"], "trainable"),

@@ -275,8 +275,9 @@ def build_scheduler(
     their rungs are ``max_t / reduction_factor**j``, the smallest no shorter than
     ``grace_period`` (see ``hyperband_units``). ``max_concurrent``: hyperband/bohb resume a
     paused trial only while fewer trials run (pass the searcher's limit: see ``hyperband``).
-    ``promotion``: asha pauses trials at its rungs and promotes the best (``promotion``;
-    it then needs checkpoints, as hyperband/bohb do, and runs one bracket).
+    ``promotion``: asha pauses trials at its rungs and promotes the best (ASHA as
+    published, ``promotion.py``); it then needs checkpoints, as hyperband/bohb do, and
+    runs one bracket.
     ``brackets``: how many brackets hyperband/bohb cycle through, the most aggressive kept
     (None: all of them, as HyperBand is published; 1: successive halving from
     ``grace_period``), and ASHA's own ``brackets`` (None: Ray's 1).

@@ -348,8 +348,9 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
         spec.brackets is None or spec.brackets >= 1,
         f"sweep.brackets must be >= 1 or null, got {spec.brackets}",
     )
+    asha = any(spec.stage_scheduler(stage) == "asha" for stage in spec.stages)
     _check(
-        not (spec.asha_promotion and spec.brackets and spec.brackets > 1),
+        not (asha and spec.asha_promotion and spec.brackets and spec.brackets > 1),
         f"sweep.asha_promotion runs one bracket, got sweep.brackets={spec.brackets}",
     )
     _check_bohb(spec.bohb)
