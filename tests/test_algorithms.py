@@ -753,7 +753,7 @@ def test_asha_with_promotions_promotes_from_the_highest_rung_the_best_not_yet_pr
         chosen = built.promotion(last_draws)
         if chosen is None:
             return None
-        built._promote(chosen[0].trial_id, chosen[1])
+        built._promote(chosen[0].trial_id)
         return next(name for name, t in trials.items() if t is chosen[0]), chosen[1]
 
     for name, value in (("a", 0.5), ("c", 0.9)):

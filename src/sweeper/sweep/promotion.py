@@ -34,8 +34,9 @@ class PromotingASHA(AsyncHyperBandScheduler):
     def __init__(self, *, max_concurrent: int | None = None, **kwargs: Any) -> None:
         super().__init__(brackets=1, **kwargs)
         self._max_concurrent = max_concurrent
-        self._waiting: dict[str, tuple[Trial, int]] = {}  # paused at rung k, not promoted
-        self._promoted: set[tuple[int, str]] = set()  # (rung, trial id) gone on from it
+        # paused at rung k and not promoted from it: a promoted trial leaves for good, since
+        # it comes back only at a higher rung (at rung k it is recorded, and goes on)
+        self._waiting: dict[str, tuple[Trial, int]] = {}
 
     def _ascending_rungs(self) -> list[tuple[float, dict]]:
         return list(reversed(self._brackets[0]._rungs))  # Ray keeps them highest first
@@ -69,14 +70,12 @@ class PromotingASHA(AsyncHyperBandScheduler):
                 if (
                     waiting
                     and waiting[1] == k
-                    and (k, trial_id) not in self._promoted
                     and (waiting[0] is arriving or waiting[0].status == Trial.PAUSED)
                 ):
                     return waiting
         return None
 
-    def _promote(self, trial_id: str, k: int) -> None:
-        self._promoted.add((k, trial_id))
+    def _promote(self, trial_id: str) -> None:
         self._waiting.pop(trial_id, None)
 
     @staticmethod
@@ -108,7 +107,7 @@ class PromotingASHA(AsyncHyperBandScheduler):
         self._waiting[trial.trial_id] = (trial, k)
         chosen = self.promotion(self._last_draws(tune_controller), arriving=trial)
         if chosen is not None and chosen[0] is trial:
-            self._promote(trial.trial_id, k)
+            self._promote(trial.trial_id)
             return self.CONTINUE
         _tell_searcher(tune_controller, "on_pause", trial)
         return self.PAUSE  # the slot goes to choose_trial_to_run's pick
@@ -122,10 +121,10 @@ class PromotingASHA(AsyncHyperBandScheduler):
                 self._waiting.pop(trial.trial_id)
         chosen = self.promotion(last_draws)
         if chosen is not None:
-            trial, k = chosen
+            trial, _ = chosen
             if self._max_concurrent and len(active) >= self._max_concurrent:
                 return None  # it goes on when a running trial pauses or ends
-            self._promote(trial.trial_id, k)
+            self._promote(trial.trial_id)
             _tell_searcher(tune_controller, "on_unpause", trial)
             return trial
         pending = next((t for t in trials if t.status == Trial.PENDING), None)
