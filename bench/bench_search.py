@@ -425,19 +425,33 @@ def main() -> None:
         default="0.25:3,0.125:3",
         help="grace:reduction_factor pairs to replay ASHA over the random runs' curves",
     )
+    parser.add_argument(
+        "--save",
+        type=Path,
+        help="write every run's reports here (SEED-METHOD.csv), to pool or re-read later",
+    )
     args = parser.parse_args()
     methods = args.methods.split(",")
+
+    def run_and_save(method: str, seed: int, samples: int) -> list[dict]:
+        reports = run(method, seed, samples, args.tokens, args.overrides, args.space)
+        if args.save and reports:
+            args.save.mkdir(parents=True, exist_ok=True)
+            with open(args.save / f"{seed}-{method}.csv", "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(reports[0]))
+                writer.writeheader()
+                writer.writerows(reports)
+        return reports
+
     pool: list = []
     ratios: dict[str, list[float]] = {method: [] for method in methods}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        random = run("random", seed, args.samples, args.tokens, args.overrides, args.space)
+        random = run_and_save("random", seed, args.samples)
         _, random_total, target = compute_to_reach(random, float("-inf"))
         pool += curves(random)
         line = f"seed {seed}: random best {target:.4f} with {random_total:.3g} FLOPs"
         for method in methods:
-            reports = run(
-                method, seed, args.budget_samples, args.tokens, args.overrides, args.space
-            )
+            reports = run_and_save(method, seed, args.budget_samples)
             reached, total, best = compute_to_reach(reports, target + args.within)
             ratio = reached / random_total if reached is not None else float("inf")
             ratios[method].append(ratio)
