@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,24 @@ def sweep_reports(overrides: list[str]) -> list[dict]:
             raise SystemExit(proc.stderr[-3000:])
         with open(Path(tmp) / "run" / "reports.csv") as f:
             return list(csv.DictReader(f))
+
+
+def saved_run(path: Path | None, train: Callable[[], list[dict]]) -> list[dict]:
+    """`train()`'s reports, kept at `path` (CSV): a run saved there before is read back and
+    not trained again. Written whole or not at all, so a stopped bench leaves no half run."""
+    if path is not None and path.exists():
+        with open(path) as f:
+            return list(csv.DictReader(f))
+    reports = train()
+    if path is not None and reports:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        with open(partial, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(reports[0]))
+            writer.writeheader()
+            writer.writerows(reports)
+        partial.replace(path)
+    return reports
 
 
 def compute_to_reach(reports: list[dict], target: float) -> tuple[float | None, float, float]:
@@ -428,20 +447,17 @@ def main() -> None:
     parser.add_argument(
         "--save",
         type=Path,
-        help="write every run's reports here (SEED-METHOD.csv), to pool or re-read later",
+        help="keep every run's reports here (SEED-METHOD.csv); a run already there is read "
+        "back, not trained again (pool seeds, try another --within, go on after a stop)",
     )
     args = parser.parse_args()
     methods = args.methods.split(",")
 
     def run_and_save(method: str, seed: int, samples: int) -> list[dict]:
-        reports = run(method, seed, samples, args.tokens, args.overrides, args.space)
-        if args.save and reports:
-            args.save.mkdir(parents=True, exist_ok=True)
-            with open(args.save / f"{seed}-{method}.csv", "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(reports[0]))
-                writer.writeheader()
-                writer.writerows(reports)
-        return reports
+        path = args.save / f"{seed}-{method}.csv" if args.save else None
+        return saved_run(
+            path, lambda: run(method, seed, samples, args.tokens, args.overrides, args.space)
+        )
 
     pool: list = []
     ratios: dict[str, list[float]] = {method: [] for method in methods}

@@ -142,3 +142,27 @@ def test_a_replay_within_a_margin_of_the_best_counts_a_trial_inside_it():
     assert "within 1:" in loose and "within" not in exact.split(" | ")[0]
     assert recorded(exact) == [float("inf")] * 2  # Ray's rule and the published one
     assert all(0 < value < 1 for value in recorded(loose))
+
+
+def test_a_saved_run_is_read_back_whole_and_not_trained_again(tmp_path):
+    from bench_search import compute_to_reach, saved_run
+
+    # two trials as reports.csv holds them (strings); b completes at 3.0 after 20 FLOPs
+    reports = [
+        {"trial_id": "a", "flops": "10", "val_bpb": "4.0", "final": "False",
+         "status": "pruned", "wall_time": "1.0"},
+        {"trial_id": "b", "flops": "20", "val_bpb": "3.0", "final": "True",
+         "status": "completed", "wall_time": "2.0"},
+    ]  # fmt: skip
+    trained = []
+
+    def train() -> list[dict]:
+        trained.append(1)
+        return reports
+
+    path = tmp_path / "saved" / "0-asha.csv"
+    assert saved_run(path, train) == reports and trained == [1]
+    assert [p.name for p in path.parent.iterdir()] == ["0-asha.csv"]  # no partial file left
+    assert saved_run(path, train) == reports and trained == [1]  # read back, not trained
+    assert compute_to_reach(saved_run(path, train), 3.0) == (30.0, 30.0, 3.0)
+    assert saved_run(None, train) == reports and trained == [1, 1]  # nothing saved: trains
