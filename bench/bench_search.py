@@ -164,6 +164,13 @@ METHODS = {
         "sweep.stages.0.scheduler=asha",
         "sweep.rung_cooldown=0.25",
     ],
+    # ASHA as published ranking the forks, as the sweeps would run it by default
+    "asha_promote_forks": [
+        "sweep.stages.0.search=random",
+        "sweep.stages.0.scheduler=asha",
+        "sweep.asha_promotion=true",
+        "sweep.rung_cooldown=0.25",
+    ],
     # the sweeps' default: TPE's first 10 trials are random, then its model proposes
     "tpe_asha": ["sweep.stages.0.search=tpe", "sweep.stages.0.scheduler=asha"],
 }
