@@ -455,7 +455,8 @@ def main() -> None:
         "--save",
         type=Path,
         help="keep every run's reports here (SEED-METHOD.csv); a run already there is read "
-        "back, not trained again (pool seeds, try another --within, go on after a stop)",
+        "back, not trained again (pool seeds, try another --within, go on after a stop). "
+        "The name holds only the seed and method: one DIR per --space, --tokens and overrides",
     )
     args = parser.parse_args()
     methods = args.methods.split(",")
