@@ -178,6 +178,72 @@ def test_a_penalty_the_user_chose_is_told_to_optuna_as_it_is():
     assert [t.value for t in alg._ot_study.trials] == [9.0]
 
 
+@pytest.mark.parametrize("worst_on_divergence", [True, False])
+def test_optuna_learns_a_paused_trials_rung_value_when_it_pauses(worst_on_divergence):
+    # Optuna's samplers skip running trials, and a paused trial ends only in the stage's end
+    # game: told at its pause, TPE learns from it as it does from one Ray's ASHA stops there
+    import warnings
+
+    space = parse_space({"x": {"uniform": [0.0, 1.0]}})
+    alg, _ = build_searcher(
+        "tpe",
+        space,
+        metric=METRIC,
+        mode=MODE,
+        seed=0,
+        num_samples=4,
+        worst_on_divergence=worst_on_divergence,
+    )
+    study = alg._ot_study
+
+    def report(trial_id: str, step: int, value: float) -> None:
+        alg.on_trial_result(trial_id, {METRIC: value, "training_iteration": step})
+
+    def told() -> list:
+        return [(t.state.name, t.value) for t in study.trials]
+
+    for trial_id in ("kept", "promoted", "running"):
+        alg.suggest(trial_id)
+        report(trial_id, 1, 5.0)
+    for trial_id, value in (("kept", 4.0), ("promoted", 3.0)):
+        alg.on_pause(trial_id)  # the scheduler decides before Tune hands on the result
+        report(trial_id, 2, value)
+    assert told() == [("COMPLETE", 4.0), ("COMPLETE", 3.0), ("RUNNING", None)]
+    alg.on_unpause("promoted")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "additional result" warning, no Optuna error
+        report("promoted", 3, 2.5)
+        report("promoted", 4, 2.0)
+        alg.on_trial_complete("promoted", result={METRIC: 2.0, "training_iteration": 4})
+        alg.on_trial_complete("kept", result={METRIC: 4.0, "training_iteration": 2})
+        alg.on_pause("promoted")  # a resumed stage pauses its trials again: nothing new
+    assert told() == [("COMPLETE", 4.0), ("COMPLETE", 3.0), ("RUNNING", None), ("COMPLETE", 2.0)]
+    assert study.trials[3].params == study.trials[1].params  # the promoted one, at its end
+    alg.on_trial_complete("running", result={METRIC: 2.2, "training_iteration": 9})
+    assert told()[2] == ("COMPLETE", 2.2)  # a trial never paused is told as before
+    # promoted, paused at the next rung and ended there in the end game: Tune ends a paused
+    # trial without a result, so its last report is what is told
+    alg.suggest("ended_paused")
+    alg.on_pause("ended_paused")
+    report("ended_paused", 1, 3.5)
+    alg.on_unpause("ended_paused")
+    report("ended_paused", 2, 2.7)
+    alg.on_pause("ended_paused")
+    alg.on_trial_complete("ended_paused")
+    assert told()[-2:] == [("COMPLETE", 3.5), ("COMPLETE", 2.7)]
+
+
+def test_a_trial_that_went_on_after_its_pause_and_diverged_is_told_the_worst_value():
+    space = parse_space({"x": {"uniform": [0.0, 1.0]}})
+    alg, _ = build_searcher("gp", space, metric=METRIC, mode=MODE, seed=0, num_samples=4)
+    alg.suggest("t0")
+    alg.on_pause("t0")
+    alg.on_trial_result("t0", {METRIC: 3.0, "training_iteration": 1})
+    alg.on_unpause("t0")
+    alg.on_trial_complete("t0", result={METRIC: 8.0, "status": "diverged"})
+    assert [t.value for t in alg._ot_study.trials] == [3.0, math.inf]
+
+
 @pytest.mark.parametrize("scheduler", ["asha", "hyperband", "bohb"])
 @pytest.mark.parametrize(("grace_fraction", "eta"), [(0.25, 3), (1 / 9, 3), (0.1, 2), (0.5, 4)])
 def test_rungs_are_where_rays_schedulers_stop_trials(scheduler, grace_fraction, eta):
@@ -709,8 +775,17 @@ def test_asha_with_promotions_pauses_trials_at_a_rung_until_they_rank_in_its_top
     # there (Ray's ASHA lets the first through unranked), a paused trial goes on from its
     # checkpoint, and the trials left paused at the end are ended at their rung.
     params = {"optimizer.lr": {"log_uniform": [1e-3, 1.0]}, "model.n_layer": 1}
-    _, results = _fit(search, "asha", params, 1, 9, tmp_path, max_concurrent=limit, promotion=True)
+    alg, results = _fit(
+        search, "asha", params, 1, 9, tmp_path, max_concurrent=limit, promotion=True
+    )
     assert results.num_errors == 0 and len(results) == 9
+    if search == "tpe":
+        # TPE learnt each paused trial's rung value when it paused, and a promoted trial's
+        # last value again when it ended (optuna_search): the hooks reach it through the limiter
+        told = [(t.params["optimizer.lr"], t.value) for t in alg.searcher._ot_study.trials]
+        assert all(value is not None for _, value in told), told
+        ran = {(r.config["optimizer.lr"], r.metrics[METRIC]) for r in results}
+        assert ran <= set(told) and len(told) > len(ran), (told, ran)
     frames = [r.metrics_dataframe for r in results]
     for frame in frames:  # every step once, in order: a resume goes on where it paused
         steps = list(frame[TIME_ATTR] // TOKENS_PER_STEP)

@@ -132,12 +132,13 @@ def _model_based_searcher(
         from ray.tune.search.bohb import TuneBOHB
 
         return TuneBOHB(space=to_configspace(space), seed=seed, bohb_config=bohb, **shared)
-    from ray.tune.search.optuna import OptunaSearch
-
-    from sweeper.sweep.optuna_search import WorstOnDivergenceOptunaSearch
+    from sweeper.sweep.optuna_search import (
+        PausedTrialsOptunaSearch,
+        WorstOnDivergenceOptunaSearch,
+    )
 
     sampler = _optuna_sampler(search, seed, num_samples)
-    searcher = WorstOnDivergenceOptunaSearch if worst_on_divergence else OptunaSearch
+    searcher = WorstOnDivergenceOptunaSearch if worst_on_divergence else PausedTrialsOptunaSearch
     return searcher(space=to_optuna(space), sampler=sampler, **shared)
 
 

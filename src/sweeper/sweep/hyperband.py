@@ -111,7 +111,7 @@ class RunningLimiter(ConcurrencyLimiter):
         if trial_id in self.live_trials:
             self.live_trials.remove(trial_id)
             self.paused.add(trial_id)
-        if hasattr(self.searcher, "on_pause"):  # TuneBOHB keeps its own count
+        if hasattr(self.searcher, "on_pause"):  # TuneBOHB's count, Optuna's rung value
             self.searcher.on_pause(trial_id)
 
     def on_unpause(self, trial_id: str) -> None:
@@ -140,7 +140,8 @@ class RunningVariantGenerator(BasicVariantGenerator):
 
 def _tell_searcher(tune_controller: Any, event: str, trial: Trial) -> None:
     """Call ``on_pause``/``on_unpause`` on the searcher where it has one (the limiters above,
-    TuneBOHB); Ray's plain HyperBand tells no searcher, and Optuna's has no such hook."""
+    TuneBOHB, ``optuna_search``'s, which learns the rung value at the pause); Ray's plain
+    HyperBand tells no searcher, and Ray's OptunaSearch has no such hook."""
     search_alg = tune_controller.search_alg
     hook = getattr(getattr(search_alg, "searcher", search_alg), event, None)
     if hook is not None:
