@@ -173,6 +173,12 @@ METHODS = {
     ],
     # the sweeps' default: TPE's first 10 trials are random, then its model proposes
     "tpe_asha": ["sweep.stages.0.search=tpe", "sweep.stages.0.scheduler=asha"],
+    # the same with ASHA as published: TPE learns a paused trial's rung value at its pause
+    "tpe_asha_promote": [
+        "sweep.stages.0.search=tpe",
+        "sweep.stages.0.scheduler=asha",
+        "sweep.asha_promotion=true",
+    ],
 }
 
 
