@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import sweeper.attention as attention
-from sweeper.runtime import keep_freed_memory_for_reuse
+import sweeper.train.attention as attention
+from sweeper.train.device import keep_freed_memory_for_reuse
 
 
 def backward_ms(fn, q, k, v, grad) -> float:

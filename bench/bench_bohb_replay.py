@@ -59,8 +59,8 @@ REPORTS = 8  # reports per trial: steps 8, 16, ..., 64
 def _train_one(point: tuple[float, float]) -> list[float]:
     from omegaconf import OmegaConf
 
-    from sweeper.cli import compose
-    from sweeper.train import train
+    from sweeper.config.compose import compose
+    from sweeper.train.loop import train
 
     matrix_lr, embedding_lr = point
     overrides = [

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sweeper.config import DataConfig
-from sweeper.data import (
+from sweeper.config.schema import DataConfig
+from sweeper.train.data import (
     SHARD_MAGIC,
     BatchSampler,
     check_token_ids,

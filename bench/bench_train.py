@@ -24,14 +24,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from sweeper.cli import compose
-from sweeper.config import load_run_config
-from sweeper.data import BatchSampler, load_data
-from sweeper.linear import linear
-from sweeper.model import GPT, GPTShape
-from sweeper.optim import build_optimizer
-from sweeper.runtime import autocast_context, resolve_device, resolve_dtype
-from sweeper.train import train
+from sweeper.config.compose import compose
+from sweeper.config.schema import load_run_config
+from sweeper.train.data import BatchSampler, load_data
+from sweeper.train.device import autocast_context, resolve_device, resolve_dtype
+from sweeper.train.linear import linear
+from sweeper.train.loop import train
+from sweeper.train.model import GPT, GPTShape
+from sweeper.train.optim import build_optimizer
 
 
 class PlainBlock(nn.Module):
@@ -66,7 +66,7 @@ class PlainGPT(nn.Module):
 
 
 def on_sweepers_matmul(model: nn.Module) -> nn.Module:
-    """The plain GPT's linear layers through sweeper.linear (oneDNN's fp32 matmul where the
+    """The plain GPT's linear layers through sweeper.train.linear (oneDNN's fp32 matmul where the
     probe took it) plus their bias: the kernel's gain taken out of the comparison."""
     for layer in model.modules():
         if isinstance(layer, nn.Linear):

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from bench_train import alternate_in_loop, d12_gpu_run, in_loop_ab_arguments
 
-import sweeper.model
+import sweeper.train.model
 
-MAIN = sweeper.model.capped_cross_entropy
+MAIN = sweeper.train.model.capped_cross_entropy
 
 
 def sigmoid_form(logits, targets, cap, reduction="mean"):
@@ -47,7 +47,7 @@ def bounded_form(logits, targets, cap, reduction="mean"):
     """One pass over the logits: capped, they lie in (-cap, cap), so exp() cannot overflow
     and logsumexp needs no running maximum; the target's logit is summed in the same pass
     (a where, not a gather: its backward is pointwise, where a gather's is a scatter)."""
-    z = sweeper.model.soft_cap(logits, cap)
+    z = sweeper.train.model.soft_cap(logits, cap)
     vocab = torch.arange(z.size(-1), device=z.device)
     picked = torch.where(vocab == targets[..., None], z, 0.0).sum(-1)
     per_token = (torch.log(torch.exp(z).sum(-1)) - picked).reshape(-1)
@@ -61,7 +61,7 @@ def reduce(per_token: torch.Tensor, reduction: str) -> torch.Tensor:
     return per_token.sum() if reduction == "sum" else per_token
 
 
-tanh_cap = sweeper.model.soft_cap
+tanh_cap = sweeper.train.model.soft_cap
 sigmoid_cap = lambda x, cap: (2 * cap) * torch.sigmoid(x * (2 / cap))  # noqa: E731
 
 EXACT = {
@@ -162,7 +162,7 @@ def main() -> None:
         print("main's tail is the fastest exact form: nothing to train")
         return
     print(f"== 2. d12 in the real loop, main vs '{best}' ({args.steps} timed steps per run)")
-    patch = lambda fn: lambda: setattr(sweeper.model, "capped_cross_entropy", fn)  # noqa: E731
+    patch = lambda fn: lambda: setattr(sweeper.train.model, "capped_cross_entropy", fn)  # noqa: E731
     variants = {"main": patch(MAIN), best: patch(EXACT[best])}
     alternate_in_loop(cfg, variants, args.pairs, args.steps, began + args.deadline_s)
 

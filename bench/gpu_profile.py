@@ -13,12 +13,12 @@ import sys
 import torch
 from bench_train import PlainGPT
 
-from sweeper.cli import compose
-from sweeper.config import load_run_config
-from sweeper.data import BatchSampler, load_data
-from sweeper.model import GPT, GPTShape
-from sweeper.optim import build_optimizer
-from sweeper.runtime import autocast_context
+from sweeper.config.compose import compose
+from sweeper.config.schema import load_run_config
+from sweeper.train.data import BatchSampler, load_data
+from sweeper.train.device import autocast_context
+from sweeper.train.model import GPT, GPTShape
+from sweeper.train.optim import build_optimizer
 
 
 def timed(fn, repeats: int = 5) -> float:

@@ -1,5 +1,5 @@
 """d12 in the real loop (`train()`, bf16 + compile) with the residual stream in bf16
-(`sweeper.model.residual_dtype_for`, now) and in fp32 (autocast's default, before),
+(`sweeper.train.model.residual_dtype_for`, now) and in fp32 (autocast's default, before),
 alternating, tokens/s and MFU of each. Same model and loop; only the dtype of the
 activations between the matmuls differs.
 
@@ -16,8 +16,8 @@ import time
 
 from bench_train import alternate_in_loop, d12_gpu_run, in_loop_ab_arguments, run_copy
 
-import sweeper.train
-from sweeper.model import residual_dtype_for
+import sweeper.train.loop
+from sweeper.train.model import residual_dtype_for
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     _, cfg = d12_gpu_run(args.overrides)
     rules = {"fp32 residual": lambda device, dtype: None, "bf16 residual": residual_dtype_for}
     variants = {
-        name: (lambda rule=rule: setattr(sweeper.train, "residual_dtype_for", rule))
+        name: (lambda rule=rule: setattr(sweeper.train.loop, "residual_dtype_for", rule))
         for name, rule in rules.items()
     }
     if args.quality:

@@ -1,5 +1,5 @@
 """d12 in the real loop (`train()`, bf16 + compile) with the compiled RoPE as it is
-(`sweeper.model.rotate_real`: x * cos2 + swap(x) * sin2, the pair swapped by a flip) and
+(`sweeper.train.model.rotate_real`: x * cos2 + swap(x) * sin2, the pair swapped by a flip) and
 as it was before the thirty-second session (each (even, odd) pair unbound, the rotated
 halves stacked back: a `cat` kernel among the step's largest elementwise ones),
 alternating, tokens/s and MFU of each. The same maths; only the kernels differ.
@@ -14,9 +14,9 @@ import time
 import torch
 from bench_train import alternate_in_loop, d12_gpu_run, in_loop_ab_arguments
 
-import sweeper.model
+import sweeper.train.model
 
-FORMS = {"flip": sweeper.model.rotate_real}
+FORMS = {"flip": sweeper.train.model.rotate_real}
 
 
 def rotate_by_stack(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ def main() -> None:
     args = in_loop_ab_arguments(__doc__.splitlines()[0], pairs=2, deadline_s=300).parse_args()
     began = time.perf_counter()
     _, cfg = d12_gpu_run(args.overrides)
-    patch = lambda fn: lambda: setattr(sweeper.model, "rotate_real", fn)  # noqa: E731
+    patch = lambda fn: lambda: setattr(sweeper.train.model, "rotate_real", fn)  # noqa: E731
     variants = {name: patch(rotate) for name, rotate in FORMS.items()}
     alternate_in_loop(cfg, variants, args.pairs, args.steps, began + args.deadline_s)
 

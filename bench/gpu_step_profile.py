@@ -13,8 +13,8 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-import sweeper.train
-from sweeper.cli import compose
+import sweeper.train.loop
+from sweeper.config.compose import compose
 
 PROFILED = (3, 5)  # profile from the end of optimizer step 2 to the end of step 4
 
@@ -27,7 +27,7 @@ def main() -> None:
     prof = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     )
-    build = sweeper.train.build_optimizer
+    build = sweeper.train.loop.build_optimizer
     clock = {}
 
     def build_with_hook(model, opt_cfg):
@@ -50,7 +50,7 @@ def main() -> None:
         optimizer.step = hooked_step
         return optimizer
 
-    sweeper.train.build_optimizer = build_with_hook
+    sweeper.train.loop.build_optimizer = build_with_hook
     sweeper.train.train(cfg, verbose=True)
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events)

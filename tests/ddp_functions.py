@@ -39,8 +39,8 @@ def rank0_saves_slowly(config: dict) -> None:
     group's timeout (a big model written to network storage)."""
     import torch.distributed as dist
 
-    import sweeper.run_checkpoint as run_checkpoint
-    from sweeper.distributed import _worker_loop
+    import sweeper.train.run_checkpoint as run_checkpoint
+    from sweeper.train.distributed import _worker_loop
 
     save_state = run_checkpoint.save_state
 

@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 
-from sweeper.activations import ACTIVATION_COLUMNS, TOKENS, ActivationWatch
-from sweeper.config import load_run_config
-from sweeper.data import load_data, val_windows
-from sweeper.model import GPT, GPTShape, rms_norm, scaled_sum
-from sweeper.train import evaluate, train
+from sweeper.config.schema import load_run_config
+from sweeper.train.activations import ACTIVATION_COLUMNS, TOKENS, ActivationWatch
+from sweeper.train.data import load_data, val_windows
+from sweeper.train.loop import evaluate, train
+from sweeper.train.model import GPT, GPTShape, rms_norm, scaled_sum
 
 from .conftest import tiny
 
@@ -70,7 +70,7 @@ def test_dead_units_zeros_and_the_residual_rms_of_one_forward_pass():
 def test_the_share_of_logits_the_soft_cap_saturates():
     import math
 
-    from sweeper.activations import SATURATED, activations_text
+    from sweeper.train.activations import SATURATED, activations_text
 
     cfg, _, model, x, _ = model_and_batch()
     torch.nn.init.normal_(model.lm_head.weight, std=2.0)  # logits ~ N(0, 16): some past 31

@@ -17,16 +17,14 @@ from sweeper.sweep.algorithms import (
     SCHEDULERS,
     SEARCHES,
     bohb_model_points,
-    budget_key,
     build_scheduler,
     build_searcher,
     check_compatible,
-    hyperband_units,
     metric_reader,
     random_start,
-    rungs,
     startup_trials,
 )
+from sweeper.sweep.rungs import budget_key, hyperband_units, rungs
 from sweeper.sweep.space import parse_points, parse_space, to_builtin, to_configspace
 
 METRIC, MODE, TIME_ATTR = "val_bpb", "min", "tokens"
@@ -178,72 +176,6 @@ def test_a_penalty_the_user_chose_is_told_to_optuna_as_it_is():
     assert [t.value for t in alg._ot_study.trials] == [9.0]
 
 
-@pytest.mark.parametrize("worst_on_divergence", [True, False])
-def test_optuna_learns_a_paused_trials_rung_value_when_it_pauses(worst_on_divergence):
-    # Optuna's samplers skip running trials, and a paused trial ends only in the stage's end
-    # game: told at its pause, TPE learns from it as it does from one Ray's ASHA stops there
-    import warnings
-
-    space = parse_space({"x": {"uniform": [0.0, 1.0]}})
-    alg, _ = build_searcher(
-        "tpe",
-        space,
-        metric=METRIC,
-        mode=MODE,
-        seed=0,
-        num_samples=4,
-        worst_on_divergence=worst_on_divergence,
-    )
-    study = alg._ot_study
-
-    def report(trial_id: str, step: int, value: float) -> None:
-        alg.on_trial_result(trial_id, {METRIC: value, "training_iteration": step})
-
-    def told() -> list:
-        return [(t.state.name, t.value) for t in study.trials]
-
-    for trial_id in ("kept", "promoted", "running"):
-        alg.suggest(trial_id)
-        report(trial_id, 1, 5.0)
-    for trial_id, value in (("kept", 4.0), ("promoted", 3.0)):
-        alg.on_pause(trial_id)  # the scheduler decides before Tune hands on the result
-        report(trial_id, 2, value)
-    assert told() == [("COMPLETE", 4.0), ("COMPLETE", 3.0), ("RUNNING", None)]
-    alg.on_unpause("promoted")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "additional result" warning, no Optuna error
-        report("promoted", 3, 2.5)
-        report("promoted", 4, 2.0)
-        alg.on_trial_complete("promoted", result={METRIC: 2.0, "training_iteration": 4})
-        alg.on_trial_complete("kept", result={METRIC: 4.0, "training_iteration": 2})
-        alg.on_pause("promoted")  # a resumed stage pauses its trials again: nothing new
-    assert told() == [("COMPLETE", 4.0), ("COMPLETE", 3.0), ("RUNNING", None), ("COMPLETE", 2.0)]
-    assert study.trials[3].params == study.trials[1].params  # the promoted one, at its end
-    alg.on_trial_complete("running", result={METRIC: 2.2, "training_iteration": 9})
-    assert told()[2] == ("COMPLETE", 2.2)  # a trial never paused is told as before
-    # promoted, paused at the next rung and ended there in the end game: Tune ends a paused
-    # trial without a result, so its last report is what is told
-    alg.suggest("ended_paused")
-    alg.on_pause("ended_paused")
-    report("ended_paused", 1, 3.5)
-    alg.on_unpause("ended_paused")
-    report("ended_paused", 2, 2.7)
-    alg.on_pause("ended_paused")
-    alg.on_trial_complete("ended_paused")
-    assert told()[-2:] == [("COMPLETE", 3.5), ("COMPLETE", 2.7)]
-
-
-def test_a_trial_that_went_on_after_its_pause_and_diverged_is_told_the_worst_value():
-    space = parse_space({"x": {"uniform": [0.0, 1.0]}})
-    alg, _ = build_searcher("gp", space, metric=METRIC, mode=MODE, seed=0, num_samples=4)
-    alg.suggest("t0")
-    alg.on_pause("t0")
-    alg.on_trial_result("t0", {METRIC: 3.0, "training_iteration": 1})
-    alg.on_unpause("t0")
-    alg.on_trial_complete("t0", result={METRIC: 8.0, "status": "diverged"})
-    assert [t.value for t in alg._ot_study.trials] == [3.0, math.inf]
-
-
 @pytest.mark.parametrize("scheduler", ["asha", "hyperband", "bohb"])
 @pytest.mark.parametrize(("grace_fraction", "eta"), [(0.25, 3), (1 / 9, 3), (0.1, 2), (0.5, 4)])
 def test_rungs_are_where_rays_schedulers_stop_trials(scheduler, grace_fraction, eta):
@@ -376,7 +308,7 @@ def test_an_extension_rounds_asha_ranks_its_trials_against_the_first_rounds(cloc
 
     from ray.tune.schedulers import TrialScheduler
 
-    from sweeper.sweep.hyperband import record_earlier_trials
+    from sweeper.sweep.ray_patches import record_earlier_trials
 
     unit = 100 if clock == "tokens" else 1  # rungs at 1, 3 and 9 units
     # the first round: three trials at the first rung (2.0, 2.2, 2.4 val_bpb), one of
@@ -421,7 +353,7 @@ def test_a_resumed_extension_round_keeps_the_first_rounds_trials_at_its_rungs(tm
     import ray.cloudpickle as pickle
     from ray import tune
 
-    from sweeper.sweep.hyperband import record_earlier_trials
+    from sweeper.sweep.ray_patches import record_earlier_trials
 
     scheduler = build_scheduler(
         "asha", metric="val_bpb", mode="min", time_attr="tokens", max_t=900, grace_period=100,
@@ -575,7 +507,6 @@ def _fit(
     points=None,
     max_concurrent=None,
     brackets=None,
-    promotion=False,
     **tune_config,
 ):
     """A real Tune run of quadratic_trainable: (searcher, Tune's results). Its actors run
@@ -602,7 +533,6 @@ def _fit(
         grace_period=grace_steps * TOKENS_PER_STEP,
         max_concurrent=max_concurrent,
         brackets=brackets,
-        promotion=promotion,
     )
     tuner = tune.Tuner(
         quadratic_trainable,
@@ -765,107 +695,13 @@ def test_brackets_keeps_the_most_aggressive_brackets(scheduler, brackets, opened
     assert [(taken, bracket._r0) for bracket, taken in seen.items()] == opened
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
-@pytest.mark.parametrize(("search", "limit"), [("random", None), ("tpe", 2), ("random", 1)])
-def test_asha_with_promotions_pauses_trials_at_a_rung_until_they_rank_in_its_top_third(
-    ray_session, tmp_path, search, limit
-):
-    # rungs at 1 and 3 of 9 steps. A trial goes past a rung only once 3 trials are recorded
-    # there (Ray's ASHA lets the first through unranked), a paused trial goes on from its
-    # checkpoint, and the trials left paused at the end are ended at their rung.
-    params = {"optimizer.lr": {"log_uniform": [1e-3, 1.0]}, "model.n_layer": 1}
-    alg, results = _fit(
-        search, "asha", params, 1, 9, tmp_path, max_concurrent=limit, promotion=True
-    )
-    assert results.num_errors == 0 and len(results) == 9
-    if search == "tpe":
-        # TPE learnt each paused trial's rung value when it paused, and a promoted trial's
-        # last value again when it ended (optuna_search): the hooks reach it through the limiter
-        told = [(t.params["optimizer.lr"], t.value) for t in alg.searcher._ot_study.trials]
-        assert all(value is not None for _, value in told), told
-        ran = {(r.config["optimizer.lr"], r.metrics[METRIC]) for r in results}
-        assert ran <= set(told) and len(told) > len(ran), (told, ran)
-    frames = [r.metrics_dataframe for r in results]
-    for frame in frames:  # every step once, in order: a resume goes on where it paused
-        steps = list(frame[TIME_ATTR] // TOKENS_PER_STEP)
-        assert steps == list(range(1, len(steps) + 1)), steps
-    ends = sorted(len(frame) for frame in frames)
-    assert set(ends) <= {1, 3, STEPS}, ends
-    # a rung of n promotes its top floor(n / 3) as they arrive: at most 1 + 2 + 3 of 9
-    assert STEPS in ends and ends.count(1) >= 3, ends
-    # nothing trained past the first rung before three trials had been recorded there (the
-    # second may let its leader go on with fewer once the draws have run out: ceil(n / 3))
-    recorded = sorted(f.loc[f[TIME_ATTR] == TOKENS_PER_STEP, "ended"].iloc[0] for f in frames)
-    first_steps = [f.loc[f[TIME_ATTR] == TOKENS_PER_STEP, "began"].iloc[0] for f in frames]
-    past = [
-        f.loc[f[TIME_ATTR] == 2 * TOKENS_PER_STEP, "began"].iloc[0] for f in frames if len(f) > 1
-    ]
-    assert min(past) > recorded[2], (recorded, past)
-    # and a promotion does not wait for the last draw: under sweep.concurrency the searcher
-    # would fill every freed slot with a new trial first
-    assert min(past) < max(first_steps), (first_steps, past)
-    # the best configuration (lr nearest 10**-1.5 ranks first at every step) ran to the end
-    best = min(results, key=lambda r: abs(math.log10(r.config["optimizer.lr"]) + 1.5))
-    assert len(best.metrics_dataframe) == STEPS
-    if limit:
-        assert _most_at_once(results) <= limit
-
-
-def test_asha_with_promotions_promotes_from_the_highest_rung_the_best_not_yet_promoted():
-    from ray.tune.experiment import Trial
-
-    built = _nine_units("asha", promotion=True)  # rungs at 1 and 3 of 9 units
-    trials = {name: Trial("stand_in", stub=True) for name in "abcd"}
-
-    def arrive(name: str, rung: int, value: float, status=Trial.PAUSED) -> None:
-        trial = trials[name]  # a trial paused at its rung
-        built._ascending_rungs()[rung][1][trial.trial_id] = -value  # Ray's sign: min is -
-        built._waiting[trial.trial_id] = (trial, rung)
-        trial.set_status(status)
-
-    def next_up(last_draws: bool = False):
-        chosen = built.promotion(last_draws)
-        if chosen is None:
-            return None
-        built._promote(chosen[0].trial_id)
-        return next(name for name, t in trials.items() if t is chosen[0]), chosen[1]
-
-    for name, value in (("a", 0.5), ("c", 0.9)):
-        arrive(name, 0, value)
-    # Tune is still pausing b (saving its checkpoint): it waits its turn, and is kept
-    arrive("b", 0, 0.4, status=Trial.RUNNING)
-    assert next_up() is None and trials["b"].trial_id in built._waiting
-    trials["b"].set_status(Trial.PAUSED)
-    assert next_up() == ("b", 0)  # floor(3 / 3): the best of the three
-    assert next_up() is None and next_up(last_draws=True) is None  # ceil(3 / 3) is 1 too
-    arrive("d", 0, 0.3)
-    assert next_up() == ("d", 0)  # floor(4 / 3) = 1: d now leads, b went on before it
-    arrive("b", 1, 0.2)
-    assert next_up() is None  # one trial at the second rung: floor(1 / 3) = 0
-    arrive("a", 0, 0.5)  # (a stays where it was)
-    assert next_up(last_draws=True) == ("b", 1)  # no draws left: ceil, highest rung first
-    assert next_up(last_draws=True) is None  # ceil(4 / 3) = 2 at the first: b and d went on
-
-
-def test_asha_with_promotions_ranks_a_diverged_trial_but_does_not_hold_it():
-    from ray.tune.experiment import Trial
-
-    built = _nine_units("asha", promotion=True)
-    trial = Trial("stand_in", stub=True)
-    diverged = {TIME_ATTR: 1.0, METRIC: 1e9, "status": "diverged"}  # its penalty
-    assert built.on_trial_result(None, trial, diverged) == built.CONTINUE  # it ends itself
-    assert built._ascending_rungs()[0][1] == {trial.trial_id: -1e9}  # counts at the rung
-    assert trial.trial_id not in built._waiting
-
-
 def test_asha_takes_brackets_from_the_sweep():
     built = _nine_units("asha", brackets=2)
     assert len(built._brackets) == 2
 
 
 def test_a_bracket_stays_filled_after_its_trials_end():
-    from sweeper.sweep.hyperband import ClosingBracket
+    from sweeper.sweep.ray_patches import ClosingBracket
 
     bracket = ClosingBracket(
         time_attr=TIME_ATTR, max_trials=3, init_t_attr=1, max_t_attr=9, eta=3, s=2
@@ -916,7 +752,7 @@ def test_a_restored_scheduler_has_its_brackets_back_with_each_trial_where_it_was
 
     from ray.tune.experiment import Trial
 
-    from sweeper.sweep.hyperband import BracketState
+    from sweeper.sweep.ray_patches import BracketState
 
     built = _nine_units(scheduler, brackets=1)  # brackets of 9 trials from the first rung
     trials = [Trial("stand_in", stub=True) for _ in range(11)]

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import sweeper.attention as attention
-from sweeper.attention import backward_blocks, causal_attention, use_cpu_backward
+import sweeper.train.attention as attention
+from sweeper.train.attention import backward_blocks, causal_attention, use_cpu_backward
 
 
 def sdpa(q, k, v):
@@ -112,8 +112,8 @@ def test_only_cpu_bf16_training_takes_the_hand_written_backward():
 def test_model_trains_through_it_under_autocast(monkeypatch):
     """The GPT's attention takes it in a CPU bf16 autocast step (once per layer), and the
     model's gradients match those it gets through SDPA to bf16's precision."""
-    import sweeper.model
-    from sweeper.model import GPT, GPTShape
+    import sweeper.train.model
+    from sweeper.train.model import GPT, GPTShape
 
     torch.manual_seed(0)
     model = GPT(GPTShape(depth=2, d_model=64, head_dim=32, seq_len=32, vocab_size=256))
@@ -138,7 +138,7 @@ def test_model_trains_through_it_under_autocast(monkeypatch):
     monkeypatch.setattr(attention._CausalAttentionCPU, "backward", staticmethod(counted))
     ours = grads()
     assert calls == [torch.bfloat16, torch.bfloat16]
-    monkeypatch.setattr(sweeper.model, "causal_attention", sdpa)
+    monkeypatch.setattr(sweeper.train.model, "causal_attention", sdpa)
     theirs = grads()
     assert len(calls) == 2
     assert model.blocks[0].attn.c_q.weight.grad.abs().sum() > 0

@@ -99,7 +99,7 @@ def test_rank_report_gives_each_reports_rank_correlation_with_the_final_value():
 def test_the_search_bench_spaces_compose_into_the_stages_they_name(space, names):
     from bench_search import COMMON, SPACES
 
-    from sweeper.cli import compose
+    from sweeper.config.compose import compose
     from sweeper.sweep.spec import load_sweep_spec, stage_space
 
     spec = load_sweep_spec(compose([*COMMON, *SPACES[space]]).sweep)
@@ -111,7 +111,7 @@ def test_the_search_bench_spaces_compose_into_the_stages_they_name(space, names)
 def test_the_seed_noise_bench_trains_one_configuration_over_a_grid_of_seeds():
     from bench_search_noise import seed_grid_overrides
 
-    from sweeper.cli import compose
+    from sweeper.config.compose import compose
     from sweeper.sweep.spec import load_sweep_spec, stage_space
 
     cfg = compose(seed_grid_overrides(0.09, 0.3, 5))

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from sweeper.checkpoint import STATE_FILE, load_latest_state, load_state, save_state
+from sweeper.train.checkpoint import STATE_FILE, load_latest_state, load_state, save_state
 
 from .conftest import REPO
 
@@ -26,7 +26,7 @@ def test_a_kill_during_a_save_leaves_the_previous_state_loadable(tmp_path):
     # a child process starts saving a large state and is SIGKILLed mid-write
     code = (
         "import sys, torch; sys.path.insert(0, sys.argv[2]);"
-        "from sweeper.checkpoint import save_state;"
+        "from sweeper.train.checkpoint import save_state;"
         "save_state(sys.argv[1], {'step': 2, 'big': torch.zeros(200_000_000)})"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(REPO / "src")])

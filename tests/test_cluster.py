@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from sweeper.cli import compose
-from sweeper.config import ConfigError
-from sweeper.sweep.engine import run_sweep
+from sweeper.config.compose import compose
+from sweeper.config.errors import ConfigError
+from sweeper.sweep.runner import run_sweep
 
 from .conftest import REPO, run_cli
 from .test_sweep import TINY_SWEEP
@@ -221,7 +221,7 @@ def test_an_address_where_no_cluster_answers_fails_in_one_line(tmp_path, scheme)
 
 
 def test_the_probe_refuses_closed_ports_and_leaves_other_addresses_to_ray():
-    from sweeper.sweep.ray_cluster import endpoint, probe
+    from sweeper.sweep.cluster import endpoint, probe
 
     assert endpoint("10.0.0.5:6379") == ("10.0.0.5", 6379)
     assert endpoint("ray://head:10001") == ("head", 10001)
@@ -232,7 +232,7 @@ def test_the_probe_refuses_closed_ports_and_leaves_other_addresses_to_ray():
 
 
 def test_auto_is_looked_up_as_ray_would_and_probed_before_anything_runs(monkeypatch):
-    from sweeper.sweep.ray_cluster import probe
+    from sweeper.sweep.cluster import probe
 
     # RAY_ADDRESS is the first place ray.init(address="auto") looks
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")
@@ -296,7 +296,7 @@ def test_a_port_that_answers_but_not_as_ray_does_is_refused_in_seconds(tmp_path)
 def test_the_local_gpu_count_is_the_one_ray_registers(monkeypatch):
     import torch
 
-    from sweeper.sweep.ray_cluster import detected_gpus, local_cluster_size
+    from sweeper.sweep.cluster import detected_gpus, local_cluster_size
 
     assert detected_gpus() == torch.cuda.device_count()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # none visible: Ray registers none
@@ -343,7 +343,7 @@ def test_a_local_cluster_is_its_own_and_its_dashboard_takes_the_token_its_line_n
 
     port = free_port()
     code = (
-        "import sys; from sweeper.sweep.ray_cluster import start_ray; "
+        "import sys; from sweeper.sweep.cluster import start_ray; "
         f"start_ray({{'num_cpus': 1, 'dashboard_port': {port}}}); sys.stdout.flush(); "
         "sys.stdin.read()"  # the cluster lives until the test closes stdin
     )

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from sweeper.cli import compose, other_budgets_cleared
-from sweeper.config import ConfigError, load_run_config
-from sweeper.paths import config_dir
+from sweeper.config.compose import compose, other_budgets_cleared
+from sweeper.config.errors import ConfigError
+from sweeper.config.paths import config_dir
+from sweeper.config.schema import load_run_config
 
 from .conftest import REPO, run_cli, run_cli_into_closed_pipe
 
@@ -135,7 +136,7 @@ def test_cfg_prints_a_valid_config_and_refuses_a_bad_one(tmp_path, flag):
 
 def test_defaults_match_the_schema_defaults():
     # the dataclass defaults document the same run as conf/: drift would mislead readers
-    from sweeper.config import RunConfig
+    from sweeper.config.schema import RunConfig
 
     composed = load_run_config(compose([])).to_dict()
     schema = RunConfig().to_dict()
@@ -275,9 +276,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, names):
 def test_a_sweep_refuses_a_model_that_fits_once_but_not_as_often_as_trials_run_at_once(
     tmp_path,
 ):
-    from sweeper.model import GPTShape
-    from sweeper.runtime import TRAINING_BYTES_PER_PARAM, memory_bytes
-    from sweeper.sweep.preflight import validate_sweep
+    from sweeper.sweep.plan import validate_sweep
+    from sweeper.train.budget import TRAINING_BYTES_PER_PARAM, memory_bytes
+    from sweeper.train.model import GPTShape
 
     # the shallowest model whose training state fits this machine's memory once, not twice
     have = memory_bytes(torch.device("cpu"))
@@ -322,7 +323,7 @@ def test_a_sweep_refuses_a_model_that_fits_once_but_not_as_often_as_trials_run_a
 def test_the_trials_sharing_a_device_are_counted_from_the_cluster_and_the_sweep(
     overrides, device, copies, fewer, monkeypatch
 ):
-    from sweeper.sweep.preflight import local_trial_memory
+    from sweeper.sweep.plan import local_trial_memory
     from sweeper.sweep.spec import load_sweep_spec
 
     if device == "cuda":  # where trials go is all that is asked of torch here
@@ -584,7 +585,7 @@ def test_a_sweep_file_of_the_wrong_shape_is_one_line(tmp_path, text, names):
 
 
 def test_a_users_own_sweep_file_is_found_through_the_search_path(tmp_path):
-    from sweeper.cli import compose as compose_api
+    from sweeper.config.compose import compose as compose_api
 
     mine = tmp_path / "sweep"
     mine.mkdir()

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from sweeper.config import ConfigError, DataConfig
-from sweeper.data import SHARD_MAGIC, is_val_file, load_shards, load_stdlib, read_shard
+from sweeper.config.errors import ConfigError
+from sweeper.config.schema import DataConfig
+from sweeper.train.data import SHARD_MAGIC, is_val_file, load_shards, load_stdlib, read_shard
 
 
 def test_stdlib_corpus_is_real_and_split_by_file():
@@ -48,7 +49,7 @@ def test_shards_with_and_without_header(tmp_path, header):
 def test_a_validation_shard_is_never_trained_on_however_its_path_is_spelt(
     tmp_path, monkeypatch, spelling
 ):
-    from sweeper.data import shard_splits
+    from sweeper.train.data import shard_splits
 
     folder = tmp_path / "sh"
     folder.mkdir()
@@ -79,7 +80,7 @@ def test_corrupt_shards_are_named(tmp_path):
 
 
 def test_an_empty_shard_with_a_header_is_refused_beside_good_ones(tmp_path):
-    from sweeper.data import shard_splits
+    from sweeper.train.data import shard_splits
 
     _write_shard(tmp_path / "a.bin", np.arange(5000) % 500)
     _write_shard(tmp_path / "b.bin", [])  # 1024 bytes: a header that says 0 tokens
@@ -96,7 +97,7 @@ def test_a_version_2_shard_says_what_it_holds(tmp_path):
 
 
 def test_token_ids_beyond_vocab_are_refused(tmp_path):
-    from sweeper.data import shard_splits
+    from sweeper.train.data import shard_splits
 
     tokens = np.arange(5000) % 500
     tokens[4000] = 900
@@ -137,7 +138,7 @@ def test_many_shards_are_read_as_one_array_without_a_copy(tmp_path):
         assert (data.train[start:stop] == whole[start:stop]).all()
     assert data.train[whole.size - 3 :].tolist() == whole[-3:].tolist()
     # the batches equal those the concatenated array gives
-    from sweeper.data import BatchSampler
+    from sweeper.train.data import BatchSampler
 
     ours = BatchSampler(data.train, 4, 64, seed=1).step_batches(5, 2, "cpu")
     concatenated = BatchSampler(whole, 4, 64, seed=1).step_batches(5, 2, "cpu")
@@ -146,7 +147,7 @@ def test_many_shards_are_read_as_one_array_without_a_copy(tmp_path):
 
 
 def test_the_drivers_check_reads_the_corpus_once_for_many_jobs(tmp_path):
-    from sweeper.data import _check_shards_once, check_shards
+    from sweeper.train.data import _check_shards_once, check_shards
 
     _write_shard(tmp_path / "a.bin", np.arange(10000) % 50)
     cfg = DataConfig(name="shards", path=str(tmp_path / "*.bin"), vocab_size=64)
@@ -160,7 +161,7 @@ def test_the_drivers_check_reads_the_corpus_once_for_many_jobs(tmp_path):
 
 
 def test_token_counts_in_chunks_equal_one_bincount(tmp_path):
-    from sweeper.data import token_counts
+    from sweeper.train.data import token_counts
 
     tokens = np.random.default_rng(2).integers(0, 300, 10_007).astype(np.uint16)
     for i, part in enumerate(np.split(tokens, [4000, 4001])):
@@ -176,15 +177,15 @@ def test_token_counts_in_chunks_equal_one_bincount(tmp_path):
 
 
 def test_a_long_id_check_says_what_it_is_doing(tmp_path, monkeypatch, capsys):
-    import sweeper.data
-    from sweeper.data import shard_splits
+    import sweeper.train.data
+    from sweeper.train.data import shard_splits
 
     _write_shard(tmp_path / "a.bin", np.arange(10000) % 50)
     _write_shard(tmp_path / "b.bin", np.arange(10000) % 50)
     path = str(tmp_path / "*.bin")
     shard_splits(path, None, vocab_size=64, min_tokens=65)
     assert capsys.readouterr().out == ""  # 40 kB: over before anyone could wonder
-    monkeypatch.setattr(sweeper.data, "SCAN_NOTICE_BYTES", 30_000)
+    monkeypatch.setattr(sweeper.train.data, "SCAN_NOTICE_BYTES", 30_000)
     shard_splits(path, None, vocab_size=64, min_tokens=65)
     assert capsys.readouterr().out == (
         "checking the token ids of 2 shards (0.0 GB) before anything is written\n"
@@ -192,8 +193,8 @@ def test_a_long_id_check_says_what_it_is_doing(tmp_path, monkeypatch, capsys):
 
 
 def test_a_run_says_when_its_evaluation_is_short_of_its_ask_or_in_bits_per_token(tmp_path):
-    from sweeper.config import load_run_config
-    from sweeper.train import data_notes
+    from sweeper.config.schema import load_run_config
+    from sweeper.train.loop import data_notes
 
     _write_shard(tmp_path / "train_000.bin", np.arange(20_000) % 500 + 1)
     _write_shard(tmp_path / "val.bin", np.arange(300) % 500 + 1)

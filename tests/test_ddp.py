@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from sweeper.cli import compose
-from sweeper.distributed import train_ddp
-from sweeper.sweep.engine import run_sweep
-from sweeper.train import train
+from sweeper.config.compose import compose
+from sweeper.sweep.runner import run_sweep
+from sweeper.train.distributed import train_ddp
+from sweeper.train.loop import train
 
 from .conftest import local_ray, run_cli, tiny
 from .ddp_functions import rank0_saves_slowly, rank1_dies, rank1_hangs
@@ -35,7 +35,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(ray_cluster, tmp_pa
     opt = {"name": "adamw", "lr": 3e-3}
     one = train(tiny(optimizer=opt, trainer=common), verbose=False)  # 2 micro-batches
     two_cfg = tiny(optimizer=opt, trainer=common | {"workers": 2})  # 1 micro-batch per rank
-    from sweeper.config import load_run_config
+    from sweeper.config.schema import load_run_config
 
     run = load_run_config(two_cfg).to_dict()
     train_ddp(
@@ -56,8 +56,8 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(ray_cluster, tmp_path):
     """Rank 0 saves the unwrapped model: a 2-rank run's checkpoint at step 4 continues on
     1 rank exactly as an uninterrupted 1-rank run (constant LR: the schedule does not
     depend on the run length)."""
-    from sweeper.checkpoint import load_latest_state
-    from sweeper.config import load_run_config
+    from sweeper.config.schema import load_run_config
+    from sweeper.train.checkpoint import load_latest_state
 
     common = {
         "total_batch_size": 1024,
@@ -126,7 +126,7 @@ def test_only_placement_groups_of_dead_actors_count_as_orphans(ray_cluster):
     import ray
     from ray.util.placement_group import placement_group
 
-    from sweeper.distributed import orphaned_placement_groups
+    from sweeper.train.distributed import orphaned_placement_groups
 
     @ray.remote(num_cpus=0)
     class Creator:  # stands in for Ray Train's controller, killed with its Tune trial
@@ -150,7 +150,7 @@ def test_only_placement_groups_of_dead_actors_count_as_orphans(ray_cluster):
 @pytest.mark.parametrize("loop", [rank1_hangs, rank1_dies], ids=["hangs", "dies"])
 def test_a_hung_or_dead_rank_fails_the_run_within_the_timeout(ray_cluster, tmp_path, loop):
     run = tiny(trainer={"workers": 2, "dist_timeout_s": 10, "total_batch_size": 1024})
-    from sweeper.config import load_run_config
+    from sweeper.config.schema import load_run_config
 
     run = load_run_config(run).to_dict()
     ranks = tmp_path / "ranks"
@@ -176,7 +176,7 @@ def test_a_hung_or_dead_rank_fails_the_run_within_the_timeout(ray_cluster, tmp_p
 def test_a_save_longer_than_the_timeout_does_not_fail_a_two_rank_run(ray_cluster, tmp_path):
     """Rank 0 writes a single run's checkpoint while rank 1 waits: a save longer than
     trainer.dist_timeout_s (there for hung ranks) must not end the run."""
-    from sweeper.config import load_run_config
+    from sweeper.config.schema import load_run_config
 
     trainer = {"workers": 2, "dist_timeout_s": 5, "total_batch_size": 1024, "max_steps": 2}
     run = load_run_config(tiny(trainer=trainer | {"eval_every": 2, "checkpoint_every_eval": True}))
@@ -248,7 +248,7 @@ def test_an_interrupted_two_rank_run_goes_on_from_rank_0s_checkpoint(tmp_path):
     """Rank 0 keeps a single run's checkpoint in its run dir (not in Ray's storage), and
     `trainer.resume=true` starts both ranks from it: the run's losses are those of one
     rank training the same global batch straight through."""
-    from sweeper.config import load_run_config
+    from sweeper.config.schema import load_run_config
 
     from .test_run_resume import _interrupt_after_first_checkpoint
 

@@ -278,9 +278,9 @@ def test_readme_commands_name_files_that_exist():
 
 
 def test_readme_sweeps_are_valid_overrides():
-    from sweeper.cli import compose
-    from sweeper.config import load_run_config
-    from sweeper.sweep.preflight import validate_sweep
+    from sweeper.config.compose import compose
+    from sweeper.config.schema import load_run_config
+    from sweeper.sweep.plan import validate_sweep
 
     sweeps = [c.split("python -m sweeper ", 1)[1] for c in readme_commands() if "-m sweeper +" in c]
     assert len(sweeps) >= 4

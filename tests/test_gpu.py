@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from sweeper.activations import ACTIVATION_COLUMNS
-from sweeper.data import BatchSampler
-from sweeper.model import GPT, GPTShape, residual_dtype_for
-from sweeper.runtime import peak_flops
-from sweeper.train import train
+from sweeper.train.activations import ACTIVATION_COLUMNS
+from sweeper.train.data import BatchSampler
+from sweeper.train.device import peak_flops
+from sweeper.train.loop import train
+from sweeper.train.model import GPT, GPTShape, residual_dtype_for
 
 from .conftest import tiny
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from sweeper.sweep.importance import MIN_TRIALS, importance_text, stage_importance
+from sweeper.report.importance import MIN_TRIALS, importance_text, stage_importance
 from sweeper.sweep.space import parse_param
 
 LR = parse_param("optimizer.matrix_lr", {"log_uniform": [0.002, 0.2]})
@@ -177,7 +177,7 @@ def test_a_large_stages_resamples_cost_what_a_20_trial_stages_do_and_agree_with_
     """Optuna's forest costs trees x trials: past 20 trials a resample's forest has fewer
     trees (64 x 20 / trials, at least 16). The shares come from the full forest; the
     intervals still bracket them, and are close to those of full forests."""
-    from sweeper.sweep import importance
+    from sweeper.report import importance
 
     assert [importance.resample_trees(n) for n in (5, 20, 40, 80, 100, 1000)] == [
         *(64, 64, 32, 16, 16, 16)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from sweeper.__main__ import interruptible
-from sweeper.cli import interrupts_held, stop_on_sigterm_as_on_ctrl_c
+from sweeper.signals import interrupts_held, stop_on_sigterm_as_on_ctrl_c
 
 
 @pytest.fixture(autouse=True)

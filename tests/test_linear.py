@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import sweeper.linear as linear_module
-from sweeper.linear import Linear, linear
-from sweeper.model import GPT, GPTShape
+import sweeper.train.linear as linear_module
+from sweeper.train.linear import Linear, linear
+from sweeper.train.model import GPT, GPTShape
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sweeper.model import GPT, GPTShape, residual_dtype_for
+from sweeper.train.model import GPT, GPTShape, residual_dtype_for
 
 SHAPE = GPTShape(depth=2, d_model=64, head_dim=32, seq_len=32, vocab_size=256)
 
@@ -46,7 +46,7 @@ def test_output_projections_start_at_zero_so_blocks_are_identity():
 
 
 def test_width_follows_depth():
-    from sweeper.config import ModelConfig
+    from sweeper.config.schema import ModelConfig
 
     assert ModelConfig(depth=6).width == 6 * 64
     assert ModelConfig(depth=6, d_model=128).width == 128
@@ -77,7 +77,7 @@ def test_softcap_bounds_logits():
 
 
 def test_soft_cap_by_sigmoid_matches_tanh_in_value_and_gradient(monkeypatch):
-    from sweeper.model import soft_cap
+    from sweeper.train.model import soft_cap
 
     logits = torch.cat([torch.randn(4096) * 20, torch.tensor([0.0, 1e-3, 1e4, -1e4])])
     by_tanh = lambda t: 15.0 * torch.tanh(t / 15.0)  # noqa: E731
@@ -93,7 +93,7 @@ def test_soft_cap_by_sigmoid_matches_tanh_in_value_and_gradient(monkeypatch):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_hand_written_rms_norm_matches_torch_forward_and_backward(dtype, tol):
-    from sweeper.model import rms_norm
+    from sweeper.train.model import rms_norm
 
     x = torch.randn(4, 8, 64, dtype=dtype) * 3
     grad = torch.randn_like(x)
@@ -118,7 +118,7 @@ def _grads(fn, *inputs, seed=0):
 
 
 def test_hand_written_relu_squared_and_scaled_sum_match_plain_ops():
-    from sweeper.model import relu_squared, scaled_sum
+    from sweeper.train.model import relu_squared, scaled_sum
 
     x = torch.randn(4, 8, 32, dtype=torch.float64)
     ours, ours_grads = _grads(relu_squared, x)
@@ -167,7 +167,7 @@ def heads_by_hand(qkv: torch.Tensor, rotary: torch.Tensor):
 def test_attention_heads_eagerly_and_in_compile_form_match_the_textbook_and_rope_is_relative(
     monkeypatch,
 ):
-    from sweeper.model import attention_heads, rotary_table, rotate_real
+    from sweeper.train.model import attention_heads, rotary_table, rotate_real
 
     T, hs = 16, 8
     rotary = rotary_table(T, hs).double()

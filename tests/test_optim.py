@@ -5,10 +5,15 @@ import math
 import pytest
 import torch
 
-from sweeper.config import OptimizerConfig
-from sweeper.model import GPT, GPTShape
-from sweeper.optim import ChainedOptimizer, build_optimizer, update_ratios, weights_before_step
-from sweeper.schedule import lr_multiplier, muon_momentum, weight_decay_multiplier
+from sweeper.config.schema import OptimizerConfig
+from sweeper.train.model import GPT, GPTShape
+from sweeper.train.optim import (
+    ChainedOptimizer,
+    build_optimizer,
+    update_ratios,
+    weights_before_step,
+)
+from sweeper.train.schedule import lr_multiplier, muon_momentum, weight_decay_multiplier
 
 SHAPE = GPTShape(depth=2, d_model=64, head_dim=32, seq_len=32, vocab_size=256)
 
@@ -126,7 +131,7 @@ def _muon_params(seed: int) -> list[torch.nn.Parameter]:
 
 @pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
 def test_our_muon_steps_like_torchs(ns_dtype):
-    from sweeper.muon import Muon
+    from sweeper.train.muon import Muon
 
     hyper = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="original")
     ours_params, torch_params = _muon_params(0), _muon_params(0)
@@ -164,7 +169,7 @@ def _textbook_newton_schulz(grads, coefficients, steps):
 
 @pytest.mark.parametrize("shape", [(3, 16, 64), (3, 64, 16)])
 def test_gram_form_computes_the_textbook_iteration(shape):
-    from sweeper.muon import newton_schulz
+    from sweeper.train.muon import newton_schulz
 
     coefficients = (3.4445, -4.7750, 2.0315)
     grads = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -173,7 +178,7 @@ def test_gram_form_computes_the_textbook_iteration(shape):
 
 
 def test_gram_form_in_fp32_stays_far_inside_bf16_precision_on_ill_conditioned_grads():
-    from sweeper.muon import newton_schulz
+    from sweeper.train.muon import newton_schulz
 
     g = torch.Generator().manual_seed(0)
     # singular values spread over six decades, as momentum buffers of hidden layers can be
@@ -187,7 +192,7 @@ def test_gram_form_in_fp32_stays_far_inside_bf16_precision_on_ill_conditioned_gr
 
 
 def test_newton_schulz_orthogonalises_each_matrix_of_a_batch():
-    from sweeper.muon import newton_schulz
+    from sweeper.train.muon import newton_schulz
 
     grads = torch.randn(3, 64, 16, dtype=torch.float64)
     ortho = newton_schulz(grads, (3.4445, -4.7750, 2.0315), 5, 1e-7)

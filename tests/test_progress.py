@@ -93,9 +93,9 @@ def test_a_grid_over_budgets_estimates_the_time_left_by_compute(capsys):
     import re
     import time
 
-    from sweeper.config import load_run_config
-    from sweeper.model import GPT, GPTShape
+    from sweeper.config.schema import load_run_config
     from sweeper.sweep.callbacks import GridCosts
+    from sweeper.train.model import GPT, GPTShape
 
     from .conftest import tiny
 

@@ -272,7 +272,7 @@ def test_tunes_superseded_state_upload_is_dropped_and_other_failures_are_not():
 
     from ray.tune.execution import experiment_state
 
-    from sweeper.sweep.ray_cluster import DropsSupersededStateUpload
+    from sweeper.sweep.cluster import DropsSupersededStateUpload
 
     logger = experiment_state.logger
     assert any(isinstance(f, DropsSupersededStateUpload) for f in logger.filters)
@@ -341,32 +341,6 @@ def test_an_interrupted_asha_stage_resumes_with_the_values_its_rungs_held(tmp_pa
         assert [counts[(trial, str(s))] for s in (1, 2, 3)] == [1, 1, 1], trial
     state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
     assert len(state["stages"][0]["records"]) == PLANNED
-
-
-def test_an_interrupted_asha_stage_with_promotions_resumes_and_finishes_every_trial(tmp_path):
-    """sweep.asha_promotion pauses trials at the rungs: the resume replays the rungs' values,
-    puts the trials that waited at a rung back to wait there, and ends with every planned
-    trial; no finished trial runs again."""
-    asha = [
-        "sweep.stages.0.search=random",
-        "sweep.stages.0.scheduler=asha",
-        "sweep.asha_promotion=true",
-        *RANKED,
-    ]
-    # only the top third of 8 trials finish, the last of them at the stage's end
-    finished = _interrupt_after_finished_trials(tmp_path, *asha, n=1)
-    proc = _start(tmp_path, *asha, "sweep.resume=true")
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    replayed = re.search(r"ASHA's rungs hold the values of its (\d+) trials that reported", out)
-    assert replayed and int(replayed.group(1)) >= len(finished), out[-3000:]
-    counts = _executions(tmp_path)
-    for trial in finished:
-        assert counts[(trial, "3")] == 1, trial
-    state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
-    records = state["stages"][0]["records"]
-    assert len(records) == PLANNED
-    assert {r["status"] for r in records} <= {"completed", "pruned"}, records
 
 
 def test_an_interrupted_bohb_stage_resumes_its_brackets(tmp_path):

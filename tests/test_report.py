@@ -1,11 +1,11 @@
-"""report.md: a finished sweep on one page (sweeper.sweep.report)."""
+"""report.md: a finished sweep on one page (sweeper.report.markdown)."""
 
 import re
 from types import SimpleNamespace
 
 import pytest
 
-from sweeper.sweep.report import (
+from sweeper.report.markdown import (
     as_html,
     changes_table,
     duration_text,
@@ -223,8 +223,8 @@ def test_a_page_is_never_half_written(tmp_path, monkeypatch):
 def test_a_report_that_cannot_be_written_loses_nothing_else(tmp_path, monkeypatch, capsys):
     import json
 
-    from sweeper.sweep import report
-    from sweeper.sweep.outputs import write_all
+    from sweeper.report import markdown as report
+    from sweeper.report.summary import write_all
     from sweeper.sweep.state import SweepState
 
     def fails(*args):

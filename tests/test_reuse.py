@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from sweeper.cli import compose
-from sweeper.sweep.engine import reusable_run
-from sweeper.sweep.preflight import base_config, validate_sweep
+from sweeper.config.compose import compose
+from sweeper.sweep.plan import base_config, validate_sweep
+from sweeper.sweep.runner import reusable_run
 from sweeper.sweep.state import SweepState, spent_flops
 from sweeper.sweep.trainable import EarlierRun, replay, same_training
 

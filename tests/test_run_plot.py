@@ -1,13 +1,13 @@
-"""curves.png of a single run (sweeper.run_plot)."""
+"""curves.png of a single run (sweeper.report.run_plot)."""
 
 import math
 
 import pytest
 
-from sweeper.config import load_run_config
-from sweeper.run_plot import ema, plot_run
-from sweeper.schedule import lr_multiplier
-from sweeper.train import train
+from sweeper.config.schema import load_run_config
+from sweeper.report.run_plot import ema, plot_run
+from sweeper.train.loop import train
+from sweeper.train.schedule import lr_multiplier
 
 from .conftest import tiny
 

@@ -11,9 +11,11 @@ import sys
 
 import pytest
 
-from sweeper.cli import compose, other_budgets_cleared
-from sweeper.config import ConfigError, load_run_config
-from sweeper.run_checkpoint import (
+from sweeper.config.compose import compose, other_budgets_cleared
+from sweeper.config.errors import ConfigError
+from sweeper.config.schema import load_run_config
+from sweeper.train.loop import train
+from sweeper.train.run_checkpoint import (
     check_new_run_dir,
     check_resumable_run,
     checkpoint_saver,
@@ -21,7 +23,6 @@ from sweeper.run_checkpoint import (
     load_resume_state,
     resume_command,
 )
-from sweeper.train import train
 
 from .conftest import REPO, run_cli, tiny
 
@@ -287,8 +288,8 @@ def test_a_kill_between_a_state_and_its_record_leaves_them_agreeing(
     later one: the record and the state it names are the previous save's, at one step.
     With one state file replaced in place, the record said step 2 and the state held 4:
     a DDP resume went on from step 10 where the interrupted run had printed 5 (CI)."""
-    import sweeper.run_checkpoint as rc
     import sweeper.sweep.state as st
+    import sweeper.train.run_checkpoint as rc
 
     class Killed(BaseException):
         pass
@@ -366,7 +367,7 @@ def test_a_checkpoint_record_names_the_evaluations_a_ddp_driver_may_not_have_log
     rank 0 sent after the driver's last look at its queue (__main__.run_ddp)."""
     import torch
 
-    from sweeper.run_checkpoint import save_run_checkpoint, saved_evaluations_after
+    from sweeper.train.run_checkpoint import save_run_checkpoint, saved_evaluations_after
 
     assert saved_evaluations_after(tmp_path, 0) == []  # no checkpoint: nothing to add
     history = [{"step": 5, "val_bpb": 3.1}, {"step": 10, "val_bpb": 2.9, "status": "running"}]

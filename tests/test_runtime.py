@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from sweeper import runtime
+from sweeper.train import device as runtime
 
 
 def timing(bf16_ms=None, fp32_ms=10.0, fp32_onednn_ms=None) -> dict:

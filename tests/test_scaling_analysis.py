@@ -184,7 +184,7 @@ def test_only_the_fits_asked_for_are_made_or_warned_about():
 
 
 def test_an_lr_sweeps_end_fits_only_its_frontier_and_says_why_once():
-    from sweeper.sweep.outputs import applicable_fits
+    from sweeper.report.summary import applicable_fits
 
     def point(n, budget=None):
         return {"N": n, "D": 1e5, "C": 1e12, "loss": 3.0, "budget": budget}
@@ -772,10 +772,10 @@ def test_the_summary_and_the_hparams_plot_show_the_seeds(tmp_path, monkeypatch):
 
 
 def test_the_predicted_run_is_the_sweeps_config_at_the_target_with_the_laws_values():
-    from sweeper.cli import compose
-    from sweeper.config import load_run_config
-    from sweeper.sweep.outputs import predicted_run
-    from sweeper.sweep.preflight import base_config, validate_sweep
+    from sweeper.config.compose import compose
+    from sweeper.config.schema import load_run_config
+    from sweeper.report.summary import predicted_run
+    from sweeper.sweep.plan import base_config, validate_sweep
 
     cfg = compose(["+sweep=lr_bs_scaling"])
     base = base_config(cfg, validate_sweep(cfg), None)
@@ -818,9 +818,9 @@ def test_the_predicted_run_is_the_sweeps_config_at_the_target_with_the_laws_valu
 
 
 def test_a_predicted_batch_the_run_cannot_take_is_said_beside_the_run():
-    from sweeper.cli import compose
-    from sweeper.sweep.outputs import predicted_run, predicted_run_note
-    from sweeper.sweep.preflight import base_config, validate_sweep
+    from sweeper.config.compose import compose
+    from sweeper.report.summary import predicted_run, predicted_run_note
+    from sweeper.sweep.plan import base_config, validate_sweep
 
     cfg = compose(["+sweep=lr_bs_scaling"])
     base = base_config(cfg, validate_sweep(cfg), None)  # sequences of 256 tokens

@@ -8,17 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sweeper.cli import compose
-from sweeper.config import ConfigError
-from sweeper.sweep.engine import (
+from sweeper.config.compose import compose
+from sweeper.config.errors import ConfigError
+from sweeper.sweep.plan import base_config, validate_sweep
+from sweeper.sweep.results import error_summary
+from sweeper.sweep.runner import (
     SweepFailed,
     hydra_value,
     idle_gpus_hint,
     reproduce_overrides,
     stage_context,
 )
-from sweeper.sweep.preflight import base_config, validate_sweep
-from sweeper.sweep.results import error_summary
 from sweeper.sweep.spec import flatten, load_sweep_spec, stage_space
 from sweeper.sweep.stages import apply_params, follow_batch_size, get_dotted, lr_scale, pick_best
 from sweeper.sweep.trainable import TrialContext, placed, trial_config
@@ -103,7 +103,7 @@ def test_an_lr_the_optimizer_does_not_read_gets_no_retune_band():
 
 
 def test_a_random_search_over_a_grid_and_sampled_params_counts_each_draw_at_every_grid_point():
-    from sweeper.sweep.engine import planned_trials
+    from sweeper.sweep.runner import planned_trials
 
     # Tune runs the grid once per sample: 3 draws of the LR bands x 3 batch sizes
     retune = ["sweep.stages.1.lr_rule=retune", "sweep.stages.1.search=random"]
@@ -217,7 +217,7 @@ def test_a_configuration_run_on_several_seeds_ranks_by_its_mean():
 
 
 def test_the_configurations_a_seeded_best_does_not_clearly_beat_are_named(capsys):
-    from sweeper.sweep.outputs import print_stage_table
+    from sweeper.report.summary import print_stage_table
     from sweeper.sweep.spec import SweepSpec
     from sweeper.sweep.stages import unresolved_rivals
 
@@ -269,7 +269,7 @@ def test_the_configurations_a_seeded_best_does_not_clearly_beat_are_named(capsys
 
 
 def test_reproduce_overrides_are_the_changes_from_the_default_run():
-    from sweeper.config import RunConfig
+    from sweeper.config.schema import RunConfig
 
     final = RunConfig().to_dict()
     final["optimizer"]["matrix_lr"] = 0.05
@@ -287,8 +287,8 @@ def test_a_users_function_s_reproduce_line_composes_back_to_the_config_of_its_be
     (+mine.layers=3), and wrote the new key without the + that Hydra asks for."""
     from omegaconf import OmegaConf
 
-    from sweeper.sweep.outputs import _overrides
-    from sweeper.sweep.preflight import user_function_config
+    from sweeper.report.summary import _overrides
+    from sweeper.sweep.plan import user_function_config
 
     target = "tests.user_functions.noisy_bowl"
     given = [f"trainable._target_={target}", "+model.dropout=0.1", "model.depth=6"]
@@ -316,7 +316,7 @@ def test_a_float_override_is_short_and_reads_back_as_the_same_float(value, text)
 def test_the_reproduce_command_is_one_shell_line_that_keeps_every_override_whole():
     import shlex
 
-    from sweeper.sweep.outputs import reproduce_command
+    from sweeper.report.summary import reproduce_command
 
     overrides = ["data.path=/data/run 1/train_*.bin", "optimizer.matrix_lr=0.05", "x=$HOME"]
     command = reproduce_command(overrides)
@@ -342,7 +342,7 @@ def test_retune_rule_searches_a_narrow_band_around_each_frozen_lr():
 
 
 def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
-    from sweeper.sweep.outputs import range_edges
+    from sweeper.report.summary import range_edges
     from sweeper.sweep.spec import StageSpec, SweepSpec
 
     lr = StageSpec(name="lr", params={"optimizer": {"matrix_lr": {"log_uniform": [0.004, 0.1]}}})
@@ -459,7 +459,7 @@ BATCH, MATRIX_LR, EMBEDDING_LR = (
 def test_the_override_a_range_edge_names_makes_a_sweep_that_searches_past_it(
     overrides, stage, best, edge_of, past
 ):
-    from sweeper.sweep.outputs import range_edges, searched_params
+    from sweeper.report.summary import range_edges, searched_params
 
     cfg = compose(["+sweep=lr_bs", *overrides])
     spec = validate_sweep(cfg)
@@ -509,7 +509,7 @@ def test_the_override_a_range_edge_names_makes_a_sweep_that_searches_past_it(
 def test_a_sweeps_micro_batch_is_the_largest_that_divides_the_batch(
     device_batch, workers, batch, fitted
 ):
-    from sweeper.config import load_run_config
+    from sweeper.config.schema import load_run_config
     from sweeper.sweep.stages import fit_micro_batch
 
     cfg = compose(["+sweep=lr_bs", f"trainer.device_batch_size={device_batch}"])
@@ -528,7 +528,7 @@ def test_a_sweeps_micro_batch_is_the_largest_that_divides_the_batch(
 
 
 def test_a_batch_below_the_micro_batch_is_a_sweeps_trial_but_a_plain_runs_error():
-    from sweeper.sweep.outputs import searched_params
+    from sweeper.report.summary import searched_params
     from sweeper.sweep.stages import fitted_micro_batches
 
     grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[1024,2048,4096,8192]"
@@ -555,14 +555,14 @@ def test_a_batch_below_the_micro_batch_is_a_sweeps_trial_but_a_plain_runs_error(
     assert placed(base, 1, 0)["trainer"]["device_batch_size"] == 8
     assert trial_config({BATCH: 16384}, base, ctx)["trainer"]["device_batch_size"] == 16
     # a plain run keeps its contract: such a batch is an error that names the fix
-    from sweeper.config import load_run_config
+    from sweeper.config.schema import load_run_config
 
     with pytest.raises(ConfigError, match="trainer.device_batch_size=8 makes it one"):
         load_run_config(apply_params(base, {BATCH: 2048}))
 
 
 def test_a_best_at_the_end_of_what_makes_a_run_is_an_edge_only_for_a_users_function():
-    from sweeper.sweep.outputs import range_edges
+    from sweeper.report.summary import range_edges
 
     grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[256,512,1024]"
     cfg = compose(["+sweep=lr_bs", grid])
@@ -582,8 +582,8 @@ def test_a_winner_of_the_round_past_the_ends_is_frozen_with_the_lrs_it_trained()
     The round's trial trained from the first best's config, its LRs scaled twice (8192 ->
     4096 -> 2048); rebuilt from the stage's start in one scaling they differed in the last
     bits (0.010000000000000002 against 0.01), and the reproduce line trained another run."""
-    from sweeper.sweep.engine import frozen_config, stage_context
     from sweeper.sweep.extend import merge_round
+    from sweeper.sweep.runner import frozen_config, stage_context
 
     cfg = compose(["+sweep=full"])
     spec = validate_sweep(cfg)
@@ -603,8 +603,8 @@ def test_a_winner_of_the_round_past_the_ends_is_frozen_with_the_lrs_it_trained()
 
 
 def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs():
+    from sweeper.report.summary import range_edges, searched_params
     from sweeper.sweep.extend import extension_ranges, extension_stage, merge_round
-    from sweeper.sweep.outputs import range_edges, searched_params
     from sweeper.sweep.spec import StageSpec, SweepSpec, stage_space
 
     cfg = compose(["+sweep=lr_bs"])
@@ -712,8 +712,8 @@ def test_a_float_range_past_its_end_is_cut_where_runs_end(name, declared, cut, p
 def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
     grid, values, skipped
 ):
+    from sweeper.report.summary import range_edges, searched_params
     from sweeper.sweep.extend import extended_ranges, extension_ranges, extension_stage
-    from sweeper.sweep.outputs import range_edges, searched_params
     from sweeper.sweep.spec import StageSpec, SweepSpec
 
     cfg = compose(["+sweep=lr_bs"])
@@ -760,7 +760,7 @@ def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
     ],
 )
 def test_the_summary_says_whether_the_sweep_beat_the_baseline(capsys, baseline, best, line):
-    from sweeper.sweep.outputs import _print_summary
+    from sweeper.report.summary import _print_summary
     from sweeper.sweep.spec import SweepSpec
 
     summary = {
@@ -813,7 +813,7 @@ def test_a_sweep_written_before_a_run_config_key_existed_resumes_at_its_default(
 def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from sweeper.sweep.plots import plot_stage_lr
+    from sweeper.report.plots import plot_stage_lr
     from sweeper.sweep.spec import SweepSpec
 
     drawn = []
@@ -862,7 +862,7 @@ def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, mon
 def test_the_stage_plot_colours_each_trials_learning_curve_by_its_lr(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from sweeper.sweep.plots import plot_stage_lr
+    from sweeper.report.plots import plot_stage_lr
     from sweeper.sweep.spec import SweepSpec
 
     drawn = []
@@ -917,7 +917,7 @@ def test_the_learning_curves_plot_the_gradient_norm_update_ratio_and_residual_be
 ):
     from matplotlib.figure import Figure
 
-    from sweeper.sweep.plots import plot_learning_curves
+    from sweeper.report.plots import plot_learning_curves
 
     drawn = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
@@ -960,7 +960,7 @@ def test_the_learning_curves_plot_the_gradient_norm_update_ratio_and_residual_be
 
 
 def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
-    from sweeper.config import ConfigError
+    from sweeper.config.errors import ConfigError
     from sweeper.sweep.spec import StageSpec, SweepSpec, stage_points
 
     spec = SweepSpec(lr_keys=["optimizer.matrix_lr"])
@@ -978,7 +978,7 @@ def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
 
 
 def test_a_base_point_is_the_config_the_stage_starts_from():
-    from sweeper.config import ConfigError
+    from sweeper.config.errors import ConfigError
     from sweeper.sweep.spec import StageSpec, SweepSpec, stage_points
 
     spec = SweepSpec(lr_keys=["optimizer.matrix_lr"])
@@ -1089,7 +1089,7 @@ def test_a_log_axis_names_the_values_tried():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sweeper.sweep.plots import log_axis_labelled
+    from sweeper.report.plots import log_axis_labelled
 
     fig, (grid, wide) = plt.subplots(1, 2)
     grid.scatter([512, 2048], [3.0, 3.1])
@@ -1120,7 +1120,7 @@ def test_a_diverged_trials_penalty_is_a_uniform_guess_in_the_metrics_unit(
     """A diverged trial must rank below every trial that learned anything: a val_bpb
     penalty (3.5 bits/byte on a 50k-token vocabulary) given as train_loss (nats per
     token, a uniform guess 10.8) would rank it above them all."""
-    from sweeper.sweep.engine import default_penalty
+    from sweeper.sweep.runner import default_penalty
     from sweeper.sweep.spec import SweepSpec
 
     vocab = 256 if bytes_per_token is None else 65536
@@ -1144,7 +1144,7 @@ def test_a_log_axis_labels_the_values_tried_only_where_they_read_apart(tried, la
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sweeper.sweep.plots import log_axis_labelled
+    from sweeper.report.plots import log_axis_labelled
 
     fig, ax = plt.subplots()
     ax.plot(tried, [1.0] * len(tried))

@@ -96,8 +96,8 @@ def mlflow_server(tmp_path_factory):
 
 
 def sweep(run_dir: Path, *overrides: str) -> dict:
-    from sweeper.cli import compose
-    from sweeper.sweep.engine import run_sweep
+    from sweeper.config.compose import compose
+    from sweeper.sweep.runner import run_sweep
 
     run_sweep(compose([*TINY_SWEEP, *overrides]), str(run_dir))
     return json.loads((run_dir / "summary.json").read_text())
@@ -348,8 +348,8 @@ def test_ctrl_c_leaves_no_run_running_and_resume_continues_the_same_runs(ray_clu
     for run in parents + children:  # as a driver killed with SIGKILL would leave them
         client.update_run(run.info.run_id, status="RUNNING")
 
-    from sweeper.cli import compose
-    from sweeper.sweep.engine import run_sweep
+    from sweeper.config.compose import compose
+    from sweeper.sweep.runner import run_sweep
 
     os.chdir(tmp_path)  # the same store as the interrupted driver's
     try:
@@ -523,8 +523,8 @@ def test_divergence_injected_at_step_k_ends_that_trial_only(ray_cluster, tmp_pat
     """`trainer.nan_at_step=k` poisons the real trainer's loss at step k: that trial ends
     at the report of step k as diverged, with its reason on its MLflow run and a finite
     penalty for the searcher and scheduler; its neighbour trains exactly as it would alone."""
-    from sweeper.cli import compose
-    from sweeper.train import train
+    from sweeper.config.compose import compose
+    from sweeper.train.loop import train
 
     run_dir = tmp_path / "run"
     db = f"sqlite:///{tmp_path}/mlflow.db"
@@ -753,9 +753,9 @@ def test_calls_a_dead_server_never_took_are_kept_and_sent_by_the_next_driver(tmp
 
 # --- the tracker's trial bookkeeping, with stand-in Tune trials (no Ray) ---------------------
 def test_paused_resumed_and_restarted_trials_keep_one_run(tmp_path, monkeypatch):
-    from sweeper.cli import compose
-    from sweeper.sweep.engine import stage_context
-    from sweeper.sweep.preflight import base_config, validate_sweep
+    from sweeper.config.compose import compose
+    from sweeper.sweep.plan import base_config, validate_sweep
+    from sweeper.sweep.runner import stage_context
     from sweeper.tracking import make_tracker
 
     monkeypatch.chdir(tmp_path)
@@ -1053,7 +1053,7 @@ def test_runs_curves_are_by_tokens_only_where_every_run_logged_them(tmp_path):
     with no finite val_bpb has no curve."""
     from mlflow import MlflowClient
 
-    from sweeper.runs_plot import plot_runs, run_curves
+    from sweeper.report.runs_plot import plot_runs, run_curves
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = client.create_experiment("plots")
@@ -1135,7 +1135,7 @@ def test_compare_runs_lists_the_single_runs_best_first_with_what_differs(tmp_pat
     assert (tmp_path / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from mlflow import MlflowClient
 
-    from sweeper.runs_plot import run_curves
+    from sweeper.report.runs_plot import run_curves
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     logged = {name: single_run(client, tmp_path / name) for name in runs}

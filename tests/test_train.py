@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from sweeper.config import load_run_config
-from sweeper.data import BatchSampler, load_data
-from sweeper.model import GPT, GPTShape
-from sweeper.runtime import keep_freed_memory_for_reuse, release_freed_memory
+from sweeper.config.schema import load_run_config
 from sweeper.sweep.spec import BUILTIN_METRICS
-from sweeper.train import (
+from sweeper.train.data import BatchSampler, load_data
+from sweeper.train.device import keep_freed_memory_for_reuse, release_freed_memory
+from sweeper.train.loop import (
     DivergenceWatch,
     evaluate,
     evaluation_count,
@@ -26,6 +25,7 @@ from sweeper.train import (
     rung_steps,
     train,
 )
+from sweeper.train.model import GPT, GPTShape
 
 from .conftest import tiny
 
@@ -173,7 +173,7 @@ def test_divergence_ends_the_run_with_status_not_exception():
     seen = []
     # AdamW at LR 200 throws the loss from ln(256) over the limit (8.3) at the first step and
     # to 20-30 nats for the next ten, on both fp32 matmul kernels (torch's and oneDNN's,
-    # sweeper.linear). adam_eps 1e-6: at init the residual scalars' gradient is rounding
+    # sweeper.train.linear). adam_eps 1e-6: at init the residual scalars' gradient is rounding
     # noise (~1e-11: with zero output projections the stream feeds only RMSNorms, which
     # are blind to its scale), and with the default 1e-10 AdamW's first step moved them by
     # up to the LR in a direction that noise set: the kernels' runs parted at step 1 (8.7
@@ -267,7 +267,7 @@ def test_a_low_lr_spike_is_waited_out_and_a_collapse_to_a_uniform_guess_is_not()
     low_lr = {"matrix_lr": 0.001, "embedding_lr": 0.01}
     # the spike's height and length are chaotic: its top at 8.2-9.1 nats over 1-6 steps as
     # the last bits of the norms' backward changed or the CPU did, 7.1 for one step where
-    # fp32 matmuls run on oneDNN (sweeper.linear). So the limit is set from the run itself,
+    # fp32 matmuls run on oneDNN (sweeper.train.linear). So the limit is set from the run itself,
     # halfway between the uniform guess and the spike's top
     unlimited = train(tiny(optimizer=low_lr, trainer={**batch, "max_loss": 100.0}), verbose=False)
     top = max(unlimited["loss_trace"][1:])
@@ -513,7 +513,7 @@ def test_a_cooldown_fork_at_a_rung_scores_the_run_and_leaves_it_exactly_as_it_wa
 @pytest.mark.parametrize("optimizer", ["muon_adamw", "adamw"])
 @pytest.mark.parametrize("schedule", ["constant", "linear"])
 def test_the_weight_decay_schedule_is_what_each_step_applies(monkeypatch, optimizer, schedule):
-    from sweeper.muon import Muon
+    from sweeper.train.muon import Muon
 
     # the decay the matrices' optimizer holds as it steps: Muon's (muon_adamw) or the
     # matrix group of AdamW (adamw; its other groups never decay)
@@ -535,7 +535,7 @@ def test_the_weight_decay_schedule_is_what_each_step_applies(monkeypatch, optimi
 
 def _muon_steps_see(monkeypatch, key: str) -> list[float]:
     """The list that each Muon step appends its (matrix) group's `key` to, as it steps."""
-    from sweeper.muon import Muon
+    from sweeper.train.muon import Muon
 
     seen, step = [], Muon.step
 
@@ -580,7 +580,7 @@ def test_a_one_step_cooldown_fork_still_cools_the_run_it_scores(monkeypatch):
 # late thread arena put hundreds of one-off faults on some steps, and CI hit them.
 PAGE_FAULTS_PER_STEP = """
 import ctypes, resource, sys, torch
-from sweeper.runtime import keep_freed_memory_for_reuse
+from sweeper.train.device import keep_freed_memory_for_reuse
 # glibc's own thresholds (128 KiB), fixed: left dynamic, glibc raises them after the first
 # large free or not depending on the heap's layout, and trims the step's memory on some
 # runs only (5 x 32,225 faults on some, 128 on others, on the same machine)
@@ -627,10 +627,10 @@ def test_training_steps_reuse_freed_memory_instead_of_faulting_it_back_in():
 def _one_second_per_step(monkeypatch) -> list[float]:
     """A fake clock for the training loop, which each optimizer step moves on by 1 s;
     returns it (one float in a list) for a test to move on too."""
-    import sweeper.train
+    import sweeper.train.loop
 
     clock = [0.0]
-    monkeypatch.setattr(sweeper.train.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(sweeper.train.loop.time, "perf_counter", lambda: clock[0])
     step_batches = BatchSampler.step_batches
 
     def one_second_per_step(self, *args, **kwargs):
@@ -645,7 +645,7 @@ def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadenc
     """A fake clock: each optimizer step takes 1 s and each evaluation 100 s, so every
     throughput figure must be exactly total_batch_size tokens/s. (Evaluations between two
     log lines once dropped the steps before them from the window: 2x too high.)"""
-    import sweeper.train
+    import sweeper.train.loop
 
     clock = _one_second_per_step(monkeypatch)
 
@@ -653,7 +653,7 @@ def test_tokens_per_s_counts_training_time_only_whatever_the_eval_and_log_cadenc
         clock[0] += 100.0
         return 3.0
 
-    monkeypatch.setattr(sweeper.train, "evaluate", slow_evaluate)
+    monkeypatch.setattr(sweeper.train.loop, "evaluate", slow_evaluate)
     cfg = tiny(trainer={"max_steps": 12, "log_every": 4, "eval_every": 3})
     result = train(cfg, verbose=False)
     rates = [m["tokens_per_s"] for m in result["history"] if m["step"] >= 4]
@@ -678,7 +678,7 @@ def test_a_run_that_trains_no_timed_step_reports_no_speed(monkeypatch):
 
 
 def test_a_process_outside_a_process_group_refuses_to_train_for_two_ranks():
-    from sweeper.config import ConfigError
+    from sweeper.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="trainer.workers=2, but this process is one of 1 rank:"):
         train(tiny(trainer={"workers": 2, "device_batch_size": 4, "max_steps": 2}), verbose=False)
@@ -714,7 +714,7 @@ def test_memory_a_finished_thread_freed_goes_back_to_the_kernel():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
 def test_peak_memory_counts_from_its_reset_and_sees_a_block_already_freed():
-    from sweeper.runtime import peak_memory_bytes, reset_peak_memory
+    from sweeper.train.device import peak_memory_bytes, reset_peak_memory
 
     cpu = torch.device("cpu")
     reset_peak_memory(cpu)
@@ -762,7 +762,7 @@ def test_numpy_s_memory_error_counts_as_out_of_memory():
     same out-of-memory, with its size, not a bug's traceback."""
     import numpy as np
 
-    from sweeper.runtime import out_of_memory
+    from sweeper.train.device import out_of_memory
 
     with pytest.raises(MemoryError) as caught:
         np.empty((4, 2**45), dtype=np.int64)  # 1 PiB: refused before any page is touched
@@ -773,7 +773,7 @@ def test_numpy_s_memory_error_counts_as_out_of_memory():
 def test_the_loop_trains_the_model_with_the_residual_stream_its_device_calls_for(monkeypatch):
     """train() builds the GPT with residual_dtype_for(device, dtype): a GPU's bf16 stream.
     Here the rule is made to pick bf16 on this CPU, and the run must still learn."""
-    import sweeper.train
+    import sweeper.train.loop
 
     asked, built = [], []
 
@@ -786,8 +786,8 @@ def test_the_loop_trains_the_model_with_the_residual_stream_its_device_calls_for
             super().__init__(shape, residual_dtype)
             built.append(residual_dtype)
 
-    monkeypatch.setattr(sweeper.train, "residual_dtype_for", rule)
-    monkeypatch.setattr(sweeper.train, "GPT", Recorded)
+    monkeypatch.setattr(sweeper.train.loop, "residual_dtype_for", rule)
+    monkeypatch.setattr(sweeper.train.loop, "GPT", Recorded)
     result = train(tiny(trainer={"max_steps": 12, "dtype": "bfloat16"}), verbose=False)
     assert (asked, built) == ([("cpu", torch.bfloat16)], [torch.bfloat16])
     assert result["status"] == "completed"
@@ -797,7 +797,7 @@ def test_the_loop_trains_the_model_with_the_residual_stream_its_device_calls_for
 def test_mfu_counts_every_device_that_trained_the_tokens():
     """A DDP step's tokens are all ranks' together: two GPUs training 2e5 tokens/s of a
     6 GFLOP/token model use 1.2e15 of their 2 x 1e15 FLOP/s, 60%, not 120%."""
-    from sweeper.runtime import utilization
+    from sweeper.train.device import utilization
 
     assert utilization(6e9, 2e5, 1e15, devices=2) == pytest.approx(0.6)
     assert utilization(6e9, 1e5, 1e15, devices=1) == pytest.approx(0.6)
@@ -819,6 +819,6 @@ def test_mfu_counts_every_device_that_trained_the_tokens():
     ],
 )
 def test_a_gpu_variant_gets_its_own_peak_not_its_familys(name, peak):
-    from sweeper.runtime import peak_bf16_flops
+    from sweeper.train.device import peak_bf16_flops
 
     assert peak_bf16_flops(name) == peak

@@ -14,24 +14,16 @@ import sys
 import threading
 from pathlib import Path
 
-from sweeper.cli import (
-    chosen_budgets,
-    compose,
+from sweeper.config.compose import chosen_budgets, compose, other_budgets_cleared
+from sweeper.config.errors import ConfigError, fail, one_line
+from sweeper.config.paths import config_dir
+from sweeper.config.schema import check_optimizer_reads, check_platform_sections, load_run_config
+from sweeper.signals import (
     end_quietly_when_output_closes,
-    fail,
     interrupts_held,
-    one_line,
-    other_budgets_cleared,
     skip_the_collection_at_exit,
     stop_on_sigterm_as_on_ctrl_c,
 )
-from sweeper.config import (
-    ConfigError,
-    check_optimizer_reads,
-    check_platform_sections,
-    load_run_config,
-)
-from sweeper.paths import config_dir
 
 # Hydra's flags that print something of their own and run nothing
 HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--info", "-i")
@@ -64,7 +56,7 @@ def run_job(cfg) -> float | None:
 
     out_dir = HydraConfig.get().runtime.output_dir
     if "sweep" in cfg:
-        from sweeper.sweep.engine import SweepFailed, run_sweep
+        from sweeper.sweep.runner import SweepFailed, run_sweep
 
         try:
             return run_sweep(cfg, out_dir)
@@ -75,7 +67,7 @@ def run_job(cfg) -> float | None:
             sys.exit(1)
         except KeyboardInterrupt:
             sys.exit(130)  # the engine said where the state is and how to resume
-    from sweeper.sweep.preflight import trainable_target
+    from sweeper.sweep.plan import trainable_target
 
     if target := trainable_target(cfg):
         return run_user_function(cfg, target, out_dir)
@@ -98,8 +90,8 @@ def run_single(cfg, out_dir: str) -> float | None:
         if run.trainer.workers > 1:
             result = run_ddp(cfg, out_dir, run.trainer.checkpoint_every_eval, logger)
         else:
-            from sweeper.run_checkpoint import load_resume_state
-            from sweeper.train import train
+            from sweeper.train.loop import train
+            from sweeper.train.run_checkpoint import load_resume_state
 
             resume_state = load_resume_state(out_dir) if run.trainer.resume else None
             report = single_run_report(run, out_dir, logger)
@@ -120,7 +112,7 @@ def run_single(cfg, out_dir: str) -> float | None:
                 file=sys.stderr,
             )
             sys.exit(130)
-        from sweeper.runtime import out_of_memory
+        from sweeper.train.device import out_of_memory
 
         if asked := out_of_memory(error):  # a batch too big for the machine: not a bug
             exit_out_of_memory(cfg, asked, out_dir)
@@ -130,7 +122,7 @@ def run_single(cfg, out_dir: str) -> float | None:
     elif result.get("out_of_memory"):  # the ranks recorded it and returned quietly
         end_logging(logger, "failed", result)
         exit_out_of_memory(cfg, result["out_of_memory"], out_dir)
-    from sweeper.run_plot import PLOT_NAME, plot_run
+    from sweeper.report.run_plot import PLOT_NAME, plot_run
 
     try:
         drawn = plot_run(result, run, Path(out_dir) / PLOT_NAME)
@@ -151,7 +143,7 @@ def run_single(cfg, out_dir: str) -> float | None:
 def single_run_report(run, out_dir: str, logger):
     """train()'s report hook in a single run: each evaluation to MLflow, and the training
     state to the run dir's checkpoint where the run keeps one."""
-    from sweeper.run_checkpoint import checkpoint_saver
+    from sweeper.train.run_checkpoint import checkpoint_saver
 
     keep = checkpoint_saver(out_dir, run.to_dict()) if run.trainer.checkpoint_every_eval else None
 
@@ -173,7 +165,7 @@ def resume_hint(out_dir: str) -> str:
     """Where an interrupted run left a checkpoint: the step and the command that goes on."""
     from hydra.core.hydra_config import HydraConfig
 
-    from sweeper.run_checkpoint import has_checkpoint, read_record, resume_command
+    from sweeper.train.run_checkpoint import has_checkpoint, read_record, resume_command
 
     if not has_checkpoint(out_dir):
         return ""
@@ -189,7 +181,7 @@ def run_user_function(cfg, target: str, out_dir: str) -> float | None:
     """A user's function run once, on the tree a sweep's trial of it is given, each
     report printed and sent to MLflow: what the reproduce line of a sweep of that function
     runs. Its last report goes to result.json."""
-    from sweeper.sweep.preflight import load_user_function, user_function_config
+    from sweeper.sweep.plan import load_user_function, user_function_config
     from sweeper.sweep.trainable import BadReportError, Diverged, plain_numbers
     from sweeper.tracking.run_logger import start_run_logger
 
@@ -252,7 +244,7 @@ def run_user_function(cfg, target: str, out_dir: str) -> float | None:
 
 
 def exit_out_of_memory(cfg, asked: str, out_dir: str) -> None:
-    from sweeper.runtime import resolve_device
+    from sweeper.train.device import resolve_device
 
     t = cfg.trainer
     if t.workers > 1:  # flush what Ray still streams from the ranks before the last line
@@ -294,9 +286,9 @@ def run_ddp(cfg, out_dir: str, checkpointing: bool, logger) -> dict:
     from omegaconf import OmegaConf
     from ray.util.queue import Queue
 
-    from sweeper.distributed import train_ddp
-    from sweeper.run_checkpoint import saved_evaluations_after
-    from sweeper.sweep.ray_cluster import start_ray
+    from sweeper.sweep.cluster import start_ray
+    from sweeper.train.distributed import train_ddp
+    from sweeper.train.run_checkpoint import saved_evaluations_after
 
     start_ray(cfg.ray, log_to_driver=True)
     # Why a queue actor: rank 0 may run on another node, and Ray Train passes a report to
@@ -412,7 +404,7 @@ def validate(overrides: list[str], printing: bool = False):
     if run.trainer.resume:
         check_single_run_resume(cfg, run, run_dir, printing)
     elif run_dir and "sweep" not in cfg:
-        from sweeper.run_checkpoint import check_new_run_dir
+        from sweeper.train.run_checkpoint import check_new_run_dir
 
         check_new_run_dir(run_dir)
     joins_a_cluster = bool(cfg.get("ray", {}).get("address"))
@@ -425,11 +417,12 @@ def validate(overrides: list[str], printing: bool = False):
                 "use trainer.device=auto or cpu"
             )
     if "sweep" not in cfg:  # a sweep writes its own budget into every trial and checks it
-        from sweeper.budget import check_budget
+        from sweeper.train.budget import check_budget
 
         check_budget(run)
         if not is_users_function(cfg) and not (joins_a_cluster and run.trainer.workers > 1):
-            from sweeper.runtime import check_model_fits, resolve_device
+            from sweeper.train.budget import check_model_fits
+            from sweeper.train.device import resolve_device
 
             # here, where the run will train; CPU DDP ranks each hold a copy in its memory
             ranks = run.trainer.workers if resolve_device(run.trainer.device).type == "cpu" else 1
@@ -437,15 +430,15 @@ def validate(overrides: list[str], printing: bool = False):
                 run, copies=ranks, copies_are="DDP ranks", fewer=lambda n: f"trainer.workers={n}"
             )
     if run.data.name == "shards":
-        from sweeper.data import check_shards
+        from sweeper.train.data import check_shards
 
         check_shards(run.data, run.model.seq_len)
     elif run.data.name == "stdlib" and not is_users_function(cfg):  # it reads its own data
-        from sweeper.data import check_stdlib_split
+        from sweeper.train.data import check_stdlib_split
 
         check_stdlib_split(run.data.val_every_n_files, run.model.seq_len)
     if run.trainer.workers > 1 and "sweep" not in cfg and not joins_a_cluster:
-        from sweeper.sweep.ray_cluster import local_cluster_size
+        from sweeper.sweep.cluster import local_cluster_size
 
         # Ray Train would wait for ever for ranks the local cluster cannot place
         cpus = local_cluster_size(cfg.ray)[0]
@@ -457,11 +450,11 @@ def validate(overrides: list[str], printing: bool = False):
                 f"{cpus:g} (ray.num_cpus)"
             )
     if not joins_a_cluster and ("sweep" in cfg or run.trainer.workers > 1):
-        from sweeper.sweep.ray_cluster import check_local_cluster
+        from sweeper.sweep.cluster import check_local_cluster
 
         check_local_cluster(cfg.ray)
     if joins_a_cluster and ("sweep" in cfg or run.trainer.workers > 1):
-        from sweeper.sweep.ray_cluster import probe
+        from sweeper.sweep.cluster import probe
 
         probe(str(cfg.ray.address))  # an unreachable cluster: one line, nothing written
     resumes = "sweep" in cfg and bool(cfg.sweep.get("resume"))
@@ -501,7 +494,7 @@ def validate(overrides: list[str], printing: bool = False):
                 "choose another hydra.run.dir"
             )
     if "sweep" in cfg:
-        from sweeper.sweep.preflight import trainable_target, validate_sweep
+        from sweeper.sweep.plan import trainable_target, validate_sweep
         from sweeper.tracking.mlflow_store import check_config
 
         named = [
@@ -526,7 +519,7 @@ def validate(overrides: list[str], printing: bool = False):
             # different sweep is refused before that, with the record of the old one intact
             from pathlib import Path
 
-            from sweeper.sweep.preflight import base_config, resumable_state
+            from sweeper.sweep.plan import base_config, resumable_state
 
             found = resumable_state(
                 Path(run_dir).resolve(), spec, base_config(cfg, spec, trainable_target(cfg))
@@ -544,9 +537,9 @@ def print_plan(cfg, overrides: list[str]) -> None:
     """`sweep.dry_run=true`: the sweep's plan (sweep/plan.py), with nothing started."""
     from pathlib import Path
 
-    from sweeper.sweep.plan import plan_text
-    from sweeper.sweep.preflight import base_config, slots_for, trainable_target, validate_sweep
-    from sweeper.sweep.ray_cluster import local_cluster_size
+    from sweeper.sweep.cluster import local_cluster_size
+    from sweeper.sweep.estimate import plan_text
+    from sweeper.sweep.plan import base_config, slots_for, trainable_target, validate_sweep
 
     spec = validate_sweep(cfg)
     target = trainable_target(cfg)
@@ -559,18 +552,18 @@ def print_plan(cfg, overrides: list[str]) -> None:
     if run_dir := hydra_run_dir(overrides):
         out = Path(run_dir).resolve()
         if spec.resume:
-            from sweeper.sweep.preflight import resumable_state
+            from sweeper.sweep.plan import resumable_state
 
             state = resumable_state(out, spec, base)
     speed = None
     local_cpus = slots is not None and not spec.gpus_per_trial and cfg.trainer.workers == 1
     if state is not None:
-        from sweeper.sweep.engine import finished
+        from sweeper.sweep.runner import finished
 
         local_cpus = local_cpus and not finished(spec, state, base)  # nothing left to time
     if local_cpus and not target:
-        from sweeper.sweep.plan import PROBE_MAX_FLOPS, measure_speed
-        from sweeper.sweep.report import flops_text
+        from sweeper.report.markdown import flops_text
+        from sweeper.sweep.estimate import PROBE_MAX_FLOPS, measure_speed
 
         # trials on this machine's CPUs: their minutes can be measured here, in seconds
         print("timing a few training steps of the base config here ...", flush=True)
@@ -594,8 +587,8 @@ def is_dry_run(cfg) -> bool:
 def check_single_run_resume(cfg, run, run_dir: str | None, printing: bool) -> None:
     """trainer.resume=true: a single run of sweeper's own training, in a run dir that holds
     its checkpoint (run_checkpoint.check_resumable_run)."""
-    from sweeper.run_checkpoint import check_resumable_run
-    from sweeper.sweep.preflight import trainable_target
+    from sweeper.sweep.plan import trainable_target
+    from sweeper.train.run_checkpoint import check_resumable_run
 
     if "sweep" in cfg:
         raise ConfigError(
@@ -618,7 +611,7 @@ def check_single_run_resume(cfg, run, run_dir: str | None, printing: bool) -> No
 
 
 def is_users_function(cfg) -> bool:
-    from sweeper.sweep.preflight import trainable_target
+    from sweeper.sweep.plan import trainable_target
 
     return trainable_target(cfg) is not None
 
@@ -678,7 +671,7 @@ def check_single_run(cfg) -> None:
     tracking URI no MLflow store takes is wrong wherever it is written. A single run logs
     to MLflow as a sweep's trials do, so its store is probed as a sweep's is (reachable,
     writable)."""
-    from sweeper.sweep.preflight import load_user_function, trainable_target
+    from sweeper.sweep.plan import load_user_function, trainable_target
     from sweeper.tracking.mlflow_store import check_config_in_a_process
 
     if target := trainable_target(cfg):
@@ -702,7 +695,7 @@ def without_print_flags(args: list[str]) -> list[str]:
 def hydra_run_dir(overrides: list[str], key: str = "hydra.run.dir") -> str | None:
     """hydra.run.dir (or `key`) as the job will read it (cli.hydra_setting), as a string;
     None at Hydra's default, a new dir each time."""
-    from sweeper.cli import hydra_setting
+    from sweeper.config.compose import hydra_setting
 
     value = hydra_setting(overrides, key)
     return None if value is None else str(value)
@@ -720,7 +713,7 @@ def multirun_jobs(overrides: list[str]) -> list[list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from sweeper.cli import check_syntax
+    from sweeper.config.compose import check_syntax
 
     check_syntax(overrides)  # a syntax error named by its override, as without -m
     try:

@@ -20,11 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from sweeper.cli import OneLineParser, end_quietly_when_output_closes, fail
-from sweeper.config import ConfigError
-from sweeper.run_checkpoint import RUN_SETTINGS
+from sweeper.config.errors import ConfigError, OneLineParser, fail
+from sweeper.signals import end_quietly_when_output_closes
 from sweeper.sweep.stages import float_text
 from sweeper.tracking.mlflow_store import shown
+from sweeper.train.run_checkpoint import RUN_SETTINGS
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 MEMORY = "peak_memory_gib"  # shown as "GiB": the most a trial held (runtime.peak_memory_bytes)
@@ -136,7 +136,7 @@ def compare_runs(
     table = _render_runs(runs, uri)
     if plot is None:
         return table
-    from sweeper.runs_plot import plot_runs
+    from sweeper.report.runs_plot import plot_runs
 
     varied = _varied_keys(runs)
     values = {r.info.run_id: {k: _param(r.data.params.get(k)) for k in varied} for r in runs}

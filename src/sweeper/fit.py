@@ -12,8 +12,9 @@ import math
 import sys
 from pathlib import Path
 
-from sweeper.cli import OneLineParser, end_quietly_when_output_closes
+from sweeper.config.errors import OneLineParser
 from sweeper.scaling.records import SWEEP_COLUMNS, InputError, read_csv_records
+from sweeper.signals import end_quietly_when_output_closes
 
 MIN_ROWS = 3
 INPUT_KEY = "_input"  # which PATH a record came from (1, 2, ...)
@@ -252,8 +253,8 @@ def sweep_config(path: Path) -> dict | None:
     try:
         from omegaconf import OmegaConf
 
-        from sweeper.cli import compose
-        from sweeper.sweep.preflight import base_config, trainable_target, validate_sweep
+        from sweeper.config.compose import compose
+        from sweeper.sweep.plan import base_config, trainable_target, validate_sweep
 
         kept = [str(o) for o in OmegaConf.load(overrides_file) if not str(o).startswith("hydra.")]
         cfg = compose(kept)
@@ -300,7 +301,7 @@ def run(args) -> int:
     if not any(result[k] for k in ("frontier", "parametric", "isoflop", "hparams")):
         raise InputError("no fit could be made: " + "; ".join(result["warnings"]))
     if sweep:
-        from sweeper.sweep.outputs import predicted_run
+        from sweeper.report.summary import predicted_run
 
         result["predicted_run"] = predicted_run(result, sweep["base"], records)
     result["inputs"] = inputs
@@ -322,7 +323,7 @@ def run(args) -> int:
     else:
         print(format_summary(result))
         if result.get("predicted_run"):
-            from sweeper.sweep.outputs import predicted_run_note, reproduce_command
+            from sweeper.report.summary import predicted_run_note, reproduce_command
 
             print(f"Run it at C = {result['target_flops']:.3g} FLOPs:")
             print(f"  {reproduce_command(result['predicted_run'])}")

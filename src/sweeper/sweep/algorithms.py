@@ -11,9 +11,9 @@ TuneConfig names one too. Ray, Optuna and hpbandster are imported lazily inside 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from sweeper.sweep.rungs import _check_time_axis
 from sweeper.sweep.space import Space, to_configspace, to_optuna, to_tune
 
 SEARCHES = ("random", "grid", "tpe", "gp", "bohb")
@@ -132,13 +132,12 @@ def _model_based_searcher(
         from ray.tune.search.bohb import TuneBOHB
 
         return TuneBOHB(space=to_configspace(space), seed=seed, bohb_config=bohb, **shared)
-    from sweeper.sweep.optuna_search import (
-        PausedTrialsOptunaSearch,
-        WorstOnDivergenceOptunaSearch,
-    )
+    from ray.tune.search.optuna import OptunaSearch
+
+    from sweeper.sweep.optuna_search import WorstOnDivergenceOptunaSearch
 
     sampler = _optuna_sampler(search, seed, num_samples)
-    searcher = WorstOnDivergenceOptunaSearch if worst_on_divergence else PausedTrialsOptunaSearch
+    searcher = WorstOnDivergenceOptunaSearch if worst_on_divergence else OptunaSearch
     return searcher(space=to_optuna(space), sampler=sampler, **shared)
 
 
@@ -179,7 +178,7 @@ def build_searcher(
         raise ValueError("search 'grid' runs every grid value; it takes no points")
     points = [dict(point) for point in points or []]  # the searchers pop them
     if search in ("random", "grid"):
-        from sweeper.sweep.hyperband import RunningVariantGenerator
+        from sweeper.sweep.ray_patches import RunningVariantGenerator
 
         generator = RunningVariantGenerator(
             max_concurrent=max_concurrent or 0, random_state=seed, points_to_evaluate=points
@@ -197,62 +196,20 @@ def build_searcher(
         worst_on_divergence=worst_on_divergence,
     )
     if max_concurrent is not None:
-        from sweeper.sweep.hyperband import RunningLimiter
+        from sweeper.sweep.ray_patches import RunningLimiter
 
         searcher = RunningLimiter(searcher, max_concurrent=max_concurrent)
     return searcher, dict(space.fixed)
 
 
-def budget_key(time_attr: str) -> str:
-    """Result key the HyperBand schedulers read: ``time_attr`` in units of the grace period."""
-    return f"{time_attr}_grace_units"
 
 
-def hyperband_units(max_t: float, grace_period: float, reduction_factor: int) -> tuple[float, int]:
-    """HyperBand's time unit and ``max_t`` in that unit: ``(unit, reduction_factor**k)``.
-
-    Every bracket must end on the full budget, so ``max_t`` must be a whole power of eta in
-    units: Ray computes a bracket's rungs as ``int(max_t * eta**-s) * eta**j``, and with
-    ``max_t = 4`` units (a grace period of a quarter) the s=1 bracket runs rungs 1 and 3,
-    and stops its best trial at three quarters of the budget, before it ever completes.
-    ``k`` is the largest with a unit no shorter than the grace period, so no trial stops
-    earlier than the user allowed: a quarter becomes a third at eta=3, 0.111 a ninth.
-    """
-    k = math.floor(math.log(max_t / grace_period) / math.log(reduction_factor) + 1e-9)
-    return max_t / reduction_factor**k, reduction_factor**k
 
 
-def rungs(scheduler: str, max_t: float, grace_period: float, reduction_factor: float) -> list:
-    """Where ``scheduler`` may stop a trial, in ``time_attr`` (the full budget excluded)."""
-    if scheduler == "asha":
-        # Ray's ASHA: grace_period * eta**k for k < int(log_eta(max_t / grace_period) + 1)
-        count = int(math.log(max_t / grace_period) / math.log(reduction_factor) + 1)
-        found = [grace_period * reduction_factor**k for k in range(count)]
-        return [t for t in found if t < max_t]
-    if scheduler in ("hyperband", "bohb"):
-        eta = int(reduction_factor)
-        unit, units = hyperband_units(max_t, grace_period, eta)
-        return [unit * eta**j for j in range(round(math.log(units, eta)))]
-    return []
 
 
-def check_reduction_factor(scheduler: str, reduction_factor: float) -> None:
-    """Ray's HyperBand truncates rungs to whole units, so with a fractional eta its brackets
-    never land on the full budget: refuse one for hyperband/bohb (ASHA takes any eta > 1)."""
-    if scheduler in ("hyperband", "bohb") and reduction_factor != int(reduction_factor):
-        raise ValueError(
-            f"scheduler {scheduler!r} needs a whole reduction_factor, got {reduction_factor!r}"
-        )
 
 
-def _check_time_axis(
-    scheduler: str, max_t: float, grace_period: float, reduction_factor: float
-) -> None:
-    if not 0 < grace_period <= max_t:
-        raise ValueError(f"need 0 < grace_period <= max_t, got {grace_period!r} and {max_t!r}")
-    if not reduction_factor > 1:
-        raise ValueError(f"reduction_factor must be > 1, got {reduction_factor!r}")
-    check_reduction_factor(scheduler, reduction_factor)
 
 
 def build_scheduler(
@@ -266,7 +223,6 @@ def build_scheduler(
     reduction_factor: float = 3,
     max_concurrent: int | None = None,
     brackets: int | None = None,
-    promotion: bool = False,
 ) -> Any:
     """Return the Tune trial scheduler; ``max_t`` and ``grace_period`` are in ``time_attr``.
 
@@ -276,9 +232,6 @@ def build_scheduler(
     their rungs are ``max_t / reduction_factor**j``, the smallest no shorter than
     ``grace_period`` (see ``hyperband_units``). ``max_concurrent``: hyperband/bohb resume a
     paused trial only while fewer trials run (pass the searcher's limit: see ``hyperband``).
-    ``promotion``: asha pauses trials at its rungs and promotes the best (ASHA as
-    published, ``promotion.py``); it then needs checkpoints, as hyperband/bohb do, and
-    runs one bracket.
     ``brackets``: how many brackets hyperband/bohb cycle through, the most aggressive kept
     (None: all of them, as HyperBand is published; 1: successive halving from
     ``grace_period``), and ASHA's own ``brackets`` (None: Ray's 1).
@@ -306,14 +259,8 @@ def build_scheduler(
             # max_t only places the rungs, and the trial is not cut at its max_t-th report
             stop_last_trials=time_attr != "training_iteration",
         )
-        if promotion:
-            if brackets and brackets > 1:
-                raise ValueError(f"asha with promotions runs one bracket, got {brackets}")
-            from sweeper.sweep.promotion import PromotingASHA
-
-            return PromotingASHA(max_concurrent=max_concurrent, **asha)
         return schedulers.ASHAScheduler(brackets=brackets or 1, **asha)
-    from sweeper.sweep.hyperband import grace_unit_scheduler
+    from sweeper.sweep.ray_patches import grace_unit_scheduler
 
     base = schedulers.HyperBandForBOHB if scheduler == "bohb" else schedulers.HyperBandScheduler
     return grace_unit_scheduler(base)(

@@ -275,10 +275,10 @@ class GridCosts:
         )
 
     def of(self, params: dict) -> float:
-        from sweeper.budget import planned_flops
-        from sweeper.config import load_run_config
+        from sweeper.config.schema import load_run_config
         from sweeper.sweep.space import to_builtin
         from sweeper.sweep.stages import sweep_run
+        from sweeper.train.budget import planned_flops
 
         return planned_flops(load_run_config(sweep_run(self.base, to_builtin(dict(params)))))
 

@@ -12,7 +12,7 @@ import copy
 import statistics
 import time
 
-from sweeper.sweep.outputs import launch_once
+from sweeper.report.summary import launch_once
 from sweeper.sweep.spec import SweepSpec
 from sweeper.sweep.stages import SEED_KEY, finite_number
 from sweeper.sweep.state import SweepState, as_json

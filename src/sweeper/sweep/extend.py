@@ -21,7 +21,8 @@ import dataclasses
 import math
 import time
 
-from sweeper.config import ConfigError, load_run_config
+from sweeper.config.errors import ConfigError
+from sweeper.config.schema import load_run_config
 from sweeper.sweep.space import LIST_KINDS, ParamSpec, extended_range, extended_values, parse_space
 from sweeper.sweep.spec import StageSpec, SweepSpec, flatten_params
 from sweeper.sweep.stages import float_text, rounded_text, sweep_run
@@ -43,8 +44,8 @@ def plan_round(
 ) -> tuple[StageSpec | None, float]:
     """The round to run (None: none) and the FLOPs the stage's first round spent. Says
     why an end is not searched past, and when the sweep's caps leave no room for it."""
-    from sweeper.sweep.engine import planned_trials
-    from sweeper.sweep.outputs import searched_params
+    from sweeper.report.summary import searched_params
+    from sweeper.sweep.runner import planned_trials
 
     searched = searched_params(spec, stage.name, start)
     trials = stage.extend_trials
@@ -179,7 +180,7 @@ def _last_run(base: dict, param: ParamSpec, run: float, no_run: float) -> float:
 
 def invalid_run(base: dict, name: str, value) -> str | None:
     """Why `name`=`value` would not make a valid run from `base`; None when it would."""
-    from sweeper.budget import check_budget
+    from sweeper.train.budget import check_budget
 
     try:
         check_budget(load_run_config(sweep_run(base, {name: value})))

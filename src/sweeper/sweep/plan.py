@@ -1,481 +1,409 @@
-"""`sweep.dry_run=true`: what a sweep would run, printed before anything starts.
+"""What a sweep checks and prepares before Ray starts.
 
-A sweep's cost is a product of several settings spread over files and overrides (stages,
-num_samples, grids, the budget, the model's FLOPs per token, the scheduler's rungs, rung
-forks, the baseline, extra rounds past a range's end, confirmation seeds), and the
-answer only shows once the trials run. The plan is computed from the same validated spec
-and base config a sweep starts from, with nothing started or written: per stage, the
-trials, what they search, the FLOPs of one trial and the most the stage can take (every
-trial to its end); then the whole sweep's at-most figures in FLOPs and, where its trials
-train on this machine's CPUs, an estimate in minutes from a few steps timed on the spot
-(trials side by side run a little slower than the probe alone); and how
-many trials run at once. A later stage starts from the earlier stages' best, which only
-the sweep can know: its plan is taken from the base config (with a token budget its
-FLOPs do not depend on the frozen values; a stage that searches the model's size or
-budget shows its range). The sweep's first line gives the same totals (`opening_line`).
+Every mistake these functions can find (a bad stage value, a trial bigger than the cluster,
+a user function with the wrong signature, a run dir that holds another sweep) is a
+one-line ConfigError while nothing has been started or written. `base_config` makes the
+plain dict that every trial of the sweep starts from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from sweeper.config.errors import ConfigError
+from sweeper.config.schema import (
+    BUILTIN_TRAINABLE,
+    RUN_SECTIONS,
+    check_optimizer_reads,
+    load_run_config,
+)
 from sweeper.sweep.space import bounding_values
-from sweeper.sweep.spec import SweepSpec, flatten, stage_space
-from sweeper.sweep.stages import apply_params, hydra_value, sweep_run
+from sweeper.sweep.spec import (
+    SweepSpec,
+    chooses_optimizer,
+    flatten,
+    flatten_params,
+    load_sweep_spec,
+    lr_keys_read,
+    rung_cooldown_for,
+    stage_space,
+    validate_spec,
+)
+from sweeper.sweep.stages import fit_micro_batch, get_dotted, hydra_value, sweep_run
+from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
+from sweeper.sweep.trainable import load_target
 
-# value combinations of a stage whose FLOPs are computed one by one; past this, each
-# param's values are taken alone (the extremes then bound the trial's FLOPs all the same
-# whenever FLOPs grow or shrink with each value, as depth, width, batch and budget do)
-MAX_COMBINATIONS = 512
-
-
-@dataclass(frozen=True)
-class TrialCost:
-    """What one trial trains and evaluates."""
-
-    flops: float  # training FLOPs to its budget
-    flops_per_token: int
-    eval_tokens: int  # validation tokens of all its evaluations
-
-
-@dataclass
-class StagePlan:
-    name: str
-    search: str
-    scheduler: str
-    trials: int
-    searched: list[str]  # "key kind [values]" per param
-    trial_flops: tuple[float, float] | None  # (least, most) FLOPs of one trial
-    # every trial, each to its end (a pure grid's own points, else all at the dearest)
-    costs: list[TrialCost] | None
-    fork_factor: float  # training FLOPs with every fork at every rung, over without
-    rungs: tuple[float, ...]  # where the scheduler may stop a trial, as budget fractions
-    extend_trials: int
-    lr_rule: str
-    finished: bool = False
-    points: tuple[str, ...] = ()  # the configurations it tries first, as the file gives them
-
-    @property
-    def most_flops(self) -> float | None:
-        """Every trial to its end, and every fork at every rung."""
-        if self.costs is None:
-            return None
-        return sum(cost.flops for cost in self.costs) * self.fork_factor
+# the sections that configure the platform, not a run
+PLATFORM_KEYS = ("sweep", "ray", "mlflow", "trainable", "hydra", "fit")
 
 
-@dataclass(frozen=True)
-class Speed:
-    """One trial's speed on this machine, measured on the base config's model."""
-
-    train_flops_per_s: float
-    eval_flops_per_s: float  # forward FLOPs (a third of a training token's) a second
-    setup_s: float  # data and model, which every trial sets up
-    threads: int
-
-    def trial_seconds(self, cost: TrialCost, fork_factor: float) -> float:
-        train = cost.flops * fork_factor / self.train_flops_per_s
-        evaluate = cost.eval_tokens * cost.flops_per_token / 3 / self.eval_flops_per_s
-        return self.setup_s + train + evaluate
+def trainable_target(cfg) -> str | None:
+    """The user's function ("pkg.module.fn"), or None for sweeper's own training run."""
+    target = cfg.get("trainable", {}).get("_target_", BUILTIN_TRAINABLE)
+    if target is None or not str(target).strip():
+        raise ConfigError(
+            f"trainable._target_={target or ''}: name a function (pkg.module.fn), or leave "
+            f"it at {BUILTIN_TRAINABLE} for sweeper's own training"
+        )
+    return None if target == BUILTIN_TRAINABLE else target
 
 
-# the measurement: training steps timed after an untimed first (warm-up), and evaluation
-# batches timed after an untimed first; skipped where that would take more than ~20 s on
-# a CPU's ~1e11 FLOP/s (a model a CPU sweep would not train)
-PROBE_STEPS = 3
-PROBE_EVAL_BATCHES = 4
-PROBE_MAX_FLOPS = 2e12
+def validate_sweep(cfg) -> SweepSpec:
+    """Every check that can run before Ray starts; raises ConfigError."""
+    from omegaconf import OmegaConf
+
+    spec = load_sweep_spec(cfg.sweep)
+    target = trainable_target(cfg)
+    run_values = flatten(OmegaConf.to_container(cfg, resolve=True))
+    validate_spec(spec, run_values, custom_trainable=target is not None)
+    # from here on a number: what the trials, the resume check and the summary see
+    spec.rung_cooldown = rung_cooldown_for(spec, custom_trainable=target is not None)
+    if spec.confirm_seeds and "trainer.seed" not in run_values:  # a user's config may lack it
+        raise ConfigError(
+            f"sweep.confirm_seeds={spec.confirm_seeds} trains again on other values of "
+            "trainer.seed, which this config does not have"
+        )
+    if target:
+        load_user_function(target)
+    else:
+        spec.lr_keys = lr_keys_read(spec, run_values.get("optimizer.name"))
+        check_searched_keys_are_read(spec, run_values.get("optimizer.name"))
+        check_no_placement_searched(spec)
+        base = base_config(cfg, spec, None)
+        check_stage_values(spec, base, local_trial_memory(spec, cfg))
+        check_flop_cap(spec, base)
+        threads = cfg.trainer.get("threads")
+        if threads is not None and threads != spec.trial_threads:  # it would be ignored
+            raise ConfigError(
+                f"trainer.threads={threads}: a trial trains on its CPU share, "
+                f"sweep.cpus_per_trial={spec.cpus_per_trial:g} ({spec.trial_threads} "
+                f"thread{'s' if spec.trial_threads > 1 else ''}); set that instead"
+            )
+        one_process = int(cfg.trainer.workers) == 1
+        if cfg.trainer.device == "cuda" and one_process and not spec.gpus_per_trial:
+            raise ConfigError(
+                "trainer.device=cuda but sweep.gpus_per_trial=0: give each trial a GPU "
+                "(sweep.gpus_per_trial=1, or 0.5 for two trials on one)"
+            )
+    if not cfg.get("ray", {}).get("address"):
+        from sweeper.sweep.cluster import local_cluster_size
+
+        workers = 1 if target else int(cfg.trainer.workers)
+        check_trial_fits(spec, workers, *local_cluster_size(cfg.ray))
+    return spec
 
 
-def measure_speed(base: dict, threads: int) -> Speed | None:
-    """Times a few training steps (the real training loop, `train`) and evaluation batches
-    of the base config's model here, on a trial's threads; None where the model is too
-    big to time in seconds. Why measure: FLOPs alone say nothing of minutes, and a CPU's
-    speed differs 2x between machines with and without bf16 units. A stage's other model
-    sizes are taken at the same FLOP rate (a smaller model runs a little below it)."""
-    import time
+def check_searched_keys_are_read(spec: SweepSpec, optimizer: str | None) -> None:
+    """No stage searches an optimizer key the sweep's optimizer leaves unread (+sweep=lr
+    with optimizer=adamw: Muon's LRs), where every trial would train the same run. A sweep
+    with a stage that chooses optimizer.name may search them all."""
+    if optimizer is None or chooses_optimizer(spec):
+        return
+    for index, stage in enumerate(spec.stages):
+        for key in flatten_params(stage.params):
+            check_optimizer_reads(optimizer, key, f"sweep.stages.{index}.params.{key}")
 
-    from sweeper.config import load_run_config
-    from sweeper.data import load_data
-    from sweeper.model import GPT, GPTShape, residual_dtype_for
-    from sweeper.runtime import resolve_device, resolve_dtype
-    from sweeper.sweep.trainable import placed
-    from sweeper.train import evaluate, train
 
-    config = placed(base, threads, 0.0)
-    trainer = config["trainer"]
-    micro = int(trainer["device_batch_size"]) * int(config["model"]["seq_len"])
-    probe = {
-        **config,
-        "trainer": {
-            **trainer,
-            "max_steps": PROBE_STEPS + 1,
-            **dict.fromkeys(("budget_tokens", "budget_flops", "tokens_per_param")),
-            "num_evals": 1,
-            "eval_tokens": micro,
-            "rungs": [],
-            "rung_cooldown": 0.0,
-        },
-    }
-    run = load_run_config(probe)
-    per_token = run_cost(config).flops_per_token
-    if run.trainer.total_batch_size * per_token * (PROBE_STEPS + 1) > PROBE_MAX_FLOPS:
+def check_flop_cap(spec: SweepSpec, base: dict) -> None:
+    """sweep.max_flops lets at least one trial of sweeper's training train its budget:
+    under one, the cap stops every trial part way and no stage has a value to freeze."""
+    if spec.max_flops is None:
+        return
+    from sweeper.sweep.estimate import stage_plans
+
+    plans = stage_plans(spec, base, None, [])
+    cheapest = min((plan.trial_flops[0] for plan in plans if plan.trial_flops), default=None)
+    if cheapest is not None and spec.max_flops < cheapest:
+        raise ConfigError(
+            f"sweep.max_flops={spec.max_flops:.3g} is less than one trial (the cheapest "
+            f"trains {cheapest:.3g} FLOPs): no trial could finish its budget"
+        )
+
+
+# where and on how much a trial runs, which the cluster's resources are reserved for before
+# any trial starts: a stage that searched them would ask Ray for what it never reserved
+PLACEMENT_KEYS = {
+    "trainer.device": "trainer.device=... with sweep.gpus_per_trial",
+    "trainer.workers": "trainer.workers=...",
+    "trainer.threads": "sweep.cpus_per_trial",
+}
+
+
+def check_no_placement_searched(spec: SweepSpec) -> None:
+    """No stage searches where its trials run; a path it searches is absolute (Ray runs
+    each trial in a directory of its own, where a relative one finds nothing)."""
+    for index, stage in enumerate(spec.stages):
+        for key, param in flatten_params(stage.params).items():
+            where = f"sweep.stages.{index}.params.{key}"
+            if key in PLACEMENT_KEYS:
+                raise ConfigError(
+                    f"{where}: where a trial runs is no hyperparameter to search; set it "
+                    f"for the whole sweep ({PLACEMENT_KEYS[key]})"
+                )
+            if key in ("data.path", "data.val_path") and isinstance(param, dict):
+                for values in param.values():
+                    for value in values if isinstance(values, list | tuple) else [values]:
+                        if isinstance(value, str) and not os.path.isabs(value):
+                            raise ConfigError(
+                                f"{where}: {value} is relative, and a trial runs in a "
+                                f"directory of its own; write {os.path.abspath(value)}"
+                            )
+
+
+def load_user_function(target: str):
+    """The user's function `target` names, checked: importable, of (config, report)."""
+    if "." not in target.strip("."):
+        raise ConfigError(
+            f"trainable._target_={target}: name the function with its module, pkg.module.fn"
+        )
+    try:
+        fn = load_target(target)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(f"trainable._target_={target} cannot be imported: {error}") from None
+    except Exception as error:  # the module fails as it is imported (a SyntaxError names
+        # its file and line): its own bug, not the platform's
+        raise ConfigError(
+            f"trainable._target_={target}: importing its module raised "
+            f"{type(error).__name__}: {error}"
+        ) from None
+    check_trainable_signature(target, fn)
+    return fn
+
+
+def user_function_config(cfg) -> dict:
+    """What a user's function is given: the whole composed tree as plain values, less the
+    platform's own sections (its own, `+mine.layers=3`, stay)."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    for key in PLATFORM_KEYS:
+        tree.pop(key, None)
+    return tree
+
+
+def check_trainable_signature(target: str, fn: Any) -> None:
+    """A user's trainable is called as fn(config, report): anything else would fail in
+    every trial, after Ray started."""
+    import inspect
+
+    usage = f"trainable._target_={target} must be a function of (config, report)"
+    if not callable(fn):
+        raise ConfigError(f"{usage}; it is a {type(fn).__name__}")
+    if inspect.isclass(fn):  # calling it makes an object, which reports nothing
+        raise ConfigError(f"{usage}; it is a class")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none to read: let the trial say
+        return
+    try:
+        signature.bind({}, print)
+    except TypeError as error:
+        raise ConfigError(f"{usage}; its signature is {signature} ({error})") from None
+
+
+def resumable_state(out: Path, spec: SweepSpec, base: dict) -> SweepState | None:
+    """The saved state of the sweep in `out` (None: nothing saved), if it is this sweep."""
+    state = SweepState.load(out)
+    if state is not None:
+        try:
+            check_resumable(state, spec.name, base, sweep_definition(spec))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    return state
+
+
+def check_trial_fits(spec: SweepSpec, workers: int, cpus: float, gpus: float) -> None:
+    """One trial's CPUs and GPUs (per DDP rank, times the ranks) must fit the local cluster:
+    Ray would otherwise keep such a trial pending for ever, with a warning in its logs."""
+    ranks = f" x {workers} ranks (trainer.workers)" if workers > 1 else ""
+    for kind, per_trial, have in (
+        ("cpu", spec.cpus_per_trial, cpus),
+        ("gpu", spec.gpus_per_trial, gpus),
+    ):
+        need = per_trial * workers
+        if need > have:
+            raise ConfigError(
+                f"sweep.{kind}s_per_trial={per_trial:g}{ranks} needs {need:g} {kind.upper()}"
+                f"{'' if need == 1 else 's'} per trial, but the local Ray cluster has "
+                f"{have:g} (ray.num_{kind}s); "
+                "ask for less, or join a bigger cluster with ray.address"
+            )
+
+
+# a stage's values are also checked together, every combination, when there are at most
+# this many: a budget in FLOPs with the deepest model of a grid can be under one step
+COMBINATIONS_CHECKED = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialMemory:
+    """The device a local cluster's trials train on, and how many of them share it at
+    once: the trials the machine's CPUs run together (times their DDP ranks), or those
+    packed onto one GPU by a fractional sweep.gpus_per_trial."""
+
+    device: Any  # torch.device
+    copies: int = 1
+    copies_are: str = "copies"
+    fewer: Callable[[int], str] | None = None
+
+    def check(self, run) -> None:
+        from sweeper.train.budget import check_model_fits
+
+        check_model_fits(run, self.device, self.copies, self.copies_are, self.fewer)
+
+
+def slots_for(spec: SweepSpec, workers: int, cpus: float, gpus: float) -> int:
+    """Trials a cluster of `cpus` and `gpus` runs at once: each resource over one trial's
+    share (times its DDP ranks), capped by sweep.concurrency; at least 1."""
+    slots = [spec.concurrency or math.inf]
+    if spec.cpus_per_trial:
+        slots.append(cpus // (spec.cpus_per_trial * workers))
+    if spec.gpus_per_trial:
+        slots.append(gpus // (spec.gpus_per_trial * workers))
+    fewest = min(slots)
+    return 1 if fewest == math.inf else max(1, int(fewest))
+
+
+def local_trial_memory(spec: SweepSpec, cfg) -> TrialMemory | None:
+    """Where a trial of a local cluster trains: a GPU where it is given one, else the CPU
+    (Ray hides the GPUs from a trial given none). None on a cluster the sweep joins, whose
+    nodes this machine cannot see."""
+    if cfg.get("ray", {}).get("address"):
         return None
-    started = time.perf_counter()
-    device = resolve_device(run.trainer.device, 0)
-    dtype = resolve_dtype(run.trainer.dtype, device)
-    data = load_data(run.data, run.model.seq_len)
-    model = GPT(GPTShape.from_config(run.model), residual_dtype_for(device, dtype)).to(device)
-    setup_s = time.perf_counter() - started
-    result = train(probe, verbose=False)
-    evaluate(model, data, run, device, dtype, 0, 1)  # warm-up: one batch
-    batches = {**probe["trainer"], "eval_tokens": PROBE_EVAL_BATCHES * micro}
-    timed = load_run_config({**probe, "trainer": batches})
-    started = time.perf_counter()
-    evaluate(model, data, timed, device, dtype, 0, 1)
-    eval_s = time.perf_counter() - started
-    return Speed(
-        train_flops_per_s=result["tokens_per_s"] * per_token,
-        eval_flops_per_s=PROBE_EVAL_BATCHES * micro * per_token / 3 / max(eval_s, 1e-9),
-        setup_s=setup_s,
-        threads=threads,
+    import torch
+
+    from sweeper.sweep.cluster import local_cluster_size
+
+    workers = int(cfg.trainer.workers)
+    slots = slots_for(spec, workers, *local_cluster_size(cfg.ray))
+    if spec.gpus_per_trial and torch.cuda.is_available():
+        share = spec.gpus_per_trial
+        per_gpu = int(min(slots, 1 // share)) if share < 1 else 1
+        return TrialMemory(
+            torch.device("cuda"),
+            per_gpu,
+            f"trials on one GPU (sweep.gpus_per_trial={share:g})",
+            lambda fit: f"sweep.gpus_per_trial={1 / fit:.3g}",
+        )
+    if workers > 1:
+        return TrialMemory(
+            torch.device("cpu"),
+            slots * workers,
+            f"copies at once ({slots} trial{'s' * (slots > 1)} x {workers} DDP ranks)",
+        )
+    return TrialMemory(
+        torch.device("cpu"),
+        slots,
+        "trials at once",
+        lambda fit: f"sweep.concurrency={fit}",
     )
 
 
-# each stage's trials run in processes Tune starts for that stage (reused between its
-# trials), which import torch and load the data first: the first round of lr_bs's LR stage
-# (fifo) took 36 s against 29-30 s for the rounds after it, on a 2-core bf16 EPYC
-STAGE_START_S = 6.0
+def check_stage_values(spec: SweepSpec, base: dict, memory: TrialMemory | None = None) -> None:
+    """Each value a stage can hand a trial, written alone into the base config, must make a
+    valid run. Otherwise a grid batch size of no whole number of sequences, or a fixed
+    LR below zero, fails every trial it reaches after Ray has started and the run dir is
+    written. Ranges are checked at both ends, and integer ranges also one step in from the
+    low end: a constraint like "a multiple of 4096" fails there, and a grid or choice is
+    what such a key needs. Then the values together, where the combinations are few; a
+    stage of grids and choices is then held to its combinations alone. With the `memory`
+    the trials train in (a local cluster's), each model must also fit it, as many times as
+    trials share it.
+    Later stages start from earlier stages' best, which satisfies the same schema."""
+    from sweeper.train.budget import check_budget
 
-
-def makespan(seconds: list[float], slots: int) -> float:
-    """Wall time of jobs run `slots` at a time, longest first, each on the slot free
-    first (what Tune's queue does with trials of known length)."""
-    import heapq
-
-    free = [0.0] * max(1, slots)
-    for job in sorted(seconds, reverse=True):
-        heapq.heappush(free, heapq.heappop(free) + job)
-    return max(free)
-
-
-def param_text(param) -> str:
-    """optimizer.matrix_lr log_uniform [0.004, 0.1], as the sweep file writes it."""
-    values = param.values if param.values else (param.low, param.high)
-    return f"{param.name} {param.kind} [{', '.join(hydra_value(v) for v in values)}]"
-
-
-def run_cost(config: dict, rungs: tuple[float, ...] = ()) -> TrialCost:
-    """The cost of the run `config` makes (a sweep run: its micro-batch fitted), which
-    evaluates on its grid and at `rungs` (its scheduler's, as a trial is given them)."""
-    from sweeper.budget import model_counts, planned_flops, resolve_total_steps
-    from sweeper.config import load_run_config
-    from sweeper.train import evaluation_count, evaluation_steps
-
-    run = load_run_config(sweep_run(config, {"trainer.rungs": list(rungs)}))
-    params, flops_per_token = model_counts(run)
-    steps = resolve_total_steps(run, params, flops_per_token)
-    evaluations = evaluation_count(steps, *evaluation_steps(run, steps, flops_per_token))
-    return TrialCost(planned_flops(run), flops_per_token, evaluations * run.trainer.eval_tokens)
-
-
-def trial_costs(
-    base: dict, space, trials: int, grid: bool, rungs: tuple[float, ...] = ()
-) -> tuple[tuple, list[TrialCost]]:
-    """((least, most) FLOPs of one trial, each trial's cost), from the run each combination
-    of the params' bounding values makes, evaluating at `rungs` too. A pure grid runs
-    exactly its combinations; sampled trials are each counted at the dearest."""
-    options = {p.name: bounding_values(p) for p in space.params}
-    if math.prod(map(len, options.values())) <= MAX_COMBINATIONS:
-        combos = [dict(zip(options, c)) for c in itertools.product(*options.values())]
-    else:
-        combos = [{key: value} for key, values in options.items() for value in values]
-    costs = [
-        run_cost(apply_params(base, {**space.fixed, **combo}), rungs) for combo in combos or [{}]
-    ]
-    flops = [cost.flops for cost in costs]
-    if not (grid and len(costs) == trials):
-        costs = [max(costs, key=lambda cost: cost.flops)] * trials
-    return (min(flops), max(flops)), costs
-
-
-def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> list[StagePlan]:
-    """Each stage's plan from `base`; `done`: names of stages a resume skips (`base` is
-    then the config they left)."""
-    from sweeper.sweep.engine import planned_trials, rung_fractions
-    from sweeper.sweep.preflight import frozen_lrs, with_reports
-    from sweeper.sweep.space import is_pure_grid
-
+    run = load_run_config(fit_micro_batch(base))  # the baseline's run, and every stage's start
+    check_budget(run)  # the budget written in, before any stage's values
+    if memory is not None:
+        memory.check(run)
     frozen = frozen_lrs(spec, base)
-    plans = []
     for stage in spec.stages:
         space = stage_space(spec, stage, frozen)
-        trials = planned_trials(spec, stage, base)
-        grid = spec.stage_search(stage) == "grid" or is_pure_grid(space)
-        rungs = rung_fractions(spec, stage, target)
-        trial_flops = costs = None
-        if not target:  # a user's function's cost is its own business
-            stage_base = with_reports(base, spec.stage_reports(stage), target)
-            trial_flops, costs = trial_costs(stage_base, space, trials, grid, tuple(rungs))
-        plans.append(
-            StagePlan(
-                name=stage.name,
-                search=spec.stage_search(stage),
-                scheduler=spec.stage_scheduler(stage),
-                trials=trials,
-                searched=[param_text(p) for p in space.params]
-                + [f"{k}={hydra_value(v)} (fixed)" for k, v in space.fixed.items()],
-                trial_flops=trial_flops,
-                costs=costs,
-                # a fork at a rung trains rung_cooldown of the steps the trial took to get there
-                fork_factor=1 + spec.rung_cooldown * sum(rungs),
-                rungs=rungs,
-                extend_trials=stage.extend_trials,
-                lr_rule=stage.lr_rule,
-                finished=stage.name in done,
-                points=tuple(point_text(point) for point in stage.points),
+        options = {key: [(value, "fixed")] for key, value in space.fixed.items()}
+        for param in space.params:
+            values = bounding_values(param)
+            if param.integer and param.low + 1 < param.high:
+                values.insert(1, int(param.low) + 1)
+            options[param.name] = [(value, param.kind) for value in values]
+        alone = [{key: option} for key, choices in options.items() for option in choices]
+        together = []
+        if 1 < len(options) and math.prod(map(len, options.values())) <= COMBINATIONS_CHECKED:
+            together = [dict(zip(options, combo)) for combo in itertools.product(*options.values())]
+        # a stage of grids and choices alone runs exactly its combinations: there a value that
+        # fails alone but in none of them (lr_bs_scaling's smallest FLOPs budget with the
+        # base config's batch, never its own) is no trial's, and is let pass
+        exact = bool(together) and all(param.values for param in space.params)
+        failed_alone = []
+        for candidate in alone + together:
+            error = _run_error(base, candidate, memory)
+            if error is None:
+                continue
+            if exact and len(candidate) == 1:
+                failed_alone.append((candidate, error))
+                continue
+            # name a single value where one in this combination fails alone too
+            for single, single_error in failed_alone:
+                if single.items() <= candidate.items():
+                    candidate, error = single, single_error
+                    break
+            shown = ", ".join(
+                f"{k}={hydra_value(v)} ({kind})" for k, (v, kind) in candidate.items()
             )
-        )
-    return plans
-
-
-def plans_left(spec: SweepSpec, base: dict, target: str | None, state=None) -> list[StagePlan]:
-    """Every stage's plan; with the sweep state a resume continues, its finished stages
-    marked so, and the rest planned from the config they left."""
-    from sweeper.sweep.engine import reopens_capped_stage
-
-    finished = list(state.stages) if state is not None else []
-    if state is not None and reopens_capped_stage(spec, state):
-        finished.pop()  # the stage the time cap cut short goes on, given more time
-    done = [s["name"] for s in finished]
-    start = (finished[-1]["base_after"] if finished else None) or base
-    return stage_plans(spec, start, target, done)
-
-
-def point_text(point) -> str:
-    """`base`, or {optimizer.matrix_lr=0.02, optimizer.embedding_lr=0.3}."""
-    if not isinstance(point, dict):
-        return f"{point} (the config the stage starts from)" if point == "base" else str(point)
-    return "{" + ", ".join(f"{k}={hydra_value(v)}" for k, v in flatten(point).items()) + "}"
-
-
-def fraction_text(fraction: float) -> str:
-    """1/4, 3/4, 1/9: the rungs' fractions of a budget as people say them."""
-    for denominator in range(2, 100):
-        numerator = round(fraction * denominator)
-        if numerator and abs(numerator / denominator - fraction) < 1e-9:
-            return f"{numerator}/{denominator}"
-    return f"{fraction:.3g}"
-
-
-def plan_text(
-    spec: SweepSpec,
-    base: dict,
-    target: str | None,
-    slots: int | None,
-    state=None,
-    out: Path | None = None,
-    speed: Speed | None = None,
-) -> str:
-    """The plan as printed: a block per stage, then the sweep's totals. `state`: the sweep
-    state a resume continues (its finished stages are skipped, and the rest start from the
-    config they left)."""
-    from sweeper.sweep.report import duration_text, flops_text
-
-    plans = plans_left(spec, base, target, state)
-    unit = _unit(spec)
-    lines = [f"sweep '{spec.name}': the plan (sweep.dry_run=true: nothing is trained or written)"]
-    if not target:
-        from sweeper.budget import model_counts
-        from sweeper.config import load_run_config
-
-        params, per_token = model_counts(load_run_config(sweep_run(base, {})))
-        lines.append(
-            f"  model: {params / 1e6:.3g}M params, {flops_text(per_token)} training FLOPs a "
-            f"token; each trial {unit}"
-        )
-    else:
-        lines.append(f"  trainable: {target} (its budget is its own)")
-    width = max(len(p.name) for p in plans) if plans else 0
-    for plan in plans:
-        head = f"  stage {plan.name:<{width}}  "
-        if plan.finished:
-            lines.append(f"{head}finished in the run dir: skipped (sweep.resume=true)")
-            continue
-        what = f"{plan.trials} trial{'s' * (plan.trials != 1)}"
-        if plan.trial_flops:
-            least, most = plan.trial_flops
-            each = flops_text(most) if least == most else f"{flops_text(least)}-{flops_text(most)}"
-            what += f" of {each} FLOPs"
-        lines.append(f"{head}{plan.search} search, {plan.scheduler} scheduler: {what}")
-        pad = " " * len(head)
-        lines.append(pad + "; ".join(plan.searched))
-        if plan.points:
-            lines.append(f"{pad}first the given points: {'; '.join(plan.points)}")
-        if plan.rungs:
-            lines.append(
-                f"{pad}{plan.scheduler} may stop a trial at "
-                f"{', '.join(fraction_text(f) for f in plan.rungs)} of its budget "
-                + (
-                    f"(pauses each trial there until it ranks in the best "
-                    f"1/{spec.reduction_factor:g})"
-                    if plan.scheduler == "asha" and spec.asha_promotion
-                    else f"(keeps the best 1/{spec.reduction_factor:g} at each)"
-                )
-                + (
-                    f"; a fork at each rung cools down over {spec.rung_cooldown:g} of the "
-                    "steps so far"
-                    if spec.rung_cooldown
-                    else ""
-                )
+            raise ConfigError(
+                f"sweep stage '{stage.name}': {shown} "
+                f"{'is' if len(candidate) == 1 else 'together are'} not a valid run: {error}"
             )
-        if plan.lr_rule != "none":
-            rule = {
-                "sqrt": "LRs follow the batch size by sqrt(B / B0)",
-                "linear": "LRs follow the batch size by B / B0",
-                "retune": "LRs searched again in a band around the frozen ones",
-            }[plan.lr_rule]
-            lines.append(pad + rule)
-        if plan.extend_trials:
-            lines.append(
-                f"{pad}then {plan.extend_trials} more trial{'s' * (plan.extend_trials != 1)} "
-                "past a range's end, where the best sits at one"
-            )
-    totals = sweep_totals(spec, base, plans, state, target)
-    lines.append(f"  in all: {totals.text()}")
-    baseline = totals.baseline
-    if speed is not None and slots is not None and not target:
-        seconds = plan_seconds(spec, base, plans, speed, slots, baseline)
-        lines.append(
-            f"  time: ~{duration_text(seconds)} of trials here if every trial runs to its "
-            f"end, less where a scheduler stops trials (a trial on {speed.threads} thread"
-            f"{'s' * (speed.threads != 1)} trains {flops_text(speed.train_flops_per_s)} "
-            "FLOP/s, measured alone just now: side by side trials ran up to ~10% slower; "
-            "Ray's start and the end's outputs come on top)"
-        )
-    if caps := caps_text(spec):
-        lines.append(f"  {caps}")
-    if slots is not None:
-        lines.append(
-            f"  {slots} trial{'s' * (slots != 1)} at once on the local cluster "
-            f"(sweep.cpus_per_trial={spec.cpus_per_trial:g}, "
-            f"sweep.gpus_per_trial={spec.gpus_per_trial:g}"
-            + (f", sweep.concurrency={spec.concurrency}" if spec.concurrency else "")
-            + ")"
-        )
-    else:
-        lines.append("  trials at once: as many as the cluster's resources allow")
-    if out is not None:
-        lines.append(f"  run dir: {out}")
-    return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class Totals:
-    """What the stages left, the baseline and the confirmation runs take together."""
-
-    runs: int
-    extras: tuple[str, ...]  # the runs besides the stages' trials, in words
-    most_flops: float | None  # every run to its end (None: a user's function)
-    baseline: bool  # the baseline is still to run
-
-    def text(self) -> str:
-        text = f"at most {self.runs} runs"
-        if self.extras:
-            text += f" (with {', '.join(self.extras)})"
-        if self.most_flops is not None:
-            from sweeper.sweep.report import flops_text
-
-            text += f", {flops_text(self.most_flops)} training FLOPs if no trial is stopped early"
-        return text
+def frozen_lrs(spec: SweepSpec, base: dict) -> dict:
+    """The LRs of sweep.lr_keys that `base` holds: what an lr_rule=retune band is centred
+    on before the stages have run."""
+    frozen = {key: get_dotted(base, key) for key in spec.lr_keys}
+    return {key: value for key, value in frozen.items() if value is not None}
 
 
-def sweep_totals(
-    spec: SweepSpec, base: dict, plans: list[StagePlan], state, target: str | None
-) -> Totals:
-    runs = sum(p.trials + p.extend_trials for p in plans if not p.finished)
-    extras = []
-    baseline = bool(spec.baseline) and (state is None or state.baseline is None)
-    if baseline:
-        runs += 1
-        extras.append("the baseline")
-    if spec.confirm_seeds:
-        runs += 2 * spec.confirm_seeds
-        extras.append(f"{2 * spec.confirm_seeds} confirmation runs")
-    most = None
-    if not target:
-        from sweeper.budget import planned_flops
-        from sweeper.config import load_run_config
+def _run_error(base: dict, candidate: dict, memory: TrialMemory | None) -> ConfigError | None:
+    """Why the base config with `candidate`'s values ({key: (value, kind)}) is no valid run
+    (in `memory`, where given: a model too big for it)."""
+    from sweeper.train.budget import check_budget
 
-        left = [p for p in plans if not p.finished]
-        # a round past a range's end trains trials like the stage's own, forks included
-        most = sum(p.most_flops + p.extend_trials * p.trial_flops[1] * p.fork_factor for p in left)
-        # the baseline is the base config; a confirmation pairs the best config (one of
-        # the stages' trials) with the baseline on each seed
-        base_flops = planned_flops(load_run_config(sweep_run(base, {})))
-        best_flops = max([base_flops] + [p.trial_flops[1] for p in plans])
-        most += (int(baseline) + spec.confirm_seeds) * base_flops
-        most += spec.confirm_seeds * best_flops
-    return Totals(runs, tuple(extras), most, baseline)
+    try:
+        run = load_run_config(sweep_run(base, {k: v for k, (v, _) in candidate.items()}))
+        check_budget(run)
+        if memory is not None:
+            memory.check(run)
+    except ConfigError as error:
+        return error
+    return None
 
 
-def opening_line(spec: SweepSpec, base: dict, target: str | None, state=None) -> str:
-    """The sweep's first line: what it will take at most, the plan's totals without timing
-    anything (the dry run's minutes need a few steps trained; the progress line's ETA
-    follows the real trials)."""
-    plans = plans_left(spec, base, target, state)
-    left = [plan.name for plan in plans if not plan.finished]
-    stages = f"{len(left)} stage{'s' * (len(left) != 1)} ({', '.join(left)})"
-    totals = sweep_totals(spec, base, plans, state, target)
-    caps = caps_text(spec)
-    return (
-        f"sweep '{spec.name}': {stages}, {totals.text()}"
-        + (f"; {caps}" if caps else "")
-        + "; sweep.dry_run=true prints the whole plan"
-    )
+def base_config(cfg, spec: SweepSpec, target: str | None) -> dict:
+    """The plain nested dict every trial starts from, with the sweep's budget written in
+    and relative paths made absolute (Ray runs trials in their own working directories)."""
+    tree = user_function_config(cfg)
+    if target:
+        return tree
+    trainer = tree["trainer"]
+    for key in ("max_steps", "budget_tokens", "budget_flops", "tokens_per_param"):
+        trainer[key] = None
+    trainer["budget_tokens"] = spec.budget.tokens_per_trial
+    trainer["budget_flops"] = spec.budget.flops_per_trial
+    trainer["num_evals"] = spec.reports_per_trial
+    for key in ("path", "val_path"):
+        if tree["data"].get(key):
+            tree["data"][key] = os.path.abspath(tree["data"][key])
+    return {k: tree[k] for k in RUN_SECTIONS}
 
 
-def caps_text(spec: SweepSpec) -> str:
-    """The sweep's own caps, which may end it before the plan's at-most figures."""
-    caps = [
-        f"sweep.{key}={hydra_value(getattr(spec, key))}"
-        for key in ("max_trials", "max_flops", "max_seconds")
-        if getattr(spec, key) is not None
-    ]
-    return f"capped by {', '.join(caps)}" if caps else ""
-
-
-def plan_seconds(
-    spec: SweepSpec, base: dict, plans: list[StagePlan], speed: Speed, slots: int, baseline: bool
-) -> float:
-    """Wall time of the stages left if every trial runs to its end: the stages one after
-    another, each starting its processes, then its trials `slots` at a time, the baseline
-    in the first stage's (it takes the first idle slot), then each stage's round past a
-    range's end and the confirmation runs."""
-    from sweeper.sweep.preflight import with_reports
-
-    once = run_cost(with_reports(base, 1, None))  # the baseline evaluates once, at its end
-    total = 0.0
-    for number, plan in enumerate(p for p in plans if not p.finished):
-        jobs = [speed.trial_seconds(cost, plan.fork_factor) for cost in plan.costs]
-        if number == 0 and baseline:
-            jobs.append(speed.trial_seconds(once, 1.0))
-        total += STAGE_START_S + makespan(jobs, slots)
-        if plan.extend_trials:
-            dearest = max(jobs[: len(plan.costs)])
-            total += makespan([dearest] * plan.extend_trials, slots)
-    if spec.confirm_seeds:
-        total += makespan([speed.trial_seconds(once, 1.0)] * 2 * spec.confirm_seeds, slots)
-    return total
-
-
-def _unit(spec: SweepSpec) -> str:
-    if spec.budget.tokens_per_trial is not None:
-        return f"trains {spec.budget.tokens_per_trial:,.0f} tokens"
-    if spec.budget.flops_per_trial is not None:
-        from sweeper.sweep.report import flops_text
-
-        return f"trains {flops_text(spec.budget.flops_per_trial)} FLOPs (or a stage's own budget)"
-    return "trains its config's budget"
+def with_reports(base: dict, reports: int, target: str | None) -> dict:
+    """`base` with its runs evaluating (and reporting) `reports` times: a stage's own
+    reports_per_trial. A user's function reports when it likes: its config is kept."""
+    if target or base["trainer"].get("num_evals") == reports:
+        return base
+    return {**base, "trainer": {**base["trainer"], "num_evals": reports}}

@@ -12,6 +12,7 @@ from sweeper.sweep.trainable import (
     RUNG_METRIC,
     MissingMetricError,
     TrialContext,
+    reported_keys,
     trial_config,
 )
 
@@ -45,17 +46,8 @@ def trial_status(metrics: dict, error: Any, can_prune: bool = True) -> str:
     return "pruned"  # stopped by the scheduler (or a cap) before its budget
 
 
-# keys of a trial's result that Tune or sweeper add: not what the trainable reported
-ADDED_KEYS = frozenset(
-    {"done", "trial_id", "experiment_tag", "should_checkpoint", "wall_time", "status", "reason"}
-)
 
 
-def reported_keys(metrics: dict) -> list[str]:
-    """What a trainable's own reports held, less the keys Tune or sweeper add."""
-    from ray.tune.result import AUTO_RESULT_KEYS
-
-    return sorted(k for k in metrics if k not in ADDED_KEYS and k not in AUTO_RESULT_KEYS)
 
 
 def users_figures(rows: list[dict], metric: str) -> list[str]:

@@ -12,18 +12,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sweeper.config import OPTIMIZER_LRS, ConfigError, typed
-from sweeper.sweep.algorithms import (
-    SCHEDULERS,
-    SEARCHES,
-    check_compatible,
-    check_reduction_factor,
-)
+from sweeper.config.errors import ConfigError
+from sweeper.config.schema import OPTIMIZER_LRS, typed
+from sweeper.sweep.algorithms import SCHEDULERS, SEARCHES, check_compatible
+from sweeper.sweep.rungs import check_reduction_factor
 from sweeper.sweep.space import Space, SpaceError, parse_points, parse_space
 
 LR_RULES = ("none", "sqrt", "linear", "retune")
 BATCH_KEY = "trainer.total_batch_size"
-# what sweeper.train reports at every evaluation that a sweep can rank trials by
+# what sweeper.train.loop reports at every evaluation that a sweep can rank trials by
 # (tests/test_train.py holds the trainer to it)
 BUILTIN_METRICS = ("val_bpb", "train_loss", "tokens_per_s")
 # which way each is better: the other way a sweep looks for the worst config (and, under
@@ -89,8 +86,6 @@ class SweepSpec:
     # > 0: rungs rank a cooled-down fork of each trial (train.py); null: see rung_cooldown_for
     rung_cooldown: float | None = None
     brackets: int | None = None  # null: all of HyperBand's, ASHA's one
-    # asha pauses trials at its rungs and promotes the best, as published (sweep/promotion.py)
-    asha_promotion: bool = False
     bohb: BohbSpec = field(default_factory=BohbSpec)
     penalty: float | None = None
     seed: int = 0
@@ -347,11 +342,6 @@ def validate_spec(spec: SweepSpec, run_values: dict[str, Any], custom_trainable:
     _check(
         spec.brackets is None or spec.brackets >= 1,
         f"sweep.brackets must be >= 1 or null, got {spec.brackets}",
-    )
-    asha = any(spec.stage_scheduler(stage) == "asha" for stage in spec.stages)
-    _check(
-        not (asha and spec.asha_promotion and spec.brackets and spec.brackets > 1),
-        f"sweep.asha_promotion runs one bracket, got sweep.brackets={spec.brackets}",
     )
     _check_bohb(spec.bohb)
     if not custom_trainable:

@@ -8,7 +8,7 @@ import copy
 import math
 from typing import Any
 
-from sweeper.config import BUDGET_KEYS, micro_batch_dividing
+from sweeper.config.schema import BUDGET_KEYS, micro_batch_dividing
 from sweeper.seeds import paired_lead
 
 BATCH_KEY = "trainer.total_batch_size"

@@ -62,7 +62,7 @@ class SweepState:
     def load(cls, out: Path) -> SweepState | None:
         """The state in `out`, None where there is none; a file that is no sweep state
         sweeper wrote (cut short by a full disk, edited by hand) is a ConfigError."""
-        from sweeper.config import ConfigError
+        from sweeper.config.errors import ConfigError
 
         path = out / STATE_NAME
         if not path.exists():
@@ -214,7 +214,7 @@ def differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]
 def at_schema_default(key: str, value: Any) -> bool:
     """Whether `value` at dotted `key` (a leaf, or a whole new section) is what the run
     schema gives it by default."""
-    from sweeper.config import RunConfig
+    from sweeper.config.schema import RunConfig
     from sweeper.sweep.spec import flatten
 
     defaults = flatten(as_json(RunConfig().to_dict()))

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sweeper.activations import ACTIVATION_COLUMNS
-from sweeper.checkpoint import load_latest_state, save_state
 from sweeper.sweep.space import to_builtin
 from sweeper.sweep.stages import apply_params, fit_micro_batch, follow_batch_size, get_dotted
+from sweeper.train.activations import ACTIVATION_COLUMNS
+from sweeper.train.checkpoint import load_latest_state, save_state
 
 
 @dataclass(frozen=True)
@@ -337,8 +337,6 @@ def run_trial(
         if ctx.target:
             metrics = plain_numbers(metrics, ctx.metric)
             if ctx.metric_read_by and ctx.metric not in metrics:
-                from sweeper.sweep.results import reported_keys
-
                 keys = reported_keys(metrics)
                 raise MissingMetricError.of(ctx.metric, ctx.metric_read_by, keys)
         metrics, diverged = penalise(metrics, ctx.metric, ctx.penalty)
@@ -383,7 +381,7 @@ def _run_one_process_trial(run_cfg: dict, ctx: TrialContext, report) -> None:
 
     import torch
 
-    from sweeper.train import train
+    from sweeper.train.loop import train
 
     with_run_settings(run_cfg, ctx)
     torch.set_num_threads(ctx.threads)
@@ -398,7 +396,7 @@ def _run_one_process_trial(run_cfg: dict, ctx: TrialContext, report) -> None:
 def _run_ddp_trial(run_cfg: dict, ctx: TrialContext) -> None:
     from ray import tune
 
-    from sweeper.distributed import train_ddp
+    from sweeper.train.distributed import train_ddp
 
     with_run_settings(run_cfg, ctx)
     train_ddp(
@@ -413,3 +411,16 @@ def _run_ddp_trial(run_cfg: dict, ctx: TrialContext) -> None:
 
 def batch_of(base: dict) -> float | None:
     return get_dotted(base, "trainer.total_batch_size")
+
+
+# keys of a trial's result that Tune or sweeper add: not what the trainable reported
+ADDED_KEYS = frozenset(
+    {"done", "trial_id", "experiment_tag", "should_checkpoint", "wall_time", "status", "reason"}
+)
+
+
+def reported_keys(metrics: dict) -> list[str]:
+    """What a trainable's own reports held, less the keys Tune or sweeper add."""
+    from ray.tune.result import AUTO_RESULT_KEYS
+
+    return sorted(k for k in metrics if k not in ADDED_KEYS and k not in AUTO_RESULT_KEYS)

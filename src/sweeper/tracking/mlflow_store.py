@@ -7,7 +7,7 @@ import logging
 import os
 from urllib.parse import urlparse
 
-from sweeper.config import ConfigError
+from sweeper.config.errors import ConfigError
 
 PROBE_TIMEOUT_S = 3.0
 

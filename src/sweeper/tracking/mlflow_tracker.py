@@ -24,9 +24,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sweeper.activations import ACTIVATION_COLUMNS
-from sweeper.config import ConfigError
-from sweeper.paths import PACKAGE_DIR
+from sweeper.config.errors import ConfigError
+from sweeper.config.paths import PACKAGE_DIR
 from sweeper.sweep.space import to_builtin
 from sweeper.sweep.spec import flatten, flatten_params
 from sweeper.sweep.state import STATE_NAME, write_json_atomic
@@ -41,6 +40,7 @@ from sweeper.tracking.mlflow_store import (
     shown,
     ui_hint,
 )
+from sweeper.train.activations import ACTIVATION_COLUMNS
 
 # sweep settings a stage may set for itself (spec.StageSpec), the sweep's being its default
 STAGE_DEFAULTS = ("search", "scheduler", "reports_per_trial")
@@ -88,7 +88,7 @@ class MlflowTracker:
     def __init__(self, cfg, spec, out_dir, announce: bool = True):
         from mlflow import MlflowClient
 
-        from sweeper.sweep.preflight import base_config, trainable_target
+        from sweeper.sweep.plan import base_config, trainable_target
 
         mlflow_cfg = cfg.get("mlflow") or {}
         self.uri = resolve_tracking_uri(mlflow_cfg.get("tracking_uri"))

@@ -23,7 +23,7 @@ import math
 import subprocess
 import sys
 
-from sweeper.cli import interrupts_held
+from sweeper.signals import interrupts_held
 
 FINISH_TIMEOUT_S = 150.0  # the queue's own close gives a dead server ~2 tries in 120 s
 

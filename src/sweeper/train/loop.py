@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
-from sweeper.activations import ActivationWatch, activations_text
-from sweeper.budget import resolve_total_steps
-from sweeper.config import ConfigError, RunConfig, load_run_config
-from sweeper.data import BatchSampler, load_data, unigram_bpb, val_window_count, val_windows
-from sweeper.model import GPT, GPTShape, residual_dtype_for
-from sweeper.optim import build_optimizer, update_ratios, weights_before_step
-from sweeper.runtime import (
+from sweeper.config.errors import ConfigError
+from sweeper.config.schema import RunConfig, load_run_config
+from sweeper.train.activations import ActivationWatch, activations_text
+from sweeper.train.budget import resolve_total_steps
+from sweeper.train.data import BatchSampler, load_data, unigram_bpb, val_window_count, val_windows
+from sweeper.train.device import (
     autocast_context,
     distributed_info,
     keep_freed_memory_for_reuse,
@@ -37,7 +36,9 @@ from sweeper.runtime import (
     resolve_dtype,
     utilization,
 )
-from sweeper.schedule import lr_multiplier, muon_momentum, weight_decay_multiplier
+from sweeper.train.model import GPT, GPTShape, residual_dtype_for
+from sweeper.train.optim import build_optimizer, update_ratios, weights_before_step
+from sweeper.train.schedule import lr_multiplier, muon_momentum, weight_decay_multiplier
 
 Report = Callable[..., Any]
 

@@ -10,8 +10,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sweeper.config import BUDGET_KEYS
-from sweeper.sweep.importance import importance_text, stage_importance
+from sweeper.config.schema import BUDGET_KEYS
+from sweeper.report.importance import importance_text, stage_importance
 from sweeper.sweep.results import REPORT_COLUMNS
 from sweeper.sweep.space import LIST_KINDS, ParamSpec, range_edge
 from sweeper.sweep.spec import SweepSpec, flatten, flatten_params, stage_space
@@ -56,7 +56,7 @@ def _train_once(base: dict, metric: str, target: str | None, threads: int, gpus:
         import json
         import tempfile
 
-        from sweeper.distributed import train_ddp
+        from sweeper.train.distributed import train_ddp
 
         with tempfile.TemporaryDirectory() as folder:
             train_ddp(
@@ -72,7 +72,7 @@ def _train_once(base: dict, metric: str, target: str | None, threads: int, gpus:
             if result.get("out_of_memory"):  # the ranks recorded it quietly (distributed.py)
                 raise RuntimeError(result["error"])
     else:
-        from sweeper.train import train
+        from sweeper.train.loop import train
 
         torch.set_num_threads(threads)
         result = train(base, verbose=False)
@@ -342,10 +342,10 @@ def write_all(
     fit_cfg: dict | None = None,
     target: str | None = None,
 ) -> dict:
+    from sweeper.report.markdown import write_report
+    from sweeper.report.plots import plot_learning_curves, plot_stage_lr
     from sweeper.sweep.confirm import confirmation_summary
-    from sweeper.sweep.engine import reproduce_overrides
-    from sweeper.sweep.plots import plot_learning_curves, plot_stage_lr
-    from sweeper.sweep.report import write_report
+    from sweeper.sweep.runner import reproduce_overrides
 
     records, reports = state.all_records(), state.all_reports()
     write_reports_csv(out / "reports.csv", reports, spec.metric)
@@ -464,13 +464,13 @@ def kept_note(spec: SweepSpec, incumbent: dict, best: dict, start: dict) -> str:
 def _overrides(final: dict, reproduce, target: str | None = None) -> list[str]:
     """The overrides that give `python -m sweeper` the config `final`; for a user's
     function, that runs it once (`trainable._target_` first), its own sections added."""
-    from sweeper.config import RUN_SECTIONS
+    from sweeper.config.schema import RUN_SECTIONS
     from sweeper.sweep.spec import flatten
     from sweeper.sweep.stages import hydra_value
 
     if not target:
         return reproduce(final)
-    from sweeper.config import RunConfig
+    from sweeper.config.schema import RunConfig
 
     own = {k: v for k, v in final.items() if k not in RUN_SECTIONS}
     added = [f"+{k}={hydra_value(v)}" for k, v in sorted(flatten(own).items())]
@@ -570,7 +570,7 @@ def predicted_run(result: dict, base: dict, points: list[dict]) -> list[str] | N
     run requires, and trains in the largest micro-batch up to the sweep's that divides it
     (fit_micro_batch), as the sweep's own trials did. None where no law predicts (or the
     config is a user function's, not a sweeper run)."""
-    from sweeper.sweep.engine import reproduce_overrides
+    from sweeper.sweep.runner import reproduce_overrides
 
     predictions, target = result.get("predictions") or {}, result.get("target_flops")
     if target is None or not {"lr_opt", "batch_size_opt"} & predictions.keys():
@@ -701,7 +701,7 @@ def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:
     if baseline.get("status") in ("diverged", "failed"):
         print(f"  baseline (the unmodified config) {baseline['status']} under the same budget")
     elif base is not None and best is not None and math.isfinite(base):
-        from sweeper.sweep.report import gain_text
+        from sweeper.report.markdown import gain_text
 
         gain = gain_text(summary["improvement"])
         print(f"  baseline {spec.metric} {base:.4f} -> best {best:.4f} ({gain})")

@@ -30,7 +30,7 @@ from ray.tune.schedulers import HyperBandForBOHB, HyperBandScheduler
 from ray.tune.schedulers.hyperband import _Bracket
 from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
-from sweeper.sweep.algorithms import budget_key, hyperband_units
+from sweeper.sweep.rungs import budget_key, hyperband_units
 
 _ACTIVE = (Trial.RUNNING, Trial.PENDING)  # trials that hold, or are about to hold, a slot
 
@@ -111,7 +111,7 @@ class RunningLimiter(ConcurrencyLimiter):
         if trial_id in self.live_trials:
             self.live_trials.remove(trial_id)
             self.paused.add(trial_id)
-        if hasattr(self.searcher, "on_pause"):  # TuneBOHB's count, Optuna's rung value
+        if hasattr(self.searcher, "on_pause"):  # TuneBOHB keeps its own count
             self.searcher.on_pause(trial_id)
 
     def on_unpause(self, trial_id: str) -> None:
@@ -140,8 +140,7 @@ class RunningVariantGenerator(BasicVariantGenerator):
 
 def _tell_searcher(tune_controller: Any, event: str, trial: Trial) -> None:
     """Call ``on_pause``/``on_unpause`` on the searcher where it has one (the limiters above,
-    TuneBOHB, ``optuna_search``'s, which learns the rung value at the pause); Ray's plain
-    HyperBand tells no searcher, and Ray's OptunaSearch has no such hook."""
+    TuneBOHB); Ray's plain HyperBand tells no searcher, and Optuna's has no such hook."""
     search_alg = tune_controller.search_alg
     hook = getattr(getattr(search_alg, "searcher", search_alg), event, None)
     if hook is not None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from sweeper.config import OptimizerConfig
-from sweeper.model import GPT
-from sweeper.muon import Muon
-from sweeper.runtime import bf16_is_fast
+from sweeper.config.schema import OptimizerConfig
+from sweeper.train.device import bf16_is_fast
+from sweeper.train.model import GPT
+from sweeper.train.muon import Muon
 
 
 class ChainedOptimizer:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sweeper.runtime import cpu_fp32_matmul_by_onednn, onednn_fp32_linear
+from sweeper.train.device import cpu_fp32_matmul_by_onednn, onednn_fp32_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

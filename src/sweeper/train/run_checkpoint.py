@@ -19,8 +19,8 @@ import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from sweeper.checkpoint import STATE_FILE, load_state, save_state
-from sweeper.config import ConfigError
+from sweeper.config.errors import ConfigError
+from sweeper.train.checkpoint import STATE_FILE, load_state, save_state
 
 CHECKPOINT_DIR = "checkpoint"
 RECORD_FILE = "checkpoint.json"
@@ -181,8 +181,8 @@ def load_resume_state(run_dir: str | Path) -> dict:
 def resume_command(overrides: Sequence[str], run_dir: str | Path) -> str:
     """The shell line that continues an interrupted run: its own overrides, then the run
     dir and trainer.resume=true (a later override of a key wins in Hydra)."""
-    from sweeper.cli import other_budgets_cleared
-    from sweeper.config import BUDGET_KEYS
+    from sweeper.config.compose import other_budgets_cleared
+    from sweeper.config.schema import BUDGET_KEYS
 
     kept = [o for o in overrides if o.split("=")[0].lstrip("+") != "trainer.resume"]
     # the `trainer.X=null` the command line's one budget brought with it come back by

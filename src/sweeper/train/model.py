@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sweeper.attention import causal_attention, row_dot
-from sweeper.linear import Linear, linear
+from sweeper.train.attention import causal_attention, row_dot
+from sweeper.train.linear import Linear, linear
 
 
 @dataclass(frozen=True)

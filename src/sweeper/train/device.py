@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from sweeper.config import ConfigError
+from sweeper.config.errors import ConfigError
 
 # dense bf16 tensor-core peaks (no sparsity), for MFU; add a GPU here to get its MFU
 # matched in this order, the first name the device's contains: a variant before its family
@@ -44,67 +44,6 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         torch.set_float32_matmul_precision("high")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-# bytes a training run holds per parameter before any activation: fp32 weights and
-# gradients, and the optimizer's state (AdamW's two moments; Muon keeps one, so for
-# muon_adamw this is an upper bound)
-TRAINING_BYTES_PER_PARAM = 16
-
-
-def memory_bytes(device: torch.device) -> int:
-    """Memory of the device: a GPU's own, or the machine's RAM under any cgroup limit."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:  # a container's limit (cgroup v2): "max" when there is none
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        return min(total, int(limit)) if limit.isdigit() else total
-    except OSError:
-        return total
-
-
-def check_model_fits(
-    run,
-    device: torch.device | None = None,
-    copies: int = 1,
-    copies_are: str = "copies",
-    fewer: Callable[[int], str] | None = None,
-) -> None:
-    """A model whose weights, gradients and optimizer state alone exceed the memory of the
-    device it trains on (`device`, else the run's own) is refused before it is built.
-    Building it would fail in the allocator, with advice about the batch size that cannot
-    help, or in torch itself for very deep models (an overflow), or grow until the system
-    kills it. `copies` of it may share the device (a sweep's trials at once, CPU DDP
-    ranks): together they must fit, or one is killed mid-run. `copies_are` says what they
-    are, and `fewer(n)` the setting that makes them n."""
-    from sweeper.model import GPTShape
-
-    shape = GPTShape.from_config(run.model)
-    need = shape.n_params * TRAINING_BYTES_PER_PARAM
-    device = device or resolve_device(run.trainer.device)
-    have = memory_bytes(device)
-    params, needed = _readable(shape.n_params / 1e9, "B"), _readable(need / 2**30, " GiB")
-    model = f"model.depth={shape.depth} (d_model {shape.d_model}) has {params} parameters"
-    if need > have:
-        raise ConfigError(
-            f"{model}, whose weights, gradients and optimizer state need {needed}; "
-            f"{device.type} has {have / 2**30:,.0f} GiB: choose a smaller model"
-        )
-    if need * copies > have:
-        fit = int(have // need)
-        raise ConfigError(
-            f"{model}, whose weights, gradients and optimizer state need {needed} a copy; "
-            f"{copies} {copies_are} need {_readable(need * copies / 2**30, ' GiB')}"
-            f", and {device.type} has {have / 2**30:,.0f} GiB: {fit} fit{'s' * (fit == 1)}"
-            f"{f' ({fewer(fit)})' if fewer else ''}, or choose a smaller model"
-        )
-
-
-def _readable(n: float, unit: str) -> str:
-    """12.9B, 192.0 GiB; a count too long to read in thousands, as 4.92e+10B."""
-    return f"{n:,.1f}{unit}" if n < 1e6 else f"{n:.2e}{unit}"
 
 
 # bf16 autocast must beat fp32 by this much in a matmul to pay for its casts

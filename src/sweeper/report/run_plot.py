@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from sweeper.config import RunConfig
-from sweeper.schedule import lr_multiplier
+from sweeper.config.schema import RunConfig
+from sweeper.train.schedule import lr_multiplier
 
 PLOT_NAME = "curves.png"
 # the EMA drawn over the per-step loss averages about this share of the run's steps: enough

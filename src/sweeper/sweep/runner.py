@@ -19,9 +19,10 @@ import threading
 import time
 from pathlib import Path
 
-from sweeper.config import ConfigError, load_run_config
+from sweeper.config.errors import ConfigError
+from sweeper.config.schema import load_run_config
 from sweeper.sweep.algorithms import metric_reader
-from sweeper.sweep.preflight import (
+from sweeper.sweep.plan import (
     base_config,
     resumable_state,
     slots_for,
@@ -123,16 +124,16 @@ def budget_text(time_attr: str, max_t: float) -> str:
     if time_attr == "tokens":
         return f"{max_t:,.0f} tokens"
     if time_attr == "flops":
-        from sweeper.sweep.report import flops_text
+        from sweeper.report.markdown import flops_text
 
         return f"{flops_text(max_t)} FLOPs"
     return f"{max_t:.0f} report{'s' * (max_t != 1)}"
 
 
 def run_sweep(cfg, out_dir: str) -> float | None:
-    from sweeper.sweep import outputs
+    from sweeper.report import summary as outputs
+    from sweeper.sweep.cluster import start_ray
     from sweeper.sweep.confirm import run_confirmation
-    from sweeper.sweep.ray_cluster import start_ray
 
     spec = validate_sweep(cfg)
     target = trainable_target(cfg)
@@ -148,7 +149,7 @@ def run_sweep(cfg, out_dir: str) -> float | None:
 
     done = state is not None and finished(spec, state, base)
     if not done:
-        from sweeper.sweep.plan import opening_line
+        from sweeper.sweep.estimate import opening_line
 
         print(opening_line(spec, base, target, state), flush=True)
     if done:
@@ -168,7 +169,7 @@ def run_sweep(cfg, out_dir: str) -> float | None:
         if hint := idle_gpus_hint(spec, base, target, ray.cluster_resources().get("GPU", 0)):
             print(hint)
     if state is None:
-        from sweeper.sweep.report import command_overrides
+        from sweeper.report.markdown import command_overrides
 
         state = SweepState.new(
             out, spec.name, base, sweep_definition(spec), launched=command_overrides(out)
@@ -183,7 +184,7 @@ def run_sweep(cfg, out_dir: str) -> float | None:
 
     reaper = contextlib.nullcontext()
     if not target and int(base["trainer"]["workers"]) > 1:
-        from sweeper.distributed import placement_group_reaper
+        from sweeper.train.distributed import placement_group_reaper
 
         reaper = placement_group_reaper()
     if baseline is not None:  # started in the first slot a stage leaves idle (IdleSlot)
@@ -273,7 +274,7 @@ class NothingToRank(SweepFailed):
     no best either, but that is the cap the user chose: no failure.)"""
 
     def __init__(self, state: SweepState, out: Path):
-        from sweeper.sweep.outputs import counts_text, status_tally
+        from sweeper.report.summary import counts_text, status_tally
 
         counts = counts_text(status_tally(state.all_records()))
         Exception.__init__(
@@ -329,7 +330,7 @@ def run_stages(
     tracker,
 ):
     """The stages in order, each starting from the best config of the ones before."""
-    from sweeper.sweep import outputs
+    from sweeper.report import summary as outputs
 
     reopen_capped_stage(spec, state)
     current = state.base_after_finished_stages() or base
@@ -603,12 +604,12 @@ def stage_context(
 
 def pauses_trials(spec: SweepSpec, scheduler: str) -> bool:
     """Whether the stage's scheduler pauses trials at its rungs (they then checkpoint)."""
-    return scheduler in ("hyperband", "bohb") or (scheduler == "asha" and spec.asha_promotion)
+    return scheduler in ("hyperband", "bohb")
 
 
 def rung_fractions(spec: SweepSpec, stage, target: str | None) -> tuple[float, ...]:
     """Where the stage's scheduler ranks trials, as fractions of a trial's budget."""
-    from sweeper.sweep.algorithms import rungs
+    from sweeper.sweep.rungs import rungs
 
     _, max_t = time_axis(spec, stage, target)
     scheduler = spec.stage_scheduler(stage)
@@ -649,7 +650,7 @@ def run_stage(
         MarksStopped,
         ProgressCallback,
     )
-    from sweeper.sweep.hyperband import BracketState
+    from sweeper.sweep.ray_patches import BracketState
     from sweeper.sweep.results import collect_results
     from sweeper.sweep.space import grid_size, is_pure_grid
     from sweeper.sweep.trainable import run_trial
@@ -696,12 +697,11 @@ def run_stage(
         reduction_factor=spec.reduction_factor,
         max_concurrent=spec.concurrency,
         brackets=spec.brackets,
-        promotion=spec.asha_promotion,
     )
     hyperband = scheduler_name in ("hyperband", "bohb")  # brackets, and paused trials
     earlier = 0
     if earlier_reports and scheduler_name == "asha":
-        from sweeper.sweep.hyperband import record_earlier_trials
+        from sweeper.sweep.ray_patches import record_earlier_trials
 
         earlier = record_earlier_trials(
             scheduler, earlier_reports, time_attr, RUNG_METRIC if ctx.ranks_forks else spec.metric
@@ -773,9 +773,6 @@ def run_stage(
         f"{min(spec.brackets, levels)} of its {levels} brackets"
         if spec.brackets and hyperband
         else None,
-        f"each paused there until it ranks in the best 1/{spec.reduction_factor:g} (promotions)"
-        if scheduler_name == "asha" and spec.asha_promotion and stops
-        else None,
         random_start(search, space, planned, given=len(points)),
         None if target else fitted_micro_batches(space.params, base),
         f"ranked at the rungs against the first round's {earlier} trial{'s' * (earlier > 1)} too"
@@ -813,7 +810,7 @@ def run_stage(
             BracketState.link(tuner)
             replayed = "; its brackets as they were"
         if scheduler_name == "asha":
-            from sweeper.sweep.hyperband import replay_restored_rungs
+            from sweeper.sweep.ray_patches import replay_restored_rungs
 
             count = replay_restored_rungs(
                 tuner, time_attr, RUNG_METRIC if ctx.ranks_forks else spec.metric
@@ -883,7 +880,7 @@ def time_cap(seconds: float | None):
     time_budget_s ends them for good. The stop is Tune's SIGUSR1, which it handles as it
     does SIGINT, sent once Tune's handler is in place; yields whether it fired. Without
     a cap, or off the main thread (no signals there), it never fires."""
-    from sweeper.sweep.ray_cluster import TIME_CAP_STOP
+    from sweeper.sweep.cluster import TIME_CAP_STOP
 
     fired, done = threading.Event(), threading.Event()
     if seconds is None or threading.current_thread() is not threading.main_thread():
@@ -947,7 +944,7 @@ def interrupt_watch():
 def reproduce_overrides(final: dict) -> list[str]:
     """Hydra overrides that turn `python -m sweeper`'s default run into `final`: both sides
     resolved through the schema, so derived values (vocab size) do not show up as changes."""
-    from sweeper.config import RunConfig
+    from sweeper.config.schema import RunConfig
 
     before = flatten(RunConfig().to_dict())
     after = flatten(load_run_config(final).to_dict())

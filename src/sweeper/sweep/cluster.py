@@ -7,8 +7,8 @@ import os
 import socket
 import threading
 
-from sweeper.cli import stop_on_sigterm_as_on_ctrl_c
-from sweeper.config import ConfigError
+from sweeper.config.errors import ConfigError
+from sweeper.signals import stop_on_sigterm_as_on_ctrl_c
 
 # persist the experiment state at most once a second rather than Tune's >= 10 s: a killed
 # driver then re-runs only trials that finished in its last second. Every controller step

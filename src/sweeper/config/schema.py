@@ -14,6 +14,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sweeper.config.errors import ConfigError
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float32")
 OPTIMIZERS = ("muon_adamw", "adamw")
@@ -38,10 +40,6 @@ SCHEDULES = ("wsd", "cosine", "constant")
 WEIGHT_DECAY_SCHEDULES = ("constant", "linear")
 DATASETS = ("stdlib", "shards")
 BUDGET_KEYS = ("max_steps", "budget_tokens", "budget_flops", "tokens_per_param")
-
-
-class ConfigError(ValueError):
-    """A user's config mistake: reported as one line, exit code 2, nothing written."""
 
 
 def micro_batch_dividing(total: int, sequence_tokens: int, device_batch: int) -> int | None:

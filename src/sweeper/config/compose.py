@@ -4,16 +4,11 @@ users get one line naming the problem and exit code 2 instead."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import difflib
 import re
-import sys
 from collections.abc import Sequence
 
-from sweeper.config import ConfigError
-
-EXIT_BAD_INPUT = 2
+from sweeper.config.errors import ConfigError, one_line
 
 
 def compose(overrides: Sequence[str]):
@@ -84,7 +79,7 @@ def _hydra_compose(overrides: Sequence[str], return_hydra_config: bool = False):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from sweeper.paths import config_dir
+    from sweeper.config.paths import config_dir
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -176,83 +171,9 @@ def check_syntax(overrides: Sequence[str]) -> None:
             ) from None
 
 
-def skip_the_collection_at_exit() -> None:
-    """Python's exit ends with a garbage collection over every object still alive. After a
-    sweep, whose driver holds Hydra, MLflow, Ray and torch, that took 4 s in which the
-    command had printed its last line but not returned (2 s after one training run).
-    Objects frozen at exit are left out of it, and the OS frees their memory. The atexit
-    handlers (Ray's shutdown, the MLflow queue's flush) still run, and every file sweeper
-    writes is closed where it is written, so nothing is lost by skipping it."""
-    import atexit
-    import gc
-
-    atexit.register(gc.freeze)  # before the run registers its own: it runs after them
-
-
-def stop_on_sigterm_as_on_ctrl_c() -> None:
-    """SIGTERM to the driver (`kill`, `docker stop`) ends a run or a sweep the way Ctrl+C
-    does: a single run writes its failed result.json, a sweep saves its state and prints
-    how to resume. Without this a sweep died at once, after Ray's dump of the driver's
-    native stack. Ray's ray.init installs that dump handler, so start_ray calls this again
-    after it. (A signal to the whole process group, as `timeout` sends, also ends Ray's own
-    processes at once: then only the state saved each second is left to resume from.)"""
-    import os
-    import signal
-    import threading
-
-    def on_sigterm(signum, frame):
-        if callable(signal.getsignal(signal.SIGINT)):
-            # through SIGINT, not a raise here: inside tuner.fit() Tune's own SIGINT handler
-            # stops the trials and saves the experiment before it returns
-            os.kill(os.getpid(), signal.SIGINT)
-        else:
-            # SIGINT is ignored: a shell without job control (a script, `nohup cmd &`)
-            # starts background jobs so. A SIGINT would be lost, and `kill` with it.
-            raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)
-
-
-@contextlib.contextmanager
-def interrupts_held():
-    """Holds a Ctrl+C (or SIGTERM) that arrives inside the block until the block is done,
-    then raises it as KeyboardInterrupt; a second one is raised at once, so a block that
-    hangs can still be left. For the few steps that must not stop half way: an evaluation
-    taken off the DDP run's queue and not yet handed to the logger was lost with the
-    interrupt (seen once in CI), and a line half written to the logger breaks the rest.
-
-    Only the main thread can set signal handlers; elsewhere the block runs as it is. An
-    ignored signal (SIGINT in a background job) stays ignored."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[int] = []
-
-    def hold(signum, frame):
-        if held:
-            raise KeyboardInterrupt
-        held.append(signum)
-
-    previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        if callable(signal.getsignal(signum)):
-            previous[signum] = signal.signal(signum, hold)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if held:
-        raise KeyboardInterrupt
-
-
 def chosen_budgets(overrides: Sequence[str]) -> dict[str, str]:
     """The trainer budgets the command line names, with their values (null included)."""
-    from sweeper.config import BUDGET_KEYS
+    from sweeper.config.schema import BUDGET_KEYS
 
     named = {}
     for override in overrides:
@@ -271,7 +192,7 @@ def other_budgets_cleared(overrides: Sequence[str]) -> list[str]:
     Budgets that the command line names itself, two of them, or one set to null, are left
     as written: that choice is the user's, and two are still refused.
     """
-    from sweeper.config import BUDGET_KEYS
+    from sweeper.config.schema import BUDGET_KEYS
 
     named = chosen_budgets(overrides)
     chosen = [key for key, value in named.items() if value.lower() not in ("null", "")]
@@ -368,59 +289,3 @@ def sweep_schema_keys(path: str) -> list[str] | None:
     schemas = {"sweep": SweepSpec, "sweep.budget": BudgetSpec, "sweep.bohb": BohbSpec}
     schema = schemas.get(path) or (StageSpec if re.fullmatch(r"sweep\.stages\.\d+", path) else None)
     return [f.name for f in fields(schema)] if schema else None
-
-
-def end_quietly_when_output_closes() -> None:
-    """A command whose output goes into `head` or `less` ends silently when the reader
-    quits, as `cat` and `ls` do, not with a BrokenPipeError traceback. Python ignores
-    SIGPIPE and raises instead; restoring the default lets the kernel end the process.
-    Only for commands that print and change nothing (a sweep keeps Python's way: it has a
-    Ray cluster and a state file to close)."""
-    import signal
-
-    if hasattr(signal, "SIGPIPE"):  # not on Windows
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-
-
-def one_line(error: BaseException) -> str:
-    """Hydra's and OmegaConf's multi-line messages, folded into one line."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    message = lines[0]
-    if len(lines) > 1 and lines[1].startswith("Available options"):
-        options = []
-        for line in lines[2:]:
-            if line.startswith("Config search path"):
-                break
-            options.append(line)
-        message += f" (available: {', '.join(options)})"
-    if message.startswith("Ambiguous value for argument"):  # a,b: Hydra lists 3 readings
-        message += (
-            ": for a list write key=[a,b], for a string key='a,b', and to run once per "
-            "value add -m (--multirun)"
-        )
-    # "Error merging override k=v" (and "In 'sweep/x': ... raised while composing config:")
-    # keep their reason in the exception they wrap
-    cause = str(error.__cause__ or "").strip().splitlines()
-    if message.startswith("Error merging override") and cause:
-        message += f": {cause[0].strip()}"
-        if cause[0].strip() == "list index out of range":  # sweep.stages.5 of a 2-stage sweep
-            message += " (the list is shorter: its items count from 0)"
-    elif message.endswith(":"):  # its reason is on the next line (or in its cause)
-        reason = lines[1] if len(lines) > 1 else (cause[0].strip() if cause else "")
-        message = f"{message} {reason}".strip()
-    return message
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line (its default prints the whole
-    usage block first), exit 2 as before."""
-
-    def error(self, message: str):
-        self.exit(EXIT_BAD_INPUT, f"error: {message} ({self.prog} --help)\n")
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)

@@ -19,7 +19,7 @@ import math
 import re
 from pathlib import Path
 
-from sweeper.sweep.importance import importance_text
+from sweeper.report.importance import importance_text
 from sweeper.sweep.spec import SweepSpec, flatten
 from sweeper.sweep.stages import rounded_text
 from sweeper.sweep.state import SweepState, write_text_atomic
@@ -68,7 +68,7 @@ def as_html(page: str, out: Path, title: str) -> str:
 
 
 def render_report(summary: dict, spec: SweepSpec, state: SweepState, out: Path, base: dict) -> str:
-    from sweeper.sweep.outputs import reproduce_command
+    from sweeper.report.summary import reproduce_command
 
     metric = spec.metric
     lines = [f"# Sweep `{spec.name}`", "", *_outcome(summary, metric), ""]
@@ -212,8 +212,8 @@ def _fit_section(fit: dict, out: Path) -> list[str]:
         return ["", "## Loss against compute", "", f"No fit: {fit['error']}."]
     if not fit.get("file") or not (out / fit["file"]).exists():
         return []
+    from sweeper.report.summary import reproduce_command
     from sweeper.scaling.summary import format_summary
-    from sweeper.sweep.outputs import reproduce_command
 
     result = json.loads((out / fit["file"]).read_text())
     lines = ["", "## Loss against compute", "", "```", format_summary(result), "```"]

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sweeper.config import ConfigError, DataConfig
+from sweeper.config.errors import ConfigError
+from sweeper.config.schema import DataConfig
 
 SHARD_MAGIC = 20240520  # modded-nanogpt / llm.c header: 256 int32, [magic, version, n_tokens]
 SHARD_HEADER_INTS = 256

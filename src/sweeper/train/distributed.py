@@ -23,11 +23,11 @@ def _worker_loop(config: dict) -> None:
     import ray.train
     import torch
 
-    from sweeper.checkpoint import load_latest_state, save_state
-    from sweeper.config import load_run_config
-    from sweeper.run_checkpoint import checkpoint_saver, load_resume_state
-    from sweeper.runtime import out_of_memory
-    from sweeper.train import train
+    from sweeper.config.schema import load_run_config
+    from sweeper.train.checkpoint import load_latest_state, save_state
+    from sweeper.train.device import out_of_memory
+    from sweeper.train.loop import train
+    from sweeper.train.run_checkpoint import checkpoint_saver, load_resume_state
 
     # Ray Train logs every report's metrics at INFO through a logger outside `ray.train`
     # (LoggingConfig's level misses it), so a rank's root logger keeps to warnings
