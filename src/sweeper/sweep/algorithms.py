@@ -202,16 +202,6 @@ def build_searcher(
     return searcher, dict(space.fixed)
 
 
-
-
-
-
-
-
-
-
-
-
 def build_scheduler(
     scheduler: str,
     *,

@@ -46,10 +46,6 @@ def trial_status(metrics: dict, error: Any, can_prune: bool = True) -> str:
     return "pruned"  # stopped by the scheduler (or a cap) before its budget
 
 
-
-
-
-
 def users_figures(rows: list[dict], metric: str) -> list[str]:
     """What a user's function reported besides the columns every report has (its `loss`,
     its own counters): reports.csv keeps them too. Tune's flattened config ("config/...")
