@@ -106,7 +106,7 @@ def test_metric_reader_names_what_ray_checks_every_report_for(search, scheduler)
 def test_the_sweeps_bohb_settings_reach_hpbandsters_model():
     from dataclasses import asdict
 
-    from sweeper.sweep.spec import BohbSpec
+    from sweeper.config.sweep import BohbSpec
 
     def model_of(spec: BohbSpec):
         alg, _ = build_searcher(

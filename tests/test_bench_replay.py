@@ -100,7 +100,8 @@ def test_the_search_bench_spaces_compose_into_the_stages_they_name(space, names)
     from bench_search import COMMON, SPACES
 
     from sweeper.config.compose import compose
-    from sweeper.sweep.spec import load_sweep_spec, stage_space
+    from sweeper.config.sweep import load_sweep_spec
+    from sweeper.sweep.spec import stage_space
 
     spec = load_sweep_spec(compose([*COMMON, *SPACES[space]]).sweep)
     searched = stage_space(spec, spec.stages[0])
@@ -112,7 +113,8 @@ def test_the_seed_noise_bench_trains_one_configuration_over_a_grid_of_seeds():
     from bench_search_noise import seed_grid_overrides
 
     from sweeper.config.compose import compose
-    from sweeper.sweep.spec import load_sweep_spec, stage_space
+    from sweeper.config.sweep import load_sweep_spec
+    from sweeper.sweep.spec import stage_space
 
     cfg = compose(seed_grid_overrides(0.09, 0.3, 5))
     spec = load_sweep_spec(cfg.sweep)

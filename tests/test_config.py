@@ -324,7 +324,7 @@ def test_the_trials_sharing_a_device_are_counted_from_the_cluster_and_the_sweep(
     overrides, device, copies, fewer, monkeypatch
 ):
     from sweeper.sweep.plan import local_trial_memory
-    from sweeper.sweep.spec import load_sweep_spec
+    from sweeper.config.sweep import load_sweep_spec
 
     if device == "cuda":  # where trials go is all that is asked of torch here
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from sweeper.sweep.confirm import confirmation_lines, confirmation_summary, fresh_seeds, with_seed
-from sweeper.sweep.spec import SweepSpec
+from sweeper.config.sweep import SweepSpec
 from sweeper.sweep.state import SweepState
 
 BASE = {"trainer": {"seed": 4}, "optimizer": {"matrix_lr": 0.02}}

@@ -8,7 +8,6 @@ import pytest
 
 from sweeper.config.compose import compose
 from sweeper.config.schema import load_run_config
-from sweeper.report.markdown import flops_text
 from sweeper.sweep.estimate import (
     STAGE_START_S,
     Speed,
@@ -24,6 +23,7 @@ from sweeper.sweep.plan import base_config, validate_sweep, with_reports
 from sweeper.sweep.runner import budget_text, rung_fractions
 from sweeper.sweep.stages import sweep_run
 from sweeper.sweep.state import SweepState, sweep_definition
+from sweeper.text import flops_text
 from sweeper.train.budget import model_counts, planned_flops
 
 from .conftest import REPO, run_cli

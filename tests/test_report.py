@@ -5,15 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sweeper.report.markdown import (
-    as_html,
-    changes_table,
-    duration_text,
-    render_report,
-    trial_table,
-    write_report,
-)
-from sweeper.sweep.spec import StageSpec, SweepSpec
+from sweeper.report.markdown import as_html, changes_table, render_report, trial_table, write_report
+from sweeper.config.sweep import StageSpec, SweepSpec
+from sweeper.text import duration_text
 
 BASE = {
     "optimizer": {"matrix_lr": 0.02, "embedding_lr": 0.2, "scalar_lr": 0.02},

@@ -19,7 +19,8 @@ from sweeper.sweep.runner import (
     reproduce_overrides,
     stage_context,
 )
-from sweeper.sweep.spec import flatten, load_sweep_spec, stage_space
+from sweeper.config.sweep import flatten, load_sweep_spec
+from sweeper.sweep.spec import stage_space
 from sweeper.sweep.stages import apply_params, follow_batch_size, get_dotted, lr_scale, pick_best
 from sweeper.sweep.trainable import TrialContext, placed, trial_config
 
@@ -218,7 +219,7 @@ def test_a_configuration_run_on_several_seeds_ranks_by_its_mean():
 
 def test_the_configurations_a_seeded_best_does_not_clearly_beat_are_named(capsys):
     from sweeper.report.summary import print_stage_table
-    from sweeper.sweep.spec import SweepSpec
+    from sweeper.config.sweep import SweepSpec
     from sweeper.sweep.stages import unresolved_rivals
 
     def trial(lr, seed, metric, status="completed"):
@@ -325,7 +326,8 @@ def test_the_reproduce_command_is_one_shell_line_that_keeps_every_override_whole
 
 
 def test_retune_rule_searches_a_narrow_band_around_each_frozen_lr():
-    from sweeper.sweep.spec import StageSpec, SweepSpec, stage_space
+    from sweeper.config.sweep import StageSpec, SweepSpec
+    from sweeper.sweep.spec import stage_space
 
     spec = SweepSpec(lr_keys=["optimizer.matrix_lr", "optimizer.lr"])
     stage = StageSpec(
@@ -343,7 +345,7 @@ def test_retune_rule_searches_a_narrow_band_around_each_frozen_lr():
 
 def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
     from sweeper.report.summary import range_edges
-    from sweeper.sweep.spec import StageSpec, SweepSpec
+    from sweeper.config.sweep import StageSpec, SweepSpec
 
     lr = StageSpec(name="lr", params={"optimizer": {"matrix_lr": {"log_uniform": [0.004, 0.1]}}})
     batch = {"trainer": {"total_batch_size": {"grid": [4096, 8192, 16384]}}}
@@ -605,7 +607,8 @@ def test_a_winner_of_the_round_past_the_ends_is_frozen_with_the_lrs_it_trained()
 def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs():
     from sweeper.report.summary import range_edges, searched_params
     from sweeper.sweep.extend import extension_ranges, extension_stage, merge_round
-    from sweeper.sweep.spec import StageSpec, SweepSpec, stage_space
+    from sweeper.config.sweep import StageSpec, SweepSpec
+    from sweeper.sweep.spec import stage_space
 
     cfg = compose(["+sweep=lr_bs"])
     base = base_config(cfg, validate_sweep(cfg), None)
@@ -675,7 +678,7 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
 def test_a_float_range_past_its_end_is_cut_where_runs_end(name, declared, cut, problem):
     from sweeper.sweep.extend import extension_ranges, valid_part, widening_override
     from sweeper.sweep.space import extended_range, parse_space
-    from sweeper.sweep.spec import StageSpec
+    from sweeper.config.sweep import StageSpec
 
     cfg = compose(["+sweep=lr_bs"])
     base = base_config(cfg, validate_sweep(cfg), None)
@@ -714,7 +717,7 @@ def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
 ):
     from sweeper.report.summary import range_edges, searched_params
     from sweeper.sweep.extend import extended_ranges, extension_ranges, extension_stage
-    from sweeper.sweep.spec import StageSpec, SweepSpec
+    from sweeper.config.sweep import StageSpec, SweepSpec
 
     cfg = compose(["+sweep=lr_bs"])
     base = base_config(cfg, validate_sweep(cfg), None)
@@ -761,7 +764,7 @@ def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
 )
 def test_the_summary_says_whether_the_sweep_beat_the_baseline(capsys, baseline, best, line):
     from sweeper.report.summary import _print_summary
-    from sweeper.sweep.spec import SweepSpec
+    from sweeper.config.sweep import SweepSpec
 
     summary = {
         "trials": 3,
@@ -814,7 +817,7 @@ def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, mon
     from matplotlib.figure import Figure
 
     from sweeper.report.plots import plot_stage_lr
-    from sweeper.sweep.spec import SweepSpec
+    from sweeper.config.sweep import SweepSpec
 
     drawn = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
@@ -863,7 +866,7 @@ def test_the_stage_plot_colours_each_trials_learning_curve_by_its_lr(tmp_path, m
     from matplotlib.figure import Figure
 
     from sweeper.report.plots import plot_stage_lr
-    from sweeper.sweep.spec import SweepSpec
+    from sweeper.config.sweep import SweepSpec
 
     drawn = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
@@ -961,7 +964,8 @@ def test_the_learning_curves_plot_the_gradient_norm_update_ratio_and_residual_be
 
 def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
     from sweeper.config.errors import ConfigError
-    from sweeper.sweep.spec import StageSpec, SweepSpec, stage_points
+    from sweeper.config.sweep import StageSpec, SweepSpec
+    from sweeper.sweep.spec import stage_points
 
     spec = SweepSpec(lr_keys=["optimizer.matrix_lr"])
     params = {"trainer": {"total_batch_size": {"choice": [512, 1024]}}}
@@ -979,7 +983,8 @@ def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
 
 def test_a_base_point_is_the_config_the_stage_starts_from():
     from sweeper.config.errors import ConfigError
-    from sweeper.sweep.spec import StageSpec, SweepSpec, stage_points
+    from sweeper.config.sweep import StageSpec, SweepSpec
+    from sweeper.sweep.spec import stage_points
 
     spec = SweepSpec(lr_keys=["optimizer.matrix_lr"])
     lr = {"optimizer": {"matrix_lr": {"log_uniform": [0.005, 0.05]}}}
@@ -1010,7 +1015,7 @@ def test_a_base_point_is_the_config_the_stage_starts_from():
 
 
 def test_nested_and_dotted_params_mean_the_same():
-    from sweeper.sweep.spec import flatten_params
+    from sweeper.config.sweep import flatten_params
 
     nested = {"optimizer": {"matrix_lr": {"log_uniform": [0.01, 0.1]}, "empty": {}}}
     dotted = {"optimizer.matrix_lr": {"log_uniform": [0.01, 0.1]}}
@@ -1121,7 +1126,7 @@ def test_a_diverged_trials_penalty_is_a_uniform_guess_in_the_metrics_unit(
     penalty (3.5 bits/byte on a 50k-token vocabulary) given as train_loss (nats per
     token, a uniform guess 10.8) would rank it above them all."""
     from sweeper.sweep.runner import default_penalty
-    from sweeper.sweep.spec import SweepSpec
+    from sweeper.config.sweep import SweepSpec
 
     vocab = 256 if bytes_per_token is None else 65536
     base = {"data": {"vocab_size": vocab, "bytes_per_token": bytes_per_token}}

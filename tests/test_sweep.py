@@ -14,7 +14,7 @@ from sweeper.config.errors import ConfigError
 from sweeper.config.schema import load_run_config
 from sweeper.sweep.plan import base_config, validate_sweep
 from sweeper.sweep.runner import run_sweep
-from sweeper.sweep.stages import rounded_text
+from sweeper.text import rounded_text
 from sweeper.train.model import GPT, GPTShape
 
 from .conftest import REPO, run_cli

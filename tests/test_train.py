@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sweeper.config.schema import load_run_config
-from sweeper.sweep.spec import BUILTIN_METRICS
+from sweeper.config.sweep import BUILTIN_METRICS
 from sweeper.train.data import BatchSampler, load_data
 from sweeper.train.device import keep_freed_memory_for_reuse, release_freed_memory
 from sweeper.train.loop import (

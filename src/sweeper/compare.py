@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sweeper.config.errors import ConfigError, OneLineParser, fail
 from sweeper.signals import end_quietly_when_output_closes
-from sweeper.sweep.stages import float_text
+from sweeper.text import float_text
 from sweeper.tracking.mlflow_store import shown
 from sweeper.train.run_checkpoint import RUN_SETTINGS
 

@@ -254,17 +254,19 @@ def sweep_config(path: Path) -> dict | None:
         from omegaconf import OmegaConf
 
         from sweeper.config.compose import compose
-        from sweeper.sweep.plan import base_config, trainable_target, validate_sweep
+        from sweeper.sweep.preflight import build_plan
 
         kept = [str(o) for o in OmegaConf.load(overrides_file) if not str(o).startswith("hydra.")]
         cfg = compose(kept)
-        if "sweep" not in cfg or trainable_target(cfg):
+        if "sweep" not in cfg:
             return None
-        spec = validate_sweep(cfg)
+        plan = build_plan(cfg)
+        if plan.target:
+            return None
         return {
-            "target_flops": cfg.get("fit", {}).get("target_flops"),
-            "bootstrap": cfg.get("fit", {}).get("bootstrap"),
-            "base": base_config(cfg, spec, None),
+            "target_flops": plan.fit.get("target_flops"),
+            "bootstrap": plan.fit.get("bootstrap"),
+            "base": plan.base,
         }
     except Exception:  # the refit stands without it
         return None
@@ -301,7 +303,7 @@ def run(args) -> int:
     if not any(result[k] for k in ("frontier", "parametric", "isoflop", "hparams")):
         raise InputError("no fit could be made: " + "; ".join(result["warnings"]))
     if sweep:
-        from sweeper.report.summary import predicted_run
+        from sweeper.report.fit import predicted_run
 
         result["predicted_run"] = predicted_run(result, sweep["base"], records)
     result["inputs"] = inputs
@@ -323,7 +325,8 @@ def run(args) -> int:
     else:
         print(format_summary(result))
         if result.get("predicted_run"):
-            from sweeper.report.summary import predicted_run_note, reproduce_command
+            from sweeper.report.fit import predicted_run_note
+            from sweeper.sweep.stages import reproduce_command
 
             print(f"Run it at C = {result['target_flops']:.3g} FLOPs:")
             print(f"  {reproduce_command(result['predicted_run'])}")

@@ -260,7 +260,7 @@ def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str |
         message += f": did you mean {'.'.join(filter(None, [parent_path, close[0]]))}?"
     shown = ", ".join(siblings[:12]) + (", ..." if len(siblings) > 12 else "")
     message += f" ({parent_path or 'the config'} has {shown})"
-    from sweeper.sweep.space import KINDS
+    from sweeper.config.sweep import KINDS
 
     if re.fullmatch(r"sweep\.stages\.\d+\.params\..+", parent_path) and missing in KINDS:
         # a searched param's kind (log_uniform -> grid) is a key of its own: replacing it
@@ -284,7 +284,7 @@ def sweep_schema_keys(path: str) -> list[str] | None:
     sweep.stages.N); None where any key goes (a stage's params) or outside sweep."""
     from dataclasses import fields
 
-    from sweeper.sweep.spec import BohbSpec, BudgetSpec, StageSpec, SweepSpec
+    from sweeper.config.sweep import BohbSpec, BudgetSpec, StageSpec, SweepSpec
 
     schemas = {"sweep": SweepSpec, "sweep.budget": BudgetSpec, "sweep.bohb": BohbSpec}
     schema = schemas.get(path) or (StageSpec if re.fullmatch(r"sweep\.stages\.\d+", path) else None)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import difflib
 import glob
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sweeper.config.errors import ConfigError
+from sweeper.config.fields import bounded, check_fields, choice
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float32")
@@ -77,36 +77,20 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _positive(key: str, value: float | None) -> None:
-    _require(value is None or value > 0, f"{key} must be > 0, got {value}")
-
-
-def _fraction(key: str, value: float) -> None:
-    _require(0.0 <= value <= 1.0, f"{key} must be in [0, 1], got {value}")
-
-
 @dataclass
 class ModelConfig:
-    depth: int = 4
-    aspect_ratio: int = 64
-    d_model: int | None = None
-    head_dim: int = 64
-    seq_len: int = 256
-    vocab_size: int | None = None
-    softcap: float = 15.0
+    depth: int = bounded(4, ge=1)
+    aspect_ratio: int = bounded(64, gt=0)  # d_model = depth * aspect_ratio unless d_model is set
+    d_model: int | None = bounded(None, gt=0)
+    head_dim: int = bounded(64, gt=0)
+    seq_len: int = bounded(256, ge=2)
+    vocab_size: int | None = bounded(None, gt=0)  # null: data.vocab_size
+    softcap: float = bounded(15.0, ge=0)  # tanh soft-cap of the logits (0: none)
 
     def __post_init__(self) -> None:
-        _require(self.depth >= 1, f"model.depth must be >= 1, got {self.depth}")
-        _positive("model.aspect_ratio", self.aspect_ratio)
-        _positive("model.d_model", self.d_model)
-        _positive("model.head_dim", self.head_dim)
-        _require(self.seq_len >= 2, f"model.seq_len must be >= 2, got {self.seq_len}")
-        _positive("model.vocab_size", self.vocab_size)
-        _require(self.softcap >= 0, f"model.softcap must be >= 0, got {self.softcap}")
-        width = self.width
         _require(
-            width % self.head_dim == 0,
-            f"model.d_model ({width}) must be a multiple of model.head_dim ({self.head_dim})",
+            self.width % self.head_dim == 0,
+            f"model.d_model ({self.width}) must be a multiple of model.head_dim ({self.head_dim})",
         )
         _require(self.head_dim % 2 == 0, f"model.head_dim must be even (RoPE), got {self.head_dim}")
 
@@ -118,65 +102,30 @@ class ModelConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "muon_adamw"
-    matrix_lr: float = 0.02
-    embedding_lr: float = 0.2
-    unembedding_lr: float = 0.004
-    scalar_lr: float = 0.02
-    lr: float = 0.001
-    weight_decay: float = 0.0
-    weight_decay_schedule: str = "constant"
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-10
-    muon_momentum: float = 0.95
-    muon_momentum_start: float = 0.85
-    muon_momentum_warmup: int = 300
-
-    def __post_init__(self) -> None:
-        _require(
-            self.name in OPTIMIZERS,
-            f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {self.name!r}",
-        )
-        for key in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "lr"):
-            value = getattr(self, key)
-            _require(
-                value > 0 and math.isfinite(value), f"optimizer.{key} must be > 0, got {value}"
-            )
-        _require(
-            self.weight_decay >= 0,
-            f"optimizer.weight_decay must be >= 0, got {self.weight_decay}",
-        )
-        _require(
-            self.weight_decay_schedule in WEIGHT_DECAY_SCHEDULES,
-            f"optimizer.weight_decay_schedule must be one of {', '.join(WEIGHT_DECAY_SCHEDULES)}, "
-            f"got {self.weight_decay_schedule!r}",
-        )
-        for key in ("adam_beta1", "adam_beta2", "muon_momentum", "muon_momentum_start"):
-            value = getattr(self, key)
-            _require(0 <= value < 1, f"optimizer.{key} must be in [0, 1), got {value}")
-        _positive("optimizer.adam_eps", self.adam_eps)
-        _require(
-            self.muon_momentum_warmup >= 0,
-            f"optimizer.muon_momentum_warmup must be >= 0, got {self.muon_momentum_warmup}",
-        )
+    name: str = choice("muon_adamw", OPTIMIZERS)
+    matrix_lr: float = bounded(0.02, gt=0)
+    embedding_lr: float = bounded(0.2, gt=0)
+    unembedding_lr: float = bounded(0.004, gt=0)
+    scalar_lr: float = bounded(0.02, gt=0)
+    lr: float = bounded(0.001, gt=0)  # adamw's only LR
+    weight_decay: float = bounded(0.0, ge=0)
+    weight_decay_schedule: str = choice("constant", WEIGHT_DECAY_SCHEDULES)
+    adam_beta1: float = bounded(0.8, ge=0, lt=1)
+    adam_beta2: float = bounded(0.95, ge=0, lt=1)
+    adam_eps: float = bounded(1e-10, gt=0)
+    muon_momentum: float = bounded(0.95, ge=0, lt=1)
+    muon_momentum_start: float = bounded(0.85, ge=0, lt=1)
+    muon_momentum_warmup: int = bounded(300, ge=0)
 
 
 @dataclass
 class SchedulerConfig:
-    name: str = "wsd"
-    warmup_ratio: float = 0.0
-    warmdown_ratio: float = 0.4
-    final_lr_frac: float = 0.0
+    name: str = choice("wsd", SCHEDULES)
+    warmup_ratio: float = bounded(0.0, ge=0, le=1)
+    warmdown_ratio: float = bounded(0.4, ge=0, le=1)
+    final_lr_frac: float = bounded(0.0, ge=0, le=1)
 
     def __post_init__(self) -> None:
-        _require(
-            self.name in SCHEDULES,
-            f"scheduler.name must be one of {', '.join(SCHEDULES)}, got {self.name!r}",
-        )
-        _fraction("scheduler.warmup_ratio", self.warmup_ratio)
-        _fraction("scheduler.warmdown_ratio", self.warmdown_ratio)
-        _fraction("scheduler.final_lr_frac", self.final_lr_frac)
         if self.name == "wsd":
             _require(
                 self.warmup_ratio + self.warmdown_ratio <= 1.0,
@@ -187,24 +136,14 @@ class SchedulerConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib"
+    name: str = choice("stdlib", DATASETS)
     path: str | None = None
     val_path: str | None = None
-    vocab_size: int = 256
-    bytes_per_token: float | None = 1.0
-    val_every_n_files: int = 50
+    vocab_size: int = bounded(256, ge=2)
+    bytes_per_token: float | None = bounded(1.0, gt=0)
+    val_every_n_files: int = bounded(50, ge=2)
 
     def __post_init__(self) -> None:
-        _require(
-            self.name in DATASETS,
-            f"data.name must be one of {', '.join(DATASETS)}, got {self.name!r}",
-        )
-        _require(self.vocab_size >= 2, f"data.vocab_size must be >= 2, got {self.vocab_size}")
-        _positive("data.bytes_per_token", self.bytes_per_token)
-        _require(
-            self.val_every_n_files >= 2,
-            f"data.val_every_n_files must be >= 2, got {self.val_every_n_files}",
-        )
         if self.name == "shards":
             _require(bool(self.path), "data.path must be set for data=shards")
             _require(bool(glob.glob(self.path)), f"data.path matches no file: {self.path}")
@@ -213,90 +152,63 @@ class DataConfig:
                     bool(glob.glob(self.val_path)),
                     f"data.val_path matches no file: {self.val_path}",
                 )
-        if self.name == "stdlib":
-            for key in ("path", "val_path"):  # the run would train on the stdlib unseen
-                value = getattr(self, key)
-                _require(
-                    value is None,
-                    f"data.{key}={value}: the stdlib corpus reads no files of yours; add "
-                    "data=shards to train on them",
-                )
+            return
+        for key in ("path", "val_path"):  # the run would train on the stdlib unseen
+            value = getattr(self, key)
             _require(
-                self.vocab_size == 256,
-                f"data.vocab_size must be 256 for the byte-level stdlib corpus, got {self.vocab_size}",
+                value is None,
+                f"data.{key}={value}: the stdlib corpus reads no files of yours; add "
+                "data=shards to train on them",
             )
-            _require(  # one token is one byte: any other value would scale val_bpb
-                self.bytes_per_token == 1.0,
-                "data.bytes_per_token must be 1 for the byte-level stdlib corpus, got "
-                f"{self.bytes_per_token}",
-            )
+        _require(
+            self.vocab_size == 256,
+            f"data.vocab_size must be 256 for the byte-level stdlib corpus, got {self.vocab_size}",
+        )
+        _require(  # one token is one byte: any other value would scale val_bpb
+            self.bytes_per_token == 1.0,
+            "data.bytes_per_token must be 1 for the byte-level stdlib corpus, got "
+            f"{self.bytes_per_token}",
+        )
 
 
 @dataclass
 class TrainerConfig:
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: str = "auto"
-    device_batch_size: int = 16
-    total_batch_size: int = 8192
-    max_steps: int | None = None
-    budget_tokens: float | None = 600_000
-    budget_flops: float | None = None
-    tokens_per_param: float | None = None
-    eval_every: int = 25
-    num_evals: int | None = None
-    eval_tokens: int = 32768
-    log_every: int = 5
-    grad_clip: float = 1.0
-    max_loss: float | None = None
-    max_loss_patience: int = 10
+    device: str = choice("auto", DEVICES)
+    dtype: str = choice("auto", DTYPES)
+    compile: str = "auto"  # auto | true | false (a YAML bool arrives as "True")
+    device_batch_size: int = bounded(16, ge=1)  # sequences per micro-batch
+    total_batch_size: int = bounded(8192, ge=1)  # tokens per optimizer step
+    max_steps: int | None = bounded(None, gt=0)
+    budget_tokens: float | None = bounded(600_000, gt=0)
+    budget_flops: float | None = bounded(None, gt=0)
+    tokens_per_param: float | None = bounded(None, gt=0)
+    eval_every: int = bounded(25, ge=1)
+    num_evals: int | None = bounded(None, gt=0)
+    eval_tokens: int = bounded(32768, ge=1)
+    log_every: int = bounded(5, ge=1)
+    grad_clip: float = bounded(1.0, ge=0)
+    max_loss: float | None = bounded(None, gt=0)
+    max_loss_patience: int = bounded(10, ge=1)
     seed: int = 0
-    workers: int = 1
-    dist_timeout_s: int = 60
-    threads: int | None = None
+    workers: int = bounded(1, ge=1)  # DDP ranks
+    dist_timeout_s: int = bounded(60, gt=0)
+    threads: int | None = bounded(None, gt=0)
     checkpoint_every_eval: bool = False
     resume: bool = False  # a single run: go on from the checkpoint in hydra.run.dir
-    nan_at_step: int | None = None  # fault injection: see conf/trainer/cpu.yaml
+    nan_at_step: int | None = bounded(None, gt=0)  # fault injection: see conf/trainer/cpu.yaml
     # set by a sweep with sweep.rung_cooldown: fractions of the budget where its scheduler
-    # ranks trials, and the length of the cooled-down fork evaluated there (train.py)
+    # ranks trials, and the length of the cooled-down fork evaluated there (train/loop.py)
     rungs: list[float] = field(default_factory=list)
-    rung_cooldown: float = 0.0
+    rung_cooldown: float = bounded(0.0, ge=0, le=1)
 
     def __post_init__(self) -> None:
-        _require(
-            self.device in DEVICES,
-            f"trainer.device must be one of {', '.join(DEVICES)}, got {self.device!r}",
-        )
-        _require(
-            self.dtype in DTYPES,
-            f"trainer.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}",
-        )
         self.compile = str(self.compile).lower()
         _require(
             self.compile in ("auto", "true", "false"),
             f"trainer.compile must be auto, true or false, got {self.compile!r}",
         )
-        for key in ("device_batch_size", "total_batch_size", "eval_every", "eval_tokens"):
-            value = getattr(self, key)
-            _require(value >= 1, f"trainer.{key} must be >= 1, got {value}")
-        _positive("trainer.num_evals", self.num_evals)
-        _require(self.log_every >= 1, f"trainer.log_every must be >= 1, got {self.log_every}")
-        _require(self.workers >= 1, f"trainer.workers must be >= 1, got {self.workers}")
-        _positive("trainer.dist_timeout_s", self.dist_timeout_s)
-        _require(self.grad_clip >= 0, f"trainer.grad_clip must be >= 0, got {self.grad_clip}")
-        _positive("trainer.max_loss", self.max_loss)
-        _require(
-            self.max_loss_patience >= 1,
-            f"trainer.max_loss_patience must be >= 1, got {self.max_loss_patience}",
-        )
-        _positive("trainer.threads", self.threads)
         _require(  # torch.manual_seed takes 64 bits
             0 <= self.seed < 2**64, f"trainer.seed must be in [0, 2^64), got {self.seed}"
-        )
-        _positive("trainer.nan_at_step", self.nan_at_step)
-        _require(
-            0 <= self.rung_cooldown <= 1,
-            f"trainer.rung_cooldown must be in [0, 1], got {self.rung_cooldown}",
         )
         for rung in self.rungs:
             _require(0 < rung < 1, f"trainer.rungs must lie in (0, 1), got {rung}")
@@ -306,8 +218,6 @@ class TrainerConfig:
             f"set exactly one of trainer.{', trainer.'.join(BUDGET_KEYS)}; got "
             f"{', '.join(budgets) if budgets else 'none'}",
         )
-        for key in BUDGET_KEYS:
-            _positive(f"trainer.{key}", getattr(self, key))
 
 
 @dataclass
@@ -321,13 +231,6 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
-        # inf passes every range check above (inf > 0) and fails deep inside training
-        for section in RUN_SECTIONS:
-            for key, value in asdict(getattr(self, section)).items():
-                _require(
-                    not isinstance(value, float) or math.isfinite(value),
-                    f"{section}.{key} must be a finite number, got {value}",
-                )
         t, m = self.trainer, self.model
         micro = t.device_batch_size * m.seq_len * t.workers
         _require(
@@ -370,6 +273,7 @@ def load_run_config(tree: Any) -> RunConfig:
     sections = {k: container[k] for k in RUN_SECTIONS if k in container}
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), sections)
+        check_fields(RunConfig, OmegaConf.to_container(merged), "")
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
@@ -397,27 +301,18 @@ def _omegaconf_message(error: Exception, prefix: str = "", known: Any = ()) -> s
 # --- the platform's own sections: typed too, so a typo or a bad value there is one line ---
 @dataclass
 class RaySection:
-    address: str | None = None
-    num_cpus: float | None = None
-    num_gpus: float | None = None
+    address: str | None = None  # null: start a local cluster; "auto" or ray://host:port
+    num_cpus: float | None = bounded(None, gt=0)
+    num_gpus: float | None = bounded(None, ge=0)
     dashboard_host: str = "127.0.0.1"
-    dashboard_port: int = 8265
+    dashboard_port: int = bounded(8265, ge=1, le=65535)
 
     def __post_init__(self) -> None:
-        _positive("ray.num_cpus", self.num_cpus)
         for name, value in (("ray.num_cpus", self.num_cpus), ("ray.num_gpus", self.num_gpus)):
             _require(  # Ray's own check comes after the MLflow run is made, and blames address
-                value is None or (math.isfinite(value) and value == int(value)),
+                value is None or value == int(value),
                 f"{name} must be a whole number (Ray counts whole devices), got {value}",
             )
-        _require(
-            self.num_gpus is None or self.num_gpus >= 0,
-            f"ray.num_gpus must be >= 0, got {self.num_gpus}",
-        )
-        _require(
-            1 <= self.dashboard_port <= 65535,
-            f"ray.dashboard_port must be a port in [1, 65535], got {self.dashboard_port}",
-        )
 
 
 @dataclass
@@ -429,16 +324,8 @@ class MlflowSection:
 
 @dataclass
 class FitSection:
-    target_flops: float | None = None
-    bootstrap: int = 200
-
-    def __post_init__(self) -> None:
-        _require(
-            self.target_flops is None
-            or (self.target_flops > 0 and math.isfinite(self.target_flops)),
-            f"fit.target_flops must be a positive number or null, got {self.target_flops}",
-        )
-        _require(self.bootstrap >= 0, f"fit.bootstrap must be >= 0, got {self.bootstrap}")
+    target_flops: float | None = bounded(None, gt=0)
+    bootstrap: int = bounded(200, ge=0)
 
 
 PLATFORM_SECTIONS = {"ray": RaySection, "mlflow": MlflowSection, "fit": FitSection}
@@ -493,7 +380,9 @@ def typed(schema: type, values: Any, prefix: str) -> Any:
         if kind is not list and not isinstance(value, dict):
             raise ConfigError(f"{prefix}{spec_field.name} must be a mapping, got {value!r}")
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), values)
+        check_fields(schema, OmegaConf.to_container(merged), prefix)
+        return OmegaConf.to_object(merged)
     except ConfigError:
         raise
     except OmegaConfBaseException as error:

@@ -19,10 +19,13 @@ import math
 import re
 from pathlib import Path
 
+from sweeper.config.sweep import SweepSpec, flatten
 from sweeper.report.importance import importance_text
-from sweeper.sweep.spec import SweepSpec, flatten
-from sweeper.sweep.stages import rounded_text
+from sweeper.sweep.confirm import confirmation_lines
+from sweeper.sweep.plan import SweepPlan
+from sweeper.sweep.stages import reproduce_command
 from sweeper.sweep.state import SweepState, write_text_atomic
+from sweeper.text import duration_text, flops_text, rounded_text
 
 REPORT_NAME = "report.md"
 HTML_NAME = "report.html"
@@ -36,13 +39,13 @@ img { max-width: 100%; }
 """
 
 
-def write_report(out: Path, summary: dict, spec: SweepSpec, state: SweepState, base: dict) -> Path:
+def write_report(out: Path, summary: dict, plan: SweepPlan, state: SweepState) -> Path:
     """Write report.md into the run dir `out`, whole or not at all; `base`: the config the
     sweep started from."""
     path = out / REPORT_NAME
-    page = render_report(summary, spec, state, out, base)
+    page = render_report(summary, plan, state, out)
     write_text_atomic(path, page)
-    write_text_atomic(out / HTML_NAME, as_html(page, out, spec.name))
+    write_text_atomic(out / HTML_NAME, as_html(page, out, plan.spec.name))
     return path
 
 
@@ -67,9 +70,8 @@ def as_html(page: str, out: Path, title: str) -> str:
     )
 
 
-def render_report(summary: dict, spec: SweepSpec, state: SweepState, out: Path, base: dict) -> str:
-    from sweeper.report.summary import reproduce_command
-
+def render_report(summary: dict, plan: SweepPlan, state: SweepState, out: Path) -> str:
+    spec, base = plan.spec, plan.base
     metric = spec.metric
     lines = [f"# Sweep `{spec.name}`", "", *_outcome(summary, metric), ""]
     lines.append(
@@ -87,8 +89,6 @@ def render_report(summary: dict, spec: SweepSpec, state: SweepState, out: Path, 
         lines += ["", "Run the best config again:", "", "```"]
         lines += [reproduce_command(summary["best"]["overrides"]), "```"]
     if summary.get("confirmation"):
-        from sweeper.sweep.confirm import confirmation_lines
-
         lines += ["", "On fresh seeds:", ""]
         lines += [f"- {line}" for line in confirmation_lines(summary["confirmation"], metric)]
     plots = set(summary.get("plots") or [])  # the ones drawn this time
@@ -133,7 +133,7 @@ def _stage_section(
     number: int, stage: dict, recorded: dict, spec: SweepSpec, plots: set[str]
 ) -> list[str]:
     stage_spec = next(s for s in spec.stages if s.name == stage["name"])
-    search, scheduler = spec.stage_search(stage_spec), spec.stage_scheduler(stage_spec)
+    search, scheduler = stage_spec.search, stage_spec.scheduler
     statuses = ", ".join(f"{n} {status}" for status, n in sorted(stage["statuses"].items()))
     lines = [f"## Stage {number}: `{stage['name']}`", ""]
     lines.append(f"{search} search, {scheduler} scheduler; {stage['trials']} trials ({statuses}).")
@@ -212,7 +212,6 @@ def _fit_section(fit: dict, out: Path) -> list[str]:
         return ["", "## Loss against compute", "", f"No fit: {fit['error']}."]
     if not fit.get("file") or not (out / fit["file"]).exists():
         return []
-    from sweeper.report.summary import reproduce_command
     from sweeper.scaling.summary import format_summary
 
     result = json.loads((out / fit["file"]).read_text())
@@ -243,23 +242,3 @@ def command_overrides(out: Path) -> list[str] | None:
     from omegaconf import OmegaConf
 
     return [str(o) for o in OmegaConf.load(path)]
-
-
-def flops_text(flops: float) -> str:
-    """2.9e13, as the configs write FLOPs (not Python's 2.9e+13; 2.2e7, not 2.2e+07)."""
-    mantissa, _, exponent = f"{flops:.3g}".partition("e")
-    return f"{mantissa}e{int(exponent)}" if exponent else mantissa
-
-
-def duration_text(seconds: float | None) -> str:
-    """'48 s', '4 min 48 s', '2 h 05 min'."""
-    if seconds is None:
-        return "an unknown time"
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds} s"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes} min {seconds:02d} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes:02d} min"

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from sweeper.config.sweep import SCHEDULERS, SEARCHES
 from sweeper.sweep.rungs import _check_time_axis
 from sweeper.sweep.space import Space, to_configspace, to_optuna, to_tune
 
-SEARCHES = ("random", "grid", "tpe", "gp", "bohb")
-SCHEDULERS = ("fifo", "asha", "hyperband", "bohb")
 # Searchers that own the space and learn a model of it: they cannot enumerate grid values.
 MODEL_BASED = frozenset({"tpe", "gp", "bohb"})
 MODES = ("min", "max")

@@ -12,8 +12,8 @@ import copy
 import statistics
 import time
 
-from sweeper.report.summary import launch_once
-from sweeper.sweep.spec import SweepSpec
+from sweeper.sweep.baseline import launch_once
+from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.stages import SEED_KEY, finite_number
 from sweeper.sweep.state import SweepState, as_json
 
@@ -47,38 +47,38 @@ def kept_runs(state: SweepState) -> dict:
     return kept["runs"]
 
 
-def missing_runs(spec: SweepSpec, state: SweepState, base: dict) -> list[tuple[int, str]]:
+def missing_runs(plan: SweepPlan, state: SweepState) -> list[tuple[int, str]]:
     """(seed, "best"|"baseline") of each confirmation run `sweep.confirm_seeds` asks for
     that the state does not hold: none before a stage has a best, the baseline's only
     where the baseline has a value."""
-    if not spec.confirm_seeds or not any(stage["best"] for stage in state.stages):
+    count = plan.spec.confirm_seeds
+    if not count or not any(stage["best"] for stage in state.stages):
         return []
     which = ["best"] + (["baseline"] if (state.baseline or {}).get("value") is not None else [])
     runs = kept_runs(state)
-    seeds = fresh_seeds(base, spec.confirm_seeds, state)
+    seeds = fresh_seeds(plan.base, count, state)
     return [(s, w) for s in seeds for w in which if w not in runs.get(str(s), {})]
 
 
-def run_confirmation(spec: SweepSpec, state: SweepState, base: dict, target: str | None) -> None:
+def run_confirmation(plan: SweepPlan, state: SweepState) -> None:
     """Trains what `sweep.confirm_seeds` asks for and the state does not hold yet (a resumed
     sweep, or one that raised `confirm_seeds`, trains only the missing runs), saving the
     state after each run. Runs kept for another best config are dropped."""
-    todo = missing_runs(spec, state, base)
+    todo = missing_runs(plan, state)
     if not todo:
         return
     import ray
 
+    base = plan.base
     best = as_json(state.stages[-1]["base_after"])
     runs = kept_runs(state)
     configs = {"best": best, "baseline": base}
-    seeds = fresh_seeds(base, spec.confirm_seeds, state)
+    seeds = fresh_seeds(base, plan.spec.confirm_seeds, state)
     what = " and the baseline" if any(which == "baseline" for _, which in todo) else ""
     shown = ", ".join(str(s) for s in seeds)
     runs_shown = f"{len(todo)} run{'s' * (len(todo) > 1)}"
     print(f"confirm: training the best config{what} on fresh seeds {shown} ({runs_shown})")
-    jobs = {
-        launch_once(with_seed(configs[which], s), spec, target): (s, which) for s, which in todo
-    }
+    jobs = {launch_once(with_seed(configs[which], s), plan): (s, which) for s, which in todo}
     pending = list(jobs)
     # wall time of all confirmation runs, across resumes (the stages' is the summary's own)
     before = (state.confirmation or {}).get("elapsed_s", 0.0) if runs else 0.0
@@ -113,12 +113,13 @@ def _spread(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-def confirmation_summary(spec: SweepSpec, state: SweepState, base: dict) -> dict | None:
+def confirmation_summary(plan: SweepPlan, state: SweepState) -> dict | None:
     """Per-seed values and their spread for summary.json, over the seeds that
     `sweep.confirm_seeds` asks for and that have run. The improvement is paired by seed
     (baseline minus best for `min`), over the seeds where both runs completed."""
     runs = kept_runs(state)
-    seeds = [str(s) for s in fresh_seeds(base, spec.confirm_seeds, state) if str(s) in runs]
+    seeds = fresh_seeds(plan.base, plan.spec.confirm_seeds, state)
+    seeds = [str(s) for s in seeds if str(s) in runs]
     if not seeds:
         return None
 
@@ -130,7 +131,7 @@ def confirmation_summary(spec: SweepSpec, state: SweepState, base: dict) -> dict
         return out
 
     best, baseline = values("best"), values("baseline")
-    sign = 1.0 if spec.mode == "min" else -1.0
+    sign = 1.0 if plan.spec.mode == "min" else -1.0
     gains = [
         sign * (b - a) for a, b in zip(best, baseline) if finite_number(a) and finite_number(b)
     ]

@@ -22,9 +22,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from sweeper.sweep.space import bounding_values
-from sweeper.sweep.spec import SweepSpec, flatten, stage_space
-from sweeper.sweep.stages import apply_params, hydra_value, sweep_run
+from sweeper.config.sweep import SweepSpec, flatten
+from sweeper.sweep.confirm import missing_runs
+from sweeper.sweep.plan import SweepPlan
+from sweeper.sweep.space import bounding_values, is_pure_grid
+from sweeper.sweep.stages import apply_params, sweep_run
+from sweeper.sweep.state import SweepState
+from sweeper.text import hydra_value
 
 # value combinations of a stage whose FLOPs are computed one by one; past this, each
 # param's values are taken alone (the extremes then bound the trial's FLOPs all the same
@@ -42,7 +46,7 @@ class TrialCost:
 
 
 @dataclass
-class StagePlan:
+class StageEstimate:
     name: str
     search: str
     scheduler: str
@@ -201,36 +205,32 @@ def trial_costs(
     return (min(flops), max(flops)), costs
 
 
-def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> list[StagePlan]:
-    """Each stage's plan from `base`; `done`: names of stages a resume skips (`base` is
+def stage_estimates(plan: SweepPlan, base: dict, done=()) -> list[StageEstimate]:
+    """Each stage's estimate from `base`; `done`: names of stages a resume skips (`base` is
     then the config they left)."""
-    from sweeper.sweep.plan import frozen_lrs, with_reports
-    from sweeper.sweep.runner import planned_trials, rung_fractions
-    from sweeper.sweep.space import is_pure_grid
-
-    frozen = frozen_lrs(spec, base)
-    plans = []
-    for stage in spec.stages:
-        space = stage_space(spec, stage, frozen)
-        trials = planned_trials(spec, stage, base)
-        grid = spec.stage_search(stage) == "grid" or is_pure_grid(space)
-        rungs = rung_fractions(spec, stage, target)
+    frozen = plan.frozen_lrs(base)
+    estimates = []
+    for stage in plan.stages:
+        space = plan.space(stage, frozen)
+        trials = plan.planned_trials(stage, base)
+        grid = stage.search == "grid" or is_pure_grid(space)
+        rungs = plan.rung_fractions(stage)
         trial_flops = costs = None
-        if not target:  # a user's function's cost is its own business
-            stage_base = with_reports(base, spec.stage_reports(stage), target)
-            trial_flops, costs = trial_costs(stage_base, space, trials, grid, tuple(rungs))
-        plans.append(
-            StagePlan(
+        if not plan.target:  # a user's function's cost is its own business
+            stage_base = plan.stage_base(stage, base)
+            trial_flops, costs = trial_costs(stage_base, space, trials, grid, rungs)
+        estimates.append(
+            StageEstimate(
                 name=stage.name,
-                search=spec.stage_search(stage),
-                scheduler=spec.stage_scheduler(stage),
+                search=stage.search,
+                scheduler=stage.scheduler,
                 trials=trials,
                 searched=[param_text(p) for p in space.params]
                 + [f"{k}={hydra_value(v)} (fixed)" for k, v in space.fixed.items()],
                 trial_flops=trial_flops,
                 costs=costs,
                 # a fork at a rung trains rung_cooldown of the steps the trial took to get there
-                fork_factor=1 + spec.rung_cooldown * sum(rungs),
+                fork_factor=1 + plan.spec.rung_cooldown * sum(rungs),
                 rungs=rungs,
                 extend_trials=stage.extend_trials,
                 lr_rule=stage.lr_rule,
@@ -238,20 +238,31 @@ def stage_plans(spec: SweepSpec, base: dict, target: str | None, done=()) -> lis
                 points=tuple(point_text(point) for point in stage.points),
             )
         )
-    return plans
+    return estimates
 
 
-def plans_left(spec: SweepSpec, base: dict, target: str | None, state=None) -> list[StagePlan]:
-    """Every stage's plan; with the sweep state a resume continues, its finished stages
-    marked so, and the rest planned from the config they left."""
-    from sweeper.sweep.runner import reopens_capped_stage
+def finished(plan: SweepPlan, state: SweepState) -> bool:
+    """Whether a resumed sweep has nothing left to train: every stage, the baseline and the
+    confirmation runs are in its state. (A stage a cap skipped is not: raising the cap and
+    resuming runs it.)"""
+    spec = plan.spec
+    return (
+        all(state.stage_done(stage.name) for stage in spec.stages)
+        and not state.reopens_capped_stage(spec.max_seconds)
+        and (state.baseline is not None or not spec.baseline)
+        and not missing_runs(plan, state)
+    )
 
+
+def estimates_left(plan: SweepPlan, state: SweepState | None = None) -> list[StageEstimate]:
+    """Every stage's estimate; with the sweep state a resume continues, its finished stages
+    marked so, and the rest estimated from the config they left."""
     finished = list(state.stages) if state is not None else []
-    if state is not None and reopens_capped_stage(spec, state):
+    if state is not None and state.reopens_capped_stage(plan.spec.max_seconds):
         finished.pop()  # the stage the time cap cut short goes on, given more time
     done = [s["name"] for s in finished]
-    start = (finished[-1]["base_after"] if finished else None) or base
-    return stage_plans(spec, start, target, done)
+    start = (finished[-1]["base_after"] if finished else None) or plan.base
+    return stage_estimates(plan, start, done)
 
 
 def point_text(point) -> str:
@@ -271,9 +282,7 @@ def fraction_text(fraction: float) -> str:
 
 
 def plan_text(
-    spec: SweepSpec,
-    base: dict,
-    target: str | None,
+    plan: SweepPlan,
     slots: int | None,
     state=None,
     out: Path | None = None,
@@ -282,9 +291,10 @@ def plan_text(
     """The plan as printed: a block per stage, then the sweep's totals. `state`: the sweep
     state a resume continues (its finished stages are skipped, and the rest start from the
     config they left)."""
-    from sweeper.report.markdown import duration_text, flops_text
+    from sweeper.text import duration_text, flops_text
 
-    plans = plans_left(spec, base, target, state)
+    spec, base, target = plan.spec, plan.base, plan.target
+    plans = estimates_left(plan, state)
     unit = _unit(spec)
     lines = [f"sweep '{spec.name}': the plan (sweep.dry_run=true: nothing is trained or written)"]
     if not target:
@@ -299,25 +309,25 @@ def plan_text(
     else:
         lines.append(f"  trainable: {target} (its budget is its own)")
     width = max(len(p.name) for p in plans) if plans else 0
-    for plan in plans:
-        head = f"  stage {plan.name:<{width}}  "
-        if plan.finished:
+    for estimate in plans:
+        head = f"  stage {estimate.name:<{width}}  "
+        if estimate.finished:
             lines.append(f"{head}finished in the run dir: skipped (sweep.resume=true)")
             continue
-        what = f"{plan.trials} trial{'s' * (plan.trials != 1)}"
-        if plan.trial_flops:
-            least, most = plan.trial_flops
+        what = f"{estimate.trials} trial{'s' * (estimate.trials != 1)}"
+        if estimate.trial_flops:
+            least, most = estimate.trial_flops
             each = flops_text(most) if least == most else f"{flops_text(least)}-{flops_text(most)}"
             what += f" of {each} FLOPs"
-        lines.append(f"{head}{plan.search} search, {plan.scheduler} scheduler: {what}")
+        lines.append(f"{head}{estimate.search} search, {estimate.scheduler} scheduler: {what}")
         pad = " " * len(head)
-        lines.append(pad + "; ".join(plan.searched))
-        if plan.points:
-            lines.append(f"{pad}first the given points: {'; '.join(plan.points)}")
-        if plan.rungs:
+        lines.append(pad + "; ".join(estimate.searched))
+        if estimate.points:
+            lines.append(f"{pad}first the given points: {'; '.join(estimate.points)}")
+        if estimate.rungs:
             lines.append(
-                f"{pad}{plan.scheduler} may stop a trial at "
-                f"{', '.join(fraction_text(f) for f in plan.rungs)} of its budget "
+                f"{pad}{estimate.scheduler} may stop a trial at "
+                f"{', '.join(fraction_text(f) for f in estimate.rungs)} of its budget "
                 + f"(keeps the best 1/{spec.reduction_factor:g} at each)"
                 + (
                     f"; a fork at each rung cools down over {spec.rung_cooldown:g} of the "
@@ -326,23 +336,23 @@ def plan_text(
                     else ""
                 )
             )
-        if plan.lr_rule != "none":
+        if estimate.lr_rule != "none":
             rule = {
                 "sqrt": "LRs follow the batch size by sqrt(B / B0)",
                 "linear": "LRs follow the batch size by B / B0",
                 "retune": "LRs searched again in a band around the frozen ones",
-            }[plan.lr_rule]
+            }[estimate.lr_rule]
             lines.append(pad + rule)
-        if plan.extend_trials:
+        if estimate.extend_trials:
             lines.append(
-                f"{pad}then {plan.extend_trials} more trial{'s' * (plan.extend_trials != 1)} "
+                f"{pad}then {estimate.extend_trials} more trial{'s' * (estimate.extend_trials != 1)} "
                 "past a range's end, where the best sits at one"
             )
-    totals = sweep_totals(spec, base, plans, state, target)
+    totals = sweep_totals(plan, plans, state)
     lines.append(f"  in all: {totals.text()}")
     baseline = totals.baseline
     if speed is not None and slots is not None and not target:
-        seconds = plan_seconds(spec, base, plans, speed, slots, baseline)
+        seconds = plan_seconds(plan, plans, speed, slots, baseline)
         lines.append(
             f"  time: ~{duration_text(seconds)} of trials here if every trial runs to its "
             f"end, less where a scheduler stops trials (a trial on {speed.threads} thread"
@@ -381,15 +391,14 @@ class Totals:
         if self.extras:
             text += f" (with {', '.join(self.extras)})"
         if self.most_flops is not None:
-            from sweeper.report.markdown import flops_text
+            from sweeper.text import flops_text
 
             text += f", {flops_text(self.most_flops)} training FLOPs if no trial is stopped early"
         return text
 
 
-def sweep_totals(
-    spec: SweepSpec, base: dict, plans: list[StagePlan], state, target: str | None
-) -> Totals:
+def sweep_totals(plan: SweepPlan, plans: list[StageEstimate], state: SweepState | None) -> Totals:
+    spec, base, target = plan.spec, plan.base, plan.target
     runs = sum(p.trials + p.extend_trials for p in plans if not p.finished)
     extras = []
     baseline = bool(spec.baseline) and (state is None or state.baseline is None)
@@ -416,14 +425,15 @@ def sweep_totals(
     return Totals(runs, tuple(extras), most, baseline)
 
 
-def opening_line(spec: SweepSpec, base: dict, target: str | None, state=None) -> str:
+def opening_line(plan: SweepPlan, state: SweepState | None = None) -> str:
     """The sweep's first line: what it will take at most, the plan's totals without timing
     anything (the dry run's minutes need a few steps trained; the progress line's ETA
     follows the real trials)."""
-    plans = plans_left(spec, base, target, state)
-    left = [plan.name for plan in plans if not plan.finished]
+    spec = plan.spec
+    plans = estimates_left(plan, state)
+    left = [estimate.name for estimate in plans if not estimate.finished]
     stages = f"{len(left)} stage{'s' * (len(left) != 1)} ({', '.join(left)})"
-    totals = sweep_totals(spec, base, plans, state, target)
+    totals = sweep_totals(plan, plans, state)
     caps = caps_text(spec)
     return (
         f"sweep '{spec.name}': {stages}, {totals.text()}"
@@ -443,24 +453,23 @@ def caps_text(spec: SweepSpec) -> str:
 
 
 def plan_seconds(
-    spec: SweepSpec, base: dict, plans: list[StagePlan], speed: Speed, slots: int, baseline: bool
+    plan: SweepPlan, plans: list[StageEstimate], speed: Speed, slots: int, baseline: bool
 ) -> float:
     """Wall time of the stages left if every trial runs to its end: the stages one after
     another, each starting its processes, then its trials `slots` at a time, the baseline
     in the first stage's (it takes the first idle slot), then each stage's round past a
     range's end and the confirmation runs."""
-    from sweeper.sweep.plan import with_reports
-
-    once = run_cost(with_reports(base, 1, None))  # the baseline evaluates once, at its end
+    spec, base = plan.spec, plan.base
+    once = run_cost(evaluating_once(base))  # the baseline evaluates once, at its end
     total = 0.0
-    for number, plan in enumerate(p for p in plans if not p.finished):
-        jobs = [speed.trial_seconds(cost, plan.fork_factor) for cost in plan.costs]
+    for number, estimate in enumerate(p for p in plans if not p.finished):
+        jobs = [speed.trial_seconds(cost, estimate.fork_factor) for cost in estimate.costs]
         if number == 0 and baseline:
             jobs.append(speed.trial_seconds(once, 1.0))
         total += STAGE_START_S + makespan(jobs, slots)
-        if plan.extend_trials:
-            dearest = max(jobs[: len(plan.costs)])
-            total += makespan([dearest] * plan.extend_trials, slots)
+        if estimate.extend_trials:
+            dearest = max(jobs[: len(estimate.costs)])
+            total += makespan([dearest] * estimate.extend_trials, slots)
     if spec.confirm_seeds:
         total += makespan([speed.trial_seconds(once, 1.0)] * 2 * spec.confirm_seeds, slots)
     return total
@@ -470,7 +479,12 @@ def _unit(spec: SweepSpec) -> str:
     if spec.budget.tokens_per_trial is not None:
         return f"trains {spec.budget.tokens_per_trial:,.0f} tokens"
     if spec.budget.flops_per_trial is not None:
-        from sweeper.report.markdown import flops_text
+        from sweeper.text import flops_text
 
         return f"trains {flops_text(spec.budget.flops_per_trial)} FLOPs (or a stage's own budget)"
     return "trains its config's budget"
+
+
+def evaluating_once(base: dict) -> dict:
+    """`base` evaluated once, at its end: the baseline's run (only its last value counts)."""
+    return {**base, "trainer": {**base["trainer"], "num_evals": 1}}

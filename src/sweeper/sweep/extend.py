@@ -19,20 +19,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 import time
 
 from sweeper.config.errors import ConfigError
-from sweeper.config.schema import load_run_config
-from sweeper.sweep.space import LIST_KINDS, ParamSpec, extended_range, extended_values, parse_space
-from sweeper.sweep.spec import StageSpec, SweepSpec, flatten_params
-from sweeper.sweep.stages import float_text, rounded_text, sweep_run
+from sweeper.config.schema import BUDGET_KEYS, load_run_config
+from sweeper.config.sweep import StageSpec, flatten, flatten_params
+from sweeper.sweep.plan import SweepPlan
+from sweeper.sweep.space import (
+    LIST_KINDS,
+    ParamSpec,
+    extended_range,
+    extended_values,
+    parse_space,
+    range_edge,
+)
+from sweeper.sweep.stages import sweep_run
 from sweeper.sweep.state import SweepState, spent_flops
+from sweeper.text import float_text, rounded_text
+from sweeper.train.budget import check_budget
 
 EXPERIMENT_SUFFIX = "_extended"  # the round's Ray Tune experiment: stage{i}_{name}_extended
 
 
 def plan_round(
-    spec: SweepSpec,
+    plan: SweepPlan,
     stage: StageSpec,
     start: dict,
     after: dict,
@@ -40,14 +51,11 @@ def plan_round(
     records: list[dict],
     state: SweepState,
     started: float,
-    own_trainable: bool,
 ) -> tuple[StageSpec | None, float]:
     """The round to run (None: none) and the FLOPs the stage's first round spent. Says
     why an end is not searched past, and when the sweep's caps leave no room for it."""
-    from sweeper.report.summary import searched_params
-    from sweeper.sweep.runner import planned_trials
-
-    searched = searched_params(spec, stage.name, start)
+    spec, own_trainable = plan.spec, not plan.target
+    searched = searched_params(plan, stage.name, start)
     trials = stage.extend_trials
     if spec.max_trials is not None:
         trials = min(trials, spec.max_trials - state.trial_count() - len(records))
@@ -76,7 +84,7 @@ def plan_round(
         else f"{n} in [{p.low:.4g}, {p.high:.4g}]"
         for n, p in ranges.items()
     )
-    planned = planned_trials(spec, round_two, after)
+    planned = plan.planned_trials(round_two, after)
     print(
         f"[{stage.name}] its best sits at an end of its range: {planned} more "
         f"trial{'s' if planned != 1 else ''} past it, {shown}, the other params at the best"
@@ -180,8 +188,6 @@ def _last_run(base: dict, param: ParamSpec, run: float, no_run: float) -> float:
 
 def invalid_run(base: dict, name: str, value) -> str | None:
     """Why `name`=`value` would not make a valid run from `base`; None when it would."""
-    from sweeper.train.budget import check_budget
-
     try:
         check_budget(load_run_config(sweep_run(base, {name: value})))
     except ConfigError as error:
@@ -284,3 +290,96 @@ def extended_ranges(round_two: StageSpec) -> dict[str, list]:
         p.name: list(p.values) if p.kind in LIST_KINDS else [p.low, p.high]
         for p in parse_space(round_two.params).params
     }
+
+
+# --- best values at the edge of their range --------------------------------------------
+def range_edges(
+    plan: SweepPlan,
+    stage_name: str,
+    start: dict,
+    best: dict | None,
+    extended: dict[str, list] | None = None,
+) -> list[dict]:
+    """The stage's best values that sit at an end of their search range (`range_edge`)
+    with values past it (not `nothing_past`): the optimum may lie outside it. `start` is
+    the config the stage started from (its lr_rule=retune bands are centred on that
+    config's LRs); `extended`, the ranges an extend_trials round searched past the stage's
+    own. Each edge names the override that searches past it in the next sweep (`widen`,
+    None where the range just past it makes no run or no override reaches it), and its
+    note says it."""
+    if best is None:
+        return []
+    own_trainable = not plan.target
+    index, stage = _stage_spec(plan, stage_name)
+    declared = set(flatten_params(stage.params))
+    edges = []
+    for param in searched_params(plan, stage_name, start, extended):
+        if param.name in COMPUTE_KEYS:
+            continue  # more compute trains to a lower loss: its largest value is no optimum
+        value = best["params"].get(param.name)
+        side = range_edge(param, value)
+        if side is None or nothing_past(param, side, start, own_trainable):
+            continue
+        if param.low is not None:
+            scope, hint = (
+                f"range [{rounded_text(param.low)}, {rounded_text(param.high)}]",
+                "widen the range",
+            )
+        else:
+            scope, hint = f"values {list(param.values)}", "add values beyond it"
+        widen = None
+        if param.name not in declared:  # an lr_rule=retune band around a frozen LR
+            hint = f"raise sweep.stages.{index}.retune_factor ({stage.retune_factor:g})"
+        else:
+            widen = widening_override(index, stage.params, param, side, start, own_trainable)
+        if widen:
+            hint += ": " + shlex.quote(widen)  # quoted: zsh refuses an unmatched [...] glob
+            # `++`: most sweep files do not set the key, and `+` fails where one does
+            if not stage.extend_trials:
+                hint += (
+                    f" (or ++sweep.stages.{index}.extend_trials=4: the sweep looks there itself)"
+                )
+        edges.append(
+            {
+                "param": param.name,
+                "value": value,
+                "side": side,
+                "widen": widen,
+                "note": f"best {param.name}={rounded_text(value)} is at the {side} end of its "
+                f"{scope}: the optimum may lie {'above' if side == 'high' else 'below'} "
+                f"it; {hint}",
+            }
+        )
+    return edges
+
+
+# a run's compute budget (config.BUDGET_KEYS), which a scaling grid searches over
+COMPUTE_KEYS = frozenset(f"trainer.{key}" for key in BUDGET_KEYS)
+
+
+def _stage_spec(plan: SweepPlan, stage_name: str):
+    return next((i, s) for i, s in enumerate(plan.stages) if s.name == stage_name)
+
+
+def searched_params(
+    plan: SweepPlan, stage_name: str, start: dict, extended: dict[str, list] | None = None
+) -> list[ParamSpec]:
+    """The params a stage searched, as ParamSpecs (its retune bands included), each range
+    spanning what an extend_trials round added to it."""
+    _, stage = _stage_spec(plan, stage_name)
+    params = list(plan.space(stage, flatten(start)).params)
+    for i, p in enumerate(params):
+        if extended and p.name in extended and p.kind in LIST_KINDS:
+            params[i] = dataclasses.replace(p, values=tuple(sorted({*p.values, *extended[p.name]})))
+        elif extended and p.name in extended:
+            low, high = extended[p.name]
+            params[i] = dataclasses.replace(p, low=min(p.low, low), high=max(p.high, high))
+    return params
+
+
+def search_ranges(
+    plan: SweepPlan, stage_name: str, start: dict, extended: dict[str, list] | None = None
+) -> dict[str, tuple]:
+    """name -> (low, high) of each ranged param the stage searched (for its plot)."""
+    params = searched_params(plan, stage_name, start, extended)
+    return {p.name: (p.low, p.high) for p in params if p.low is not None}

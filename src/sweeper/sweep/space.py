@@ -23,9 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-RANGE_KINDS = ("log_uniform", "uniform", "int", "log_int")
-LIST_KINDS = ("choice", "grid")
-KINDS = RANGE_KINDS + LIST_KINDS
+from sweeper.config.sweep import KINDS, LIST_KINDS, RANGE_KINDS
+
 LOG_KINDS = frozenset({"log_uniform", "log_int"})
 INT_KINDS = frozenset({"int", "log_int"})
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import copy
 import math
+import shlex
 from typing import Any
 
-from sweeper.config.schema import BUDGET_KEYS, micro_batch_dividing
+from sweeper.config.schema import BUDGET_KEYS, RunConfig, load_run_config, micro_batch_dividing
+from sweeper.config.sweep import flatten
 from sweeper.seeds import paired_lead
+from sweeper.text import hydra_value
 
 BATCH_KEY = "trainer.total_batch_size"
 SEED_KEY = "trainer.seed"
@@ -231,33 +234,15 @@ def finite_number(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-def hydra_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return float_text(value) if isinstance(value, float) else str(value)
+def reproduce_command(overrides: list[str]) -> str:
+    """The shell line that runs the best config again. Quoted where a shell would read an
+    override otherwise: a shard glob (zsh refuses an unmatched one), a path with spaces."""
+    return shlex.join(["python", "-m", "sweeper", *overrides])
 
 
-def rounded_text(value: Any) -> str:
-    """4 significant digits for a float, written as an override would be (1e13, 2.5e-5);
-    anything else as it is."""
-    return float_text(float(f"{value:.4g}")) if isinstance(value, float) else str(value)
-
-
-def float_text(value: float) -> str:
-    """A float as a Hydra override reads it back exactly, in as few characters as it takes:
-    1e15, not Python's 1000000000000000.0 (repr writes exponents only from 1e16 on), and
-    exponents without a sign or a leading zero (2.5e-5, not 2.5e-05)."""
-    text = repr(value)
-    if "e" in text:
-        mantissa, exponent = text.split("e")
-        return f"{mantissa}e{int(exponent)}"
-    if not math.isfinite(value) or abs(value) < 1e6:
-        return text
-    for digits in range(17):
-        mantissa, exponent = f"{value:.{digits}e}".split("e")
-        if float(f"{mantissa}e{exponent}") == value:
-            short = f"{mantissa}e{int(exponent)}"
-            return short if len(short) < len(text) else text
-    return text
+def reproduce_overrides(final: dict) -> list[str]:
+    """Hydra overrides that turn `python -m sweeper`'s default run into `final`: both sides
+    resolved through the schema, so derived values (vocab size) do not show up as changes."""
+    before = flatten(RunConfig().to_dict())
+    after = flatten(load_run_config(final).to_dict())
+    return [f"{k}={hydra_value(after[k])}" for k in sorted(after) if before.get(k) != after[k]]

@@ -12,6 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sweeper.config.errors import ConfigError
+from sweeper.config.schema import RunConfig
+from sweeper.config.sweep import flatten
+
 STATE_NAME = "sweep_state.json"
 
 
@@ -62,8 +66,6 @@ class SweepState:
     def load(cls, out: Path) -> SweepState | None:
         """The state in `out`, None where there is none; a file that is no sweep state
         sweeper wrote (cut short by a full disk, edited by hand) is a ConfigError."""
-        from sweeper.config.errors import ConfigError
-
         path = out / STATE_NAME
         if not path.exists():
             return None
@@ -124,6 +126,14 @@ class SweepState:
         )
         self.elapsed = elapsed
         self.save()
+
+    def reopens_capped_stage(self, max_seconds: float | None) -> bool:
+        """Whether the last stage is one the time cap ran out in, and a run with
+        `max_seconds` (a higher cap, or none) has more time for it."""
+        last = self.stages[-1] if self.stages else None
+        if last is None or not last.get("capped"):
+            return False
+        return max_seconds is None or self.elapsed < max_seconds
 
     def reopen_last_stage(self) -> None:
         """Takes the last stage back out of the finished ones (a stage the time cap cut
@@ -214,9 +224,6 @@ def differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]
 def at_schema_default(key: str, value: Any) -> bool:
     """Whether `value` at dotted `key` (a leaf, or a whole new section) is what the run
     schema gives it by default."""
-    from sweeper.config.schema import RunConfig
-    from sweeper.sweep.spec import flatten
-
     defaults = flatten(as_json(RunConfig().to_dict()))
     leaves = flatten(value, f"{key}.") if isinstance(value, dict) else {key: value}
     return all(k in defaults and defaults[k] == v for k, v in leaves.items())
@@ -232,8 +239,8 @@ def check_resumable(state: SweepState, name: str, base: dict, definition: dict) 
         (f"sweep.{k}", a, b)
         for k, a, b in differences(state.definition, definition)
         # a key added to the sweep schema after the state was written, left at its default
-        # (off: 0, null, []): the old sweep could not have used it, so nothing differs
-        if not (a == ABSENT and not b)
+        # (off: 0, null, []), or one removed from it that was off: nothing differs
+        if not (a == ABSENT and not b) and not (b == ABSENT and not a)
     ]
     if state.definition is None:  # an older state file: only the run config is known
         changed = []

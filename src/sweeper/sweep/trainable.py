@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import importlib
 import math
 import queue
 import re
@@ -25,6 +24,7 @@ from sweeper.sweep.space import to_builtin
 from sweeper.sweep.stages import apply_params, fit_micro_batch, follow_batch_size, get_dotted
 from sweeper.train.activations import ACTIVATION_COLUMNS
 from sweeper.train.checkpoint import load_latest_state, save_state
+from sweeper.user_function import load_target
 
 
 @dataclass(frozen=True)
@@ -212,11 +212,6 @@ def placed(config: dict, threads: int, gpus: float) -> dict:
     if trainer.get("workers", 1) == 1 and trainer.get("device") == "auto":
         trainer["device"] = "cuda" if gpus else "cpu"
     return {**config, "trainer": trainer}
-
-
-def load_target(target: str):
-    module, _, name = target.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 def penalise(metrics: dict, metric: str, penalty: float) -> tuple[dict, bool]:

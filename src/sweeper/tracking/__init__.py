@@ -1,6 +1,6 @@
 """Experiment tracking of sweeps. The engine talks to a tracker through four calls:
 
-    tracker = make_tracker(cfg, spec, out_dir)   # or start_tracker(...)() beside Ray's start
+    tracker = make_tracker(plan, out_dir)   # or start_tracker(plan, out_dir)() beside Ray's
     callbacks = tracker.stage_callbacks(stage_name, base, ctx, search, scheduler)  # tune.Callbacks
     tracker.log_baseline(baseline_dict)
     tracker.finish(summary, out_dir)             # parent run: artifacts, final status; closes all
@@ -33,27 +33,26 @@ class NullTracker:
         return None
 
 
-def make_tracker(cfg: Any, spec: Any, out_dir: Any, announce: bool = True):
-    """The tracker for `cfg.mlflow` (mlflow.enabled=false: none); `announce`: print the
-    line that says where its runs go (else `tracker.announce()` does)."""
-    mlflow_cfg = cfg.get("mlflow") or {}
-    if not mlflow_cfg.get("enabled", True):
+def make_tracker(plan: Any, out_dir: Any, announce: bool = True):
+    """The tracker for the plan's mlflow section (mlflow.enabled=false: none); `announce`:
+    print the line that says where its runs go (else `tracker.announce()` does)."""
+    if not plan.mlflow.get("enabled", True):
         return NullTracker()
     try:
         from sweeper.tracking.mlflow_tracker import MlflowTracker
     except ImportError:
         return NullTracker()
-    return MlflowTracker(cfg, spec, out_dir, announce)
+    return MlflowTracker(plan, out_dir, announce)
 
 
-def start_tracker(cfg: Any, spec: Any, out_dir: Any) -> Callable[[], Any]:
+def start_tracker(plan: Any, out_dir: Any) -> Callable[[], Any]:
     """make_tracker in a helper thread; returns the call that waits for the tracker (and
     raises its error). MLflow's import and a new store take 5-7 s of the driver's start,
     and Ray's start-up about as long, mostly in processes of its own: side by side a
     sweep starts ~4 s sooner on 2 cores. The fail-fast checks of the store (reachable,
-    writable) ran before the job (`mlflow_store.check_config`), so none waits for Ray."""
+    writable) ran before the job (`mlflow_store.check_store`), so none waits for Ray."""
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-start")
-    future = executor.submit(make_tracker, cfg, spec, out_dir, announce=False)
+    future = executor.submit(make_tracker, plan, out_dir, announce=False)
     executor.shutdown(wait=False)
 
     def ready():

@@ -101,7 +101,7 @@ def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT_S, hint: str = SWEE
         ) from None
 
 
-def check_config(cfg) -> None:
+def check_store(cfg) -> None:
     """The fail-fast check of `cfg.mlflow` before anything runs or is written."""
     mlflow_cfg = cfg.get("mlflow") or {}
     uri = mlflow_cfg.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
@@ -116,7 +116,7 @@ def check_config(cfg) -> None:
 
 
 def check_config_in_a_process(cfg) -> None:
-    """check_config in a process of its own: what a single run checks before it trains.
+    """check_store in a process of its own: what a single run checks before it trains.
     Its scheme check imports MLflow's store registry, ~0.12 GiB that would stay resident in
     the training process and count in a CPU run's peak memory (tiny model 0.47 against
     0.35 GiB). The logger process imports MLflow anyway; this one only says what is wrong."""
@@ -238,7 +238,7 @@ if __name__ == "__main__":  # check_config_in_a_process's child: the mlflow sect
     import sys
 
     try:
-        check_config({"mlflow": json.load(sys.stdin)})
+        check_store({"mlflow": json.load(sys.stdin)})
     except ConfigError as error:
         print(error, file=sys.stderr)
         sys.exit(2)

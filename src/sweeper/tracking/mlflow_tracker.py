@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from sweeper.config.errors import ConfigError
 from sweeper.config.paths import PACKAGE_DIR
+from sweeper.config.sweep import flatten, flatten_params
+from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.space import to_builtin
-from sweeper.sweep.spec import flatten, flatten_params
 from sweeper.sweep.state import STATE_NAME, write_json_atomic
 from sweeper.sweep.trainable import RUNG_METRIC, UPDATE_RATIO_COLUMNS, trial_config
 from sweeper.tracking.mlflow_queue import OpQueue, short_error
@@ -85,20 +86,17 @@ PARENT_FILES = ("report.html", "report.md", "summary.json", "reports.csv", "fit.
 
 
 class MlflowTracker:
-    def __init__(self, cfg, spec, out_dir, announce: bool = True):
+    def __init__(self, plan: SweepPlan, out_dir, announce: bool = True):
         from mlflow import MlflowClient
 
-        from sweeper.sweep.plan import base_config, trainable_target
-
-        mlflow_cfg = cfg.get("mlflow") or {}
+        mlflow_cfg, spec = plan.mlflow, plan.spec
         self.uri = resolve_tracking_uri(mlflow_cfg.get("tracking_uri"))
         check_reachable(self.uri)
         quick_http_calls()
         quiet_store_creation()
-        self.spec, self.out = spec, Path(out_dir).resolve()
-        target = trainable_target(cfg)
-        self.base = base_config(cfg, spec, target)
-        self.users_function = target is not None
+        self.plan, self.spec, self.out = plan, spec, Path(out_dir).resolve()
+        self.base = plan.base
+        self.users_function = plan.target is not None
         self.commit, dirty = git_commit()
         self.common = {"sweep": spec.name, "run_dir": str(self.out), "git_commit": self.commit}
         self.experiment = str(mlflow_cfg.get("experiment") or "sweeper")
@@ -358,15 +356,15 @@ class MlflowTracker:
         for key in STAGE_DEFAULTS:
             # the sweep's value is only the default of a stage that sets none: where every
             # stage sets its own, logging it would name a search that never ran
-            if all(getattr(stage, key) for stage in spec.stages):
+            if all(stage.get(key) for stage in self.plan.definition["stages"]):
                 settings.pop(key)
         params = {param_key(k): param_value(v) for k, v in flatten(settings).items()}
         for stage in spec.stages:
             prefix = param_key(f"stage.{stage.name}")
-            params[f"{prefix}.search"] = spec.stage_search(stage)
-            params[f"{prefix}.scheduler"] = spec.stage_scheduler(stage)
+            params[f"{prefix}.search"] = stage.search
+            params[f"{prefix}.scheduler"] = stage.scheduler
             params[f"{prefix}.num_samples"] = str(stage.num_samples)
-            params[f"{prefix}.reports_per_trial"] = str(spec.stage_reports(stage))
+            params[f"{prefix}.reports_per_trial"] = str(stage.reports_per_trial)
             params[f"{prefix}.lr_rule"] = stage.lr_rule
             params[f"{prefix}.space"] = json.dumps(to_builtin(flatten_params(stage.params)))
         match = {"role": "sweep", "run_dir": str(self.out)}

@@ -27,7 +27,7 @@ import math
 import sys
 from pathlib import Path
 
-from sweeper.sweep.spec import flatten
+from sweeper.config.sweep import flatten
 from sweeper.tracking.mlflow_queue import OpQueue, short_error
 from sweeper.tracking.mlflow_store import (
     get_or_create_experiment,

@@ -1,0 +1,116 @@
+"""The run dir a command writes to, checked before Hydra writes there: a directory that can
+be made, and one that holds nothing this command would write over (another sweep's state,
+a run's record or checkpoint), or, to resume, the very run or sweep it goes on with."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from sweeper.config.errors import ConfigError
+from sweeper.sweep.preflight import resumable_state
+from sweeper.sweep.state import STATE_NAME
+from sweeper.train.run_checkpoint import check_new_run_dir, check_resumable_run
+
+RESULT = "result.json"  # a single run's record
+
+
+def check_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
+    """hydra.run.dir (or `key`) as given: a directory there, or one that can be made there."""
+    if not run_dir.strip():  # Hydra would run in the working directory, over its files
+        raise ConfigError(f"{key} is empty; name a directory for the run's files")
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"{key}={run_dir} is a file, not a directory")
+    ancestor = os.path.dirname(os.path.abspath(run_dir))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ConfigError(f"{key}={run_dir} cannot be made: {ancestor} is a file")
+    if not os.path.isdir(run_dir) and not can_make_a_dir_in(ancestor):
+        raise ConfigError(f"{key}={run_dir} cannot be made: {ancestor} is not writable")
+
+
+def can_make_a_dir_in(parent: str) -> bool:
+    """Whether a directory can be made in `parent`, by making one and removing it: the
+    permission bits (os.access) pass for root where the kernel still refuses (/sys, /proc,
+    read-only mounts), and Hydra's own mkdir then fails with a traceback."""
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent))
+    except OSError:
+        return False
+    return True
+
+
+def check_dir_contents(job, run_dir: str | None) -> None:
+    """What `run_dir` (None: Hydra's default, a new dir each time) holds, for `job`."""
+    sweep = job.plan is not None
+    resume_sweep = sweep and job.plan.spec.resume
+    resume_run = job.run is not None and job.run.trainer.resume
+    if (resume_sweep or resume_run) and not run_dir:  # Hydra would make a new, empty dir
+        what = "sweep" if sweep else "run"
+        raise ConfigError(
+            f"{'sweep' if sweep else 'trainer'}.resume=true continues the {what} in the run "
+            f"dir it names: add hydra.run.dir=<the interrupted {what}'s dir> (its path is in "
+            "the line it printed when it stopped)"
+        )
+    if not run_dir:
+        return
+    if resume_run:
+        check_resumable_run(run_dir, job.run.to_dict())
+        return
+    if resume_sweep:
+        if not os.path.isdir(run_dir):  # a mistyped path: a whole new sweep would start
+            raise ConfigError(
+                f"sweep.resume=true: hydra.run.dir={run_dir} does not exist, so holds no "
+                "sweep to resume; name the interrupted sweep's dir"
+            )
+        # refused here, before Hydra rewrites the dir's .hydra/ files as the job starts
+        found = resumable_state(Path(run_dir).resolve(), job.plan)
+        if found is None and (Path(run_dir) / RESULT).exists():
+            raise ConfigError(
+                f"sweep.resume=true: hydra.run.dir={run_dir} holds a single run "
+                f"({RESULT}), not a sweep; name the interrupted sweep's dir"
+            )
+        return
+    check_nothing_written_over(run_dir, sweep)
+    if not sweep:
+        check_new_run_dir(run_dir)
+
+
+def check_nothing_written_over(run_dir: str, sweep: bool) -> None:
+    """A new sweep or run in `run_dir` would write over an old sweep's state (and with it
+    the way to resume it) or a single run's record."""
+    if (Path(run_dir) / STATE_NAME).exists():
+        what = "continue it with sweep.resume=true, or " if sweep else ""
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} holds a sweep already ({STATE_NAME}): "
+            f"{what}choose another hydra.run.dir"
+        )
+    if (Path(run_dir) / RESULT).exists():
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} holds a run already ({RESULT}): a new "
+            f"{'sweep' if sweep else 'run'} there would write over its record; "
+            "choose another hydra.run.dir"
+        )
+
+
+def check_multirun_dir(sweep_dir, overrides: list[str]) -> None:
+    """hydra.sweep.dir as a -m command sets it: an earlier multirun's dir would have its
+    jobs' records (result.json, a sweep's state, .hydra/) written over, job by job. Hydra's
+    default dir is new each time (it holds the time); a resumed job goes on from its own."""
+    if sweep_dir is None:
+        return
+    sweep_dir = str(sweep_dir)
+    check_run_dir(sweep_dir, key="hydra.sweep.dir")
+    resumes = any(
+        o.lstrip("+").split("=")[0] in ("sweep.resume", "trainer.resume")
+        and o.split("=", 1)[1].lower() == "true"
+        for o in overrides
+    )
+    earlier = Path(sweep_dir) / "multirun.yaml"  # what Hydra writes there first
+    if earlier.exists() and not resumes:
+        raise ConfigError(
+            f"hydra.sweep.dir={sweep_dir} holds an earlier multirun ({earlier.name}): its "
+            "jobs' records would be written over; choose another hydra.sweep.dir"
+        )
