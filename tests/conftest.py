@@ -123,3 +123,18 @@ def ray_cluster():
     """One cluster per test module (test_ddp.py overrides it with one per test)."""
     with local_ray():
         yield
+
+
+def plan_of(overrides: list[str]):
+    """The checked plan of the sweep `overrides` compose, as `python -m sweeper` builds it."""
+    from sweeper.config.compose import compose
+    from sweeper.sweep.preflight import build_plan
+
+    return build_plan(compose(overrides))
+
+
+def plan_for(spec, base: dict | None = None, target: str | None = None):
+    """A plan around a hand-made SweepSpec, for the helpers that derive from one."""
+    from sweeper.sweep.plan import SweepPlan
+
+    return SweepPlan(spec=spec, base=base or {}, target=target)

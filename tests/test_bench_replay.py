@@ -101,10 +101,10 @@ def test_the_search_bench_spaces_compose_into_the_stages_they_name(space, names)
 
     from sweeper.config.compose import compose
     from sweeper.config.sweep import load_sweep_spec
-    from sweeper.sweep.spec import stage_space
+    from tests.conftest import plan_for
 
     spec = load_sweep_spec(compose([*COMMON, *SPACES[space]]).sweep)
-    searched = stage_space(spec, spec.stages[0])
+    searched = plan_for(spec).space(spec.stages[0])
     assert set(searched.names) == names
     assert all(param.log for param in searched.params)
 
@@ -114,11 +114,11 @@ def test_the_seed_noise_bench_trains_one_configuration_over_a_grid_of_seeds():
 
     from sweeper.config.compose import compose
     from sweeper.config.sweep import load_sweep_spec
-    from sweeper.sweep.spec import stage_space
+    from tests.conftest import plan_for
 
     cfg = compose(seed_grid_overrides(0.09, 0.3, 5))
     spec = load_sweep_spec(cfg.sweep)
-    searched = stage_space(spec, spec.stages[0])
+    searched = plan_for(spec).space(spec.stages[0])
     assert [(p.name, p.kind, list(p.values)) for p in searched.params] == [
         ("trainer.seed", "grid", [0, 1, 2, 3, 4])
     ]

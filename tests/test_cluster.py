@@ -22,6 +22,7 @@ import pytest
 
 from sweeper.config.compose import compose
 from sweeper.config.errors import ConfigError
+from sweeper.sweep.preflight import build_plan
 from sweeper.sweep.runner import run_sweep
 
 from .conftest import REPO, run_cli
@@ -115,7 +116,7 @@ def test_trials_run_on_several_nodes_and_write_to_one_run_dir(three_nodes, tmp_p
             "mlflow.enabled=false",
         ]
     )
-    run_sweep(cfg, str(tmp_path))  # start_ray joins the cluster: no ray.init here
+    run_sweep(build_plan(cfg), str(tmp_path))  # start_ray joins the cluster: no ray.init here
     assert f"ray: joined {three_nodes.address} with 3 CPUs" in capsys.readouterr().out
     nodes = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
     assert len(nodes) == 3 and set(WORKER_IPS) <= nodes
@@ -308,7 +309,7 @@ def test_the_local_gpu_count_is_the_one_ray_registers(monkeypatch):
 def test_validating_a_users_function_sweep_leaves_torch_unimported(tmp_path):
     """The driver of a user's own function never needs torch (1.5 s of start-up)."""
     code = (
-        "import sys; from sweeper.__main__ import validate; "
+        "import sys; from sweeper.command import check as validate; "
         "validate(['+sweep=smoke', 'trainable._target_=tests.user_functions.noisy_bowl', "
         "'sweep.gpus_per_trial=0']); print('torch' in sys.modules)"
     )

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from sweeper.sweep.confirm import confirmation_lines, confirmation_summary, fresh_seeds, with_seed
 from sweeper.config.sweep import SweepSpec
+from sweeper.sweep.confirm import confirmation_lines, confirmation_summary, fresh_seeds, with_seed
 from sweeper.sweep.state import SweepState
+from tests.conftest import plan_for
 
 BASE = {"trainer": {"seed": 4}, "optimizer": {"matrix_lr": 0.02}}
 BEST = {"trainer": {"seed": 4}, "optimizer": {"matrix_lr": 0.05}}
@@ -44,7 +45,7 @@ def test_the_improvement_is_paired_by_seed_with_its_spread():
         "6": {"best": ran(3.2), "baseline": ran(3.3)},
         "7": {"best": ran(3.1), "baseline": ran(3.0)},
     }
-    summary = confirmation_summary(SweepSpec(confirm_seeds=3), state_with(runs), BASE)
+    summary = confirmation_summary(plan_for(SweepSpec(confirm_seeds=3), BASE), state_with(runs))
     assert summary["seeds"] == [5, 6, 7]
     assert summary["best_mean"] == pytest.approx(3.1) and summary["best_std"] == pytest.approx(0.1)
     assert summary["baseline_mean"] == pytest.approx(3.2667, abs=1e-4)
@@ -58,7 +59,9 @@ def test_the_improvement_is_paired_by_seed_with_its_spread():
         "-> 0.1667 +- 0.3055 better, on 2 of 3 seeds"
     )
     # where higher is better the sign turns
-    maximised = confirmation_summary(SweepSpec(confirm_seeds=3, mode="max"), state_with(runs), BASE)
+    maximised = confirmation_summary(
+        plan_for(SweepSpec(confirm_seeds=3, mode="max"), BASE), state_with(runs)
+    )
     assert maximised["improvement_mean"] == pytest.approx(-0.16667, abs=1e-4)
 
 
@@ -67,7 +70,7 @@ def test_a_run_without_a_value_is_left_out_of_the_pairs_and_named():
         "5": {"best": ran(3.0), "baseline": ran(3.5)},
         "6": {"best": ran(8.0, "diverged"), "baseline": ran(3.3)},
     }
-    summary = confirmation_summary(SweepSpec(confirm_seeds=2), state_with(runs), BASE)
+    summary = confirmation_summary(plan_for(SweepSpec(confirm_seeds=2), BASE), state_with(runs))
     assert summary["best"] == [3.0, None] and summary["baseline"] == [3.5, 3.3]
     assert summary["paired"] == 1 and summary["improvement_std"] is None
     assert summary["no_value"] == ["best on seed 6 (diverged)"]
@@ -79,7 +82,7 @@ def test_a_run_without_a_value_is_left_out_of_the_pairs_and_named():
 def test_only_the_seeds_asked_for_and_only_runs_of_the_current_best_count():
     runs = {"5": {"best": ran(3.0)}, "6": {"best": ran(3.0)}, "7": {"best": ran(3.4)}}
     # confirm_seeds lowered to 2 on a resume: seed 7's run is kept but not reported
-    summary = confirmation_summary(SweepSpec(confirm_seeds=2), state_with(runs), BASE)
+    summary = confirmation_summary(plan_for(SweepSpec(confirm_seeds=2), BASE), state_with(runs))
     assert summary["seeds"] == [5, 6] and summary["baseline_mean"] is None
     # no baseline (sweep.baseline=false): no pairs, and a best that never moved gets a note
     line, note = confirmation_lines(summary, "val_bpb")
@@ -87,5 +90,7 @@ def test_only_the_seeds_asked_for_and_only_runs_of_the_current_best_count():
     assert "every fresh seed gave the same value" in note
     # runs of another best config (a resumed sweep that found a new one) are not this one's
     stale = state_with(runs, best_config=BASE)
-    assert confirmation_summary(SweepSpec(confirm_seeds=3), stale, BASE) is None
-    assert confirmation_summary(SweepSpec(confirm_seeds=0), state_with(runs), BASE) is None
+    assert confirmation_summary(plan_for(SweepSpec(confirm_seeds=3), BASE), stale) is None
+    assert (
+        confirmation_summary(plan_for(SweepSpec(confirm_seeds=0), BASE), state_with(runs)) is None
+    )

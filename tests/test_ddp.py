@@ -6,6 +6,7 @@ import time
 import pytest
 
 from sweeper.config.compose import compose
+from sweeper.sweep.preflight import build_plan
 from sweeper.sweep.runner import run_sweep
 from sweeper.train.distributed import train_ddp
 from sweeper.train.loop import train
@@ -105,7 +106,7 @@ def test_two_rank_trials_inside_a_sweep_report_to_asha_and_one_mlflow_run(ray_cl
             f"mlflow.tracking_uri={db}",
         ]
     )
-    run_sweep(cfg, str(tmp_path / "run"))
+    run_sweep(build_plan(cfg), str(tmp_path / "run"))
     state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
     for stage in state["stages"]:
         assert [r["status"] for r in stage["records"]] == ["completed"]

@@ -280,7 +280,7 @@ def test_readme_commands_name_files_that_exist():
 def test_readme_sweeps_are_valid_overrides():
     from sweeper.config.compose import compose
     from sweeper.config.schema import load_run_config
-    from sweeper.sweep.plan import validate_sweep
+    from sweeper.sweep.preflight import build_plan
 
     sweeps = [c.split("python -m sweeper ", 1)[1] for c in readme_commands() if "-m sweeper +" in c]
     assert len(sweeps) >= 4
@@ -288,5 +288,5 @@ def test_readme_sweeps_are_valid_overrides():
         overrides = shlex.split(line.rstrip('"'))
         cfg = compose(overrides)
         load_run_config(cfg)
-        validate_sweep(cfg)
+        build_plan(cfg)
         assert cfg.ray.address in ("auto", "ray://127.0.0.1:10001"), line

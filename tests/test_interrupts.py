@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from sweeper.__main__ import interruptible
 from sweeper.signals import interrupts_held, stop_on_sigterm_as_on_ctrl_c
+from sweeper.single_run import interruptible
 
 
 @pytest.fixture(autouse=True)

@@ -38,7 +38,7 @@ def test_wheel_carries_the_config_tree_and_composes_a_sweep_from_it(tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = (
-        "from sweeper.config.paths import config_dir; from sweeper.cli import compose;"
+        "from sweeper.config.paths import config_dir; from sweeper.config.compose import compose;"
         "print(config_dir()); print(compose(['+sweep=lr_bs']).sweep.name)"
     )
     env = dict(os.environ, PYTHONPATH=str(site))

@@ -11,18 +11,21 @@ from sweeper.config.schema import load_run_config
 from sweeper.sweep.estimate import (
     STAGE_START_S,
     Speed,
+    estimates_left,
+    evaluating_once,
     fraction_text,
     makespan,
     measure_speed,
     opening_line,
     plan_seconds,
     run_cost,
-    stage_plans,
+    stage_estimates,
+    sweep_totals,
 )
-from sweeper.sweep.plan import base_config, validate_sweep, with_reports
-from sweeper.sweep.runner import budget_text, rung_fractions
+from sweeper.sweep.preflight import build_plan
+from sweeper.sweep.stage import budget_text
 from sweeper.sweep.stages import sweep_run
-from sweeper.sweep.state import SweepState, sweep_definition
+from sweeper.sweep.state import SweepState
 from sweeper.text import flops_text
 from sweeper.train.budget import model_counts, planned_flops
 
@@ -41,7 +44,8 @@ def test_the_plan_of_lr_bs_counts_its_trials_and_flops_and_nothing_is_written(tm
     out = proc.stdout
     # what the trials would train, from the model's shape and the budget
     cfg = compose(["+sweep=lr_bs"])
-    spec = validate_sweep(cfg)
+    plan = build_plan(cfg)
+    spec = plan.spec
     _, per_token = model_counts(load_run_config(cfg))
     batch = cfg.trainer.total_batch_size
     trial = math.ceil(spec.budget.tokens_per_trial / batch) * batch * per_token
@@ -51,7 +55,7 @@ def test_the_plan_of_lr_bs_counts_its_trials_and_flops_and_nothing_is_written(tm
     assert "trainer.total_batch_size grid [4096, 8192, 16384]" in out
     assert "optimizer.matrix_lr log_uniform [0.004, 0.1]" in out
     assert "LRs follow the batch size by sqrt(B / B0)" in out
-    rungs = rung_fractions(spec, spec.stages[0], None)
+    rungs = plan.rung_fractions(spec.stages[0])
     assert f"asha may stop a trial at {', '.join(map(fraction_text, rungs))} of" in out
     # every LR trial to its end with a fork at each rung, the batch grid, the baseline
     forks = 1 + spec.rung_cooldown * sum(rungs)
@@ -70,9 +74,9 @@ def test_the_plan_of_lr_bs_counts_its_trials_and_flops_and_nothing_is_written(tm
 
 def test_a_grid_over_model_sizes_sums_its_points_and_shows_the_range_of_a_trial():
     cfg = compose(["+sweep=scaling"])
-    spec = validate_sweep(cfg)
-    base = base_config(cfg, spec, None)
-    (plan,) = stage_plans(spec, base, None)
+    plan = build_plan(cfg)
+    base = plan.base
+    (estimate,) = stage_estimates(plan, base)
     flops = [
         planned_flops(
             load_run_config(sweep_run(base, {"trainer.budget_flops": b, "model.depth": d}))
@@ -80,26 +84,25 @@ def test_a_grid_over_model_sizes_sums_its_points_and_shows_the_range_of_a_trial(
         for b in (1e12, 3e12, 1e13)
         for d in (1, 2, 3, 4, 5)
     ]
-    assert plan.trials == 15 and plan.rungs == ()  # fifo: every point to its budget
-    assert plan.trial_flops == (min(flops), max(flops))
-    assert plan.most_flops == sum(flops)
+    assert estimate.trials == 15 and estimate.rungs == ()  # fifo: every point to its budget
+    assert estimate.trial_flops == (min(flops), max(flops))
+    assert estimate.most_flops == sum(flops)
     # a sampled stage is counted at its dearest trial: depth sampled in [1, 5] costs most at 5
     sampled = ["sweep.stages.0.search=random", "sweep.stages.0.num_samples=6"]
     depth = "sweep.stages.0.params.model.depth"
     sampled += [f"~{depth}", f"+{depth}={{int:[1,5]}}"]
-    cfg = compose(["+sweep=scaling", *sampled])
-    spec = validate_sweep(cfg)
-    (plan,) = stage_plans(spec, base_config(cfg, spec, None), None)
+    plan = build_plan(compose(["+sweep=scaling", *sampled]))
+    (estimate,) = stage_estimates(plan, plan.base)
     dearest = max(flops)
-    assert plan.trials == 18 and plan.most_flops == 18 * dearest  # 6 draws x 3 budgets
+    assert estimate.trials == 18 and estimate.most_flops == 18 * dearest  # 6 draws x 3 budgets
 
 
 def test_a_resumed_sweep_plans_only_what_is_left_from_the_config_its_stages_left(tmp_path):
     cfg = compose(["+sweep=lr_bs"])
-    spec = validate_sweep(cfg)
-    base = base_config(cfg, spec, None)
+    plan = build_plan(cfg)
+    spec, base = plan.spec, plan.base
     run_dir = tmp_path / "run"
-    state = SweepState.new(run_dir, spec.name, base, sweep_definition(spec))
+    state = SweepState.new(run_dir, spec.name, base, plan.definition)
     # the LR stage finished and froze a model two layers deeper (as a stage could)
     left = {**base, "model": {**base["model"], "depth": base["model"]["depth"] + 2}}
     state.finish_stage("lr", [], {}, None, left, 10.0)
@@ -116,15 +119,13 @@ def test_a_resumed_sweep_plans_only_what_is_left_from_the_config_its_stages_left
     assert f"run dir: {run_dir}" in out
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
     # the sweep's own first line gives the same totals, for what is left, and its caps
-    assert opening_line(spec, base, None, state).startswith(
+    assert opening_line(plan, state).startswith(
         f"sweep 'lr_bs': 1 stage (batch_size), at most 4 runs (with the baseline), "
         f"{flops_text(3 * deeper + baseline)} training FLOPs if no trial is stopped early; "
         "sweep.dry_run=true"
     )
-    capped = validate_sweep(compose(["+sweep=lr_bs", "sweep.max_flops=1e13"]))
-    assert "early; capped by sweep.max_flops=1e13; sweep.dry_run" in opening_line(
-        capped, base, None, state
-    )
+    capped = build_plan(compose(["+sweep=lr_bs", "sweep.max_flops=1e13"]))
+    assert "early; capped by sweep.max_flops=1e13; sweep.dry_run" in opening_line(capped, state)
 
 
 def test_the_plan_says_how_asha_decides_at_its_rungs(tmp_path):
@@ -185,12 +186,12 @@ def test_trials_of_known_length_fill_the_slots_longest_first():
 
 def test_the_time_counts_each_stage_in_rounds_of_its_slots_and_the_baseline_in_the_first():
     cfg = compose(["+sweep=lr_bs", "sweep.stages.0.scheduler=fifo"])
-    spec = validate_sweep(cfg)
-    base = base_config(cfg, spec, None)
-    plans = stage_plans(spec, base, None)
+    plan = build_plan(cfg)
+    base = plan.base
+    plans = stage_estimates(plan, base)
     speed = Speed(train_flops_per_s=1e11, eval_flops_per_s=3e11, setup_s=2.0, threads=1)
     trial = speed.trial_seconds(plans[0].costs[0], 1.0)
-    once = speed.trial_seconds(run_cost(with_reports(base, 1, None)), 1.0)
+    once = speed.trial_seconds(run_cost(evaluating_once(base)), 1.0)
     assert trial > once > 2.0 + plans[0].costs[0].flops / 1e11  # 8 evaluations against 1
     # 8 LR trials and the shorter baseline on 2 slots: 4 rounds, then the baseline in
     # the first free slot; then 3 batch trials, the two longest side by side: the batch of
@@ -198,19 +199,18 @@ def test_the_time_counts_each_stage_in_rounds_of_its_slots_and_the_baseline_in_t
     batch, _, shortest = sorted((speed.trial_seconds(c, 1.0) for c in plans[1].costs), reverse=True)
     assert shortest < batch
     starts, batches = 2 * STAGE_START_S, batch + shortest
-    assert plan_seconds(spec, base, plans, speed, 2, True) == starts + 4 * trial + once + batches
-    assert plan_seconds(spec, base, plans, speed, 2, False) == starts + 4 * trial + batches
-    assert plan_seconds(spec, base, plans, speed, 11, True) == starts + trial + batch
+    assert plan_seconds(plan, plans, speed, 2, True) == starts + 4 * trial + once + batches
+    assert plan_seconds(plan, plans, speed, 2, False) == starts + 4 * trial + batches
+    assert plan_seconds(plan, plans, speed, 11, True) == starts + trial + batch
 
 
 def test_the_speed_is_measured_on_the_real_training_loop_and_not_for_a_model_too_big():
-    cfg = compose(["+sweep=smoke"])
-    spec = validate_sweep(cfg)
-    speed = measure_speed(base_config(cfg, spec, None), threads=1)
+    plan = build_plan(compose(["+sweep=smoke"]))
+    speed = measure_speed(plan.base, threads=1)
     assert speed.threads == 1 and speed.setup_s >= 0
     assert 1e8 < speed.train_flops_per_s < 1e14 and 1e8 < speed.eval_flops_per_s < 1e14
     # ~700M params: steps of minutes on a CPU, not timed
-    big = base_config(cfg, spec, None)
+    big = plan.base
     big = {**big, "model": {**big["model"], "depth": 24, "aspect_ratio": 64}}
     assert measure_speed(big, threads=1) is None
 
@@ -225,37 +225,30 @@ def test_a_stage_names_its_trials_budget_on_its_own_time_axis():
 def test_the_most_flops_count_the_forks_of_the_trials_past_a_ranges_end():
     """`lr`'s LR stage: 12 trials, then up to 4 more past a range's end, each run by the
     stage's ASHA, so each forks at every rung too (they were counted without forks)."""
-    from sweeper.sweep.estimate import stage_plans, sweep_totals
 
     def most(cooldown: float) -> float:
-        cfg = compose(["+sweep=lr", f"sweep.rung_cooldown={cooldown}"])
-        spec = validate_sweep(cfg)
-        base = base_config(cfg, spec, None)
-        return spec, sweep_totals(spec, base, stage_plans(spec, base, None), None, None).most_flops
+        plan = build_plan(compose(["+sweep=lr", f"sweep.rung_cooldown={cooldown}"]))
+        return plan, sweep_totals(plan, stage_estimates(plan, plan.base), None).most_flops
 
-    spec, forked = most(0.25)
+    plan, forked = most(0.25)
     _, plain = most(0.0)
-    (stage,) = stage_plans(spec, base_config(compose(["+sweep=lr"]), spec, None), None)
+    (stage,) = stage_estimates(plan, plan.base)
     assert (stage.trials, stage.extend_trials) == (12, 4)
-    rungs = rung_fractions(spec, spec.stages[0], None)
+    rungs = plan.rung_fractions(plan.stages[0])
     trial = stage.trial_flops[1]
     assert forked - plain == pytest.approx((12 + 4) * trial * 0.25 * sum(rungs))
 
 
 def test_a_resume_with_more_time_plans_the_stage_the_time_cap_cut_short(tmp_path):
-    from sweeper.sweep.estimate import plans_left
-
-    cfg = compose(["+sweep=lr_bs", "sweep.max_seconds=60"])
-    spec = validate_sweep(cfg)
-    base = base_config(cfg, spec, None)
-    state = SweepState.new(tmp_path, spec.name, base, sweep_definition(spec))
-    state.finish_stage("lr", [], {}, None, base, 70.0, capped=True)
+    plan = build_plan(compose(["+sweep=lr_bs", "sweep.max_seconds=60"]))
+    state = SweepState.new(tmp_path, plan.spec.name, plan.base, plan.definition)
+    state.finish_stage("lr", [], {}, None, plan.base, 70.0, capped=True)
     # the same cap: the resume has no time for it, and the plan says the stage is done
-    assert [p.finished for p in plans_left(spec, base, None, state)] == [True, False]
-    # more time: the stage goes on (engine.reopen_capped_stage); it was planned as done
-    more = validate_sweep(compose(["+sweep=lr_bs", "sweep.max_seconds=600"]))
-    assert [p.finished for p in plans_left(more, base, None, state)] == [False, False]
-    assert "2 stages" in opening_line(more, base, None, state)
+    assert [p.finished for p in estimates_left(plan, state)] == [True, False]
+    # more time: the stage goes on (runner.reopen_capped_stage); it was planned as done
+    more = build_plan(compose(["+sweep=lr_bs", "sweep.max_seconds=600"]))
+    assert [p.finished for p in estimates_left(more, state)] == [False, False]
+    assert "2 stages" in opening_line(more, state)
 
 
 def test_the_readmes_example_sweep_file_plans_as_its_comments_say(tmp_path):
@@ -286,10 +279,10 @@ def test_the_dry_run_says_when_it_does_not_time_and_times_nothing_for_a_finished
     assert "time: ~" not in proc.stdout and "training FLOPs" in proc.stdout
     # every stage and the baseline done: nothing is left to time or train
     cfg = compose(["+sweep=lr_bs"])
-    spec = validate_sweep(cfg)
-    base = base_config(cfg, spec, None)
+    plan = build_plan(cfg)
+    spec, base = plan.spec, plan.base
     run_dir = tmp_path / "run"
-    state = SweepState.new(run_dir, spec.name, base, sweep_definition(spec))
+    state = SweepState.new(run_dir, spec.name, base, plan.definition)
     for stage in spec.stages:
         state.finish_stage(stage.name, [], {}, None, base, 10.0)
     state.set_baseline({"value": 3.0, "status": "completed"})

@@ -5,9 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from sweeper.report.markdown import as_html, changes_table, render_report, trial_table, write_report
 from sweeper.config.sweep import StageSpec, SweepSpec
+from sweeper.report.markdown import as_html, changes_table, render_report, trial_table, write_report
 from sweeper.text import duration_text
+from tests.conftest import plan_for
 
 BASE = {
     "optimizer": {"matrix_lr": 0.02, "embedding_lr": 0.2, "scalar_lr": 0.02},
@@ -136,13 +137,13 @@ def test_what_the_sweep_changed_leaves_out_where_the_trials_ran():
 )
 def test_the_page_opens_with_the_best_against_the_unmodified_config(tmp_path, baseline, sentence):
     summary, spec, state = finished_sweep(baseline)
-    page = render_report(summary, spec, state, tmp_path, BASE)
+    page = render_report(summary, plan_for(spec, BASE), state, tmp_path)
     assert page.startswith(f"# Sweep `lr`\n\n{sentence}\n"), page[:300]
 
 
 def test_a_sweep_with_nothing_to_rank_says_so_and_offers_no_command(tmp_path):
     summary, spec, state = finished_sweep(None, best_value=None)
-    page = render_report(summary, spec, state, tmp_path, BASE)
+    page = render_report(summary, plan_for(spec, BASE), state, tmp_path)
     assert "No trial finished with a value to rank." in page
     assert "```" not in page and "What the sweep changed" not in page
 
@@ -155,7 +156,7 @@ def test_the_page_holds_the_stage_the_command_and_only_the_plots_that_exist(tmp_
     (tmp_path / "learning_curves.png").write_bytes(b"png")  # an earlier sweep's, not drawn now
     summary["plots"] = ["stage_lr.png"]
     summary["stages"][0]["at_range_edge"] = [{"note": "best optimizer.matrix_lr=0.04 is at ..."}]
-    path = write_report(tmp_path, summary, spec, state, BASE)
+    path = write_report(tmp_path, summary, plan_for(spec, BASE), state)
     assert path == tmp_path / "report.md"
     page = path.read_text()
     assert "4 trials in 4 min 48 s, 2.9e13 training FLOPs" in page
@@ -176,7 +177,7 @@ def test_the_html_page_holds_its_images_and_tables(tmp_path):
     png = b"\x89PNG\r\n\x1a\n not a real image, but bytes to carry"
     (tmp_path / "stage_lr.png").write_bytes(png)
     summary["plots"] = ["stage_lr.png"]
-    write_report(tmp_path, summary, spec, state, BASE)
+    write_report(tmp_path, summary, plan_for(spec, BASE), state)
     page = (tmp_path / "report.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<title>sweep lr</title>" in page
     # the image inside the page, byte for byte: the MLflow UI shows it with no file beside it
@@ -209,7 +210,7 @@ def test_a_page_is_never_half_written(tmp_path, monkeypatch):
 
     monkeypatch.setattr("sweeper.sweep.state.os.fsync", fails)
     with pytest.raises(OSError):
-        write_report(tmp_path, summary, spec, state, BASE)
+        write_report(tmp_path, summary, plan_for(spec, BASE), state)
     monkeypatch.undo()
     assert (tmp_path / "report.md").read_text() == "the earlier page\n"
 
@@ -217,16 +218,16 @@ def test_a_page_is_never_half_written(tmp_path, monkeypatch):
 def test_a_report_that_cannot_be_written_loses_nothing_else(tmp_path, monkeypatch, capsys):
     import json
 
-    from sweeper.report import markdown as report
-    from sweeper.report.summary import write_all
+    from sweeper.report import summary as outputs
     from sweeper.sweep.state import SweepState
 
     def fails(*args):
         raise ValueError("a stage without a name")
 
-    monkeypatch.setattr(report, "write_report", fails)
+    monkeypatch.setattr(outputs, "write_report", fails)
     base = {**BASE, "trainer": {**BASE["trainer"], "seed": 0}}
-    summary = write_all(tmp_path, SweepSpec(name="s"), SweepState.new(tmp_path, "s", base), base)
+    plan = plan_for(SweepSpec(name="s"), base)
+    summary = outputs.write_all(tmp_path, plan, SweepState.new(tmp_path, "s", base))
     out = capsys.readouterr().out
     assert "note: report.md not written: ValueError: a stage without a name" in out
     # summary.json is there, says so, and the outputs line names no page

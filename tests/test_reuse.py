@@ -1,21 +1,21 @@
 """A trial that would train again a run the sweep already finished replays it instead
 (engine.reusable_run, trainable.replay). The end-to-end case is in test_sweep.py."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from sweeper.config.compose import compose
-from sweeper.sweep.plan import base_config, validate_sweep
+from sweeper.sweep.preflight import build_plan
 from sweeper.sweep.runner import reusable_run
 from sweeper.sweep.state import SweepState, spent_flops
 from sweeper.sweep.trainable import EarlierRun, replay, same_training
 
 
 def lr_bs():
-    cfg = compose(["+sweep=lr_bs"])
-    spec = validate_sweep(cfg)
-    return spec, base_config(cfg, spec, None)
+    plan = build_plan(compose(["+sweep=lr_bs"]))
+    return plan, plan.base
 
 
 def with_trainer(config: dict, **values) -> dict:
@@ -86,9 +86,9 @@ def state_after_lr_stage(tmp_path: Path, base: dict, status: str = "completed", 
 
 
 def test_a_fifo_stage_may_replay_the_run_its_start_was_frozen_from(tmp_path):
-    spec, base = lr_bs()
+    plan, base = lr_bs()
     state = state_after_lr_stage(tmp_path, base)
-    earlier = reusable_run(spec, spec.stages[1], state, base, None)
+    earlier = reusable_run(plan, plan.stages[1], state, base)
     assert earlier is not None and earlier.source == "lr/t1" and earlier.config == base
     assert [r["val_bpb"] for r in earlier.reports] == [4.1, 3.7, 3.43]
 
@@ -98,8 +98,8 @@ def test_a_fifo_stage_may_replay_the_run_its_start_was_frozen_from(tmp_path):
     ["early-stopping stage", "user's function", "pruned incumbent", "mean over seeds", "first"],
 )
 def test_no_replay_where_the_run_could_differ_or_is_not_a_whole_one(tmp_path, case):
-    spec, base = lr_bs()
-    stage, target = spec.stages[1], None
+    plan, base = lr_bs()
+    stage, target = plan.stages[1], None
     state = state_after_lr_stage(
         tmp_path,
         base,
@@ -107,12 +107,13 @@ def test_no_replay_where_the_run_could_differ_or_is_not_a_whole_one(tmp_path, ca
         **({"seeds": [0, 1]} if case == "mean over seeds" else {}),
     )
     if case == "early-stopping stage":
-        stage = spec.stages[0]  # asha: rungs this run was not ranked at
+        stage = plan.stages[0]  # asha: rungs this run was not ranked at
     elif case == "user's function":
         target = "tests.user_functions.noisy_bowl"  # need not give the same value twice
     elif case == "first":
         state = SweepState.new(tmp_path / "fresh", "lr_bs", base)  # nothing frozen yet
-    assert reusable_run(spec, stage, state, base, target) is None
+    plan = dataclasses.replace(plan, target=target)
+    assert reusable_run(plan, stage, state, base) is None
 
 
 def test_a_replayed_trial_spends_no_compute():

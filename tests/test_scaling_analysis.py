@@ -184,7 +184,7 @@ def test_only_the_fits_asked_for_are_made_or_warned_about():
 
 
 def test_an_lr_sweeps_end_fits_only_its_frontier_and_says_why_once():
-    from sweeper.report.summary import applicable_fits
+    from sweeper.report.fit import applicable_fits
 
     def point(n, budget=None):
         return {"N": n, "D": 1e5, "C": 1e12, "loss": 3.0, "budget": budget}
@@ -774,11 +774,11 @@ def test_the_summary_and_the_hparams_plot_show_the_seeds(tmp_path, monkeypatch):
 def test_the_predicted_run_is_the_sweeps_config_at_the_target_with_the_laws_values():
     from sweeper.config.compose import compose
     from sweeper.config.schema import load_run_config
-    from sweeper.report.summary import predicted_run
-    from sweeper.sweep.plan import base_config, validate_sweep
+    from sweeper.report.fit import predicted_run
+    from sweeper.sweep.preflight import build_plan
 
     cfg = compose(["+sweep=lr_bs_scaling"])
-    base = base_config(cfg, validate_sweep(cfg), None)
+    base = build_plan(cfg).base
     sequence = base["model"]["seq_len"]  # 256 tokens; micro-batches of 2 sequences
 
     def run(predictions, points=()):
@@ -819,11 +819,11 @@ def test_the_predicted_run_is_the_sweeps_config_at_the_target_with_the_laws_valu
 
 def test_a_predicted_batch_the_run_cannot_take_is_said_beside_the_run():
     from sweeper.config.compose import compose
-    from sweeper.report.summary import predicted_run, predicted_run_note
-    from sweeper.sweep.plan import base_config, validate_sweep
+    from sweeper.report.fit import predicted_run, predicted_run_note
+    from sweeper.sweep.preflight import build_plan
 
     cfg = compose(["+sweep=lr_bs_scaling"])
-    base = base_config(cfg, validate_sweep(cfg), None)  # sequences of 256 tokens
+    base = build_plan(cfg).base  # sequences of 256 tokens
 
     def note(batch):
         result = {"target_flops": 1e15, "predictions": {"lr_opt": 0.01, "batch_size_opt": batch}}

@@ -10,19 +10,21 @@ import pytest
 
 from sweeper.config.compose import compose
 from sweeper.config.errors import ConfigError
-from sweeper.sweep.plan import base_config, validate_sweep
-from sweeper.sweep.results import error_summary
-from sweeper.sweep.runner import (
-    SweepFailed,
-    hydra_value,
-    idle_gpus_hint,
-    reproduce_overrides,
-    stage_context,
-)
 from sweeper.config.sweep import flatten, load_sweep_spec
-from sweeper.sweep.spec import stage_space
-from sweeper.sweep.stages import apply_params, follow_batch_size, get_dotted, lr_scale, pick_best
+from sweeper.sweep.preflight import build_plan
+from sweeper.sweep.results import error_summary
+from sweeper.sweep.runner import SweepFailed, idle_gpus_hint
+from sweeper.sweep.stages import (
+    apply_params,
+    follow_batch_size,
+    get_dotted,
+    lr_scale,
+    pick_best,
+    reproduce_overrides,
+)
 from sweeper.sweep.trainable import TrialContext, placed, trial_config
+from sweeper.text import hydra_value
+from tests.conftest import plan_for
 
 BASE = {
     "optimizer": {"matrix_lr": 0.02, "embedding_lr": 0.2},
@@ -71,10 +73,10 @@ ADAMW_LR_STAGE = [
 )
 def test_only_the_lrs_the_optimizer_reads_follow_the_batch_size(overrides, rescaled, left):
     cfg = compose(["+sweep=lr_bs", *overrides])
-    spec = validate_sweep(cfg)
-    base = base_config(cfg, spec, None)
+    plan = build_plan(cfg)
+    spec, base = plan.spec, plan.base
     batch_stage = spec.stages[1]
-    ctx = stage_context(spec, batch_stage, base, None)
+    ctx = plan.trial_context(batch_stage, base)
     config = trial_config({"trainer.total_batch_size": 32768}, base, ctx)
     factor = (32768 / base["trainer"]["total_batch_size"]) ** 0.5  # lr_bs: lr_rule=sqrt
     assert config["optimizer"][rescaled] == pytest.approx(base["optimizer"][rescaled] * factor)
@@ -88,9 +90,9 @@ def test_only_the_lrs_the_optimizer_reads_follow_the_batch_size(overrides, resca
 def test_an_lr_the_optimizer_does_not_read_gets_no_retune_band():
     retune = ["sweep.stages.1.lr_rule=retune", "sweep.stages.1.search=random"]
     cfg = compose(["+sweep=lr_bs", *retune])
-    spec = validate_sweep(cfg)
-    base = base_config(cfg, spec, None)
-    space = stage_space(spec, spec.stages[1], flatten(base))
+    plan = build_plan(cfg)
+    spec, base = plan.spec, plan.base
+    space = plan_for(spec).space(spec.stages[1], flatten(base))
     assert set(space.names) == {
         "trainer.total_batch_size",
         "optimizer.matrix_lr",
@@ -100,21 +102,19 @@ def test_an_lr_the_optimizer_does_not_read_gets_no_retune_band():
     }
     # a stage that chooses the optimizer keeps every LR: which one is read depends on the trial
     choose = "+sweep.stages.1.params.optimizer.name={grid:[adamw,muon_adamw]}"
-    assert "optimizer.lr" in validate_sweep(compose(["+sweep=lr_bs", choose])).lr_keys
+    assert "optimizer.lr" in build_plan(compose(["+sweep=lr_bs", choose])).spec.lr_keys
 
 
 def test_a_random_search_over_a_grid_and_sampled_params_counts_each_draw_at_every_grid_point():
-    from sweeper.sweep.runner import planned_trials
-
     # Tune runs the grid once per sample: 3 draws of the LR bands x 3 batch sizes
     retune = ["sweep.stages.1.lr_rule=retune", "sweep.stages.1.search=random"]
     cfg = compose(["+sweep=lr_bs", *retune, "sweep.stages.1.num_samples=3"])
-    spec = validate_sweep(cfg)
-    base = base_config(cfg, spec, None)
-    assert planned_trials(spec, spec.stages[1], base) == 9
+    plan = build_plan(cfg)
+    spec, base = plan.spec, plan.base
+    assert plan.planned_trials(spec.stages[1], base) == 9
     # the grid alone: every point once, whatever num_samples says; sampled alone: the draws
-    assert planned_trials(spec, dataclasses.replace(spec.stages[1], lr_rule="sqrt"), base) == 3
-    assert planned_trials(spec, spec.stages[0], base) == spec.stages[0].num_samples
+    assert plan.planned_trials(dataclasses.replace(spec.stages[1], lr_rule="sqrt"), base) == 3
+    assert plan.planned_trials(spec.stages[0], base) == spec.stages[0].num_samples
 
 
 @pytest.mark.parametrize(
@@ -141,19 +141,19 @@ def test_a_trial_is_placed_as_ray_places_it(device, workers, gpus, expected):
 def test_gpus_beside_trials_given_none_get_one_line_that_says_how_to_use_them():
     spec = load_sweep_spec({"name": "s", "stages": []})
     base = {"trainer": {"device": "auto", "workers": 1}}
-    hint = idle_gpus_hint(spec, base, None, gpus=8)
+    hint = idle_gpus_hint(plan_for(spec, base), gpus=8)
     assert hint and "beside 8 GPUs" in hint and "sweep.gpus_per_trial=1" in hint
-    assert idle_gpus_hint(spec, base, None, gpus=0) is None
-    assert idle_gpus_hint(spec, base, "pkg.fn", gpus=8) is None  # a user's function: its call
+    assert idle_gpus_hint(plan_for(spec, base), gpus=0) is None
+    assert idle_gpus_hint(plan_for(spec, base, "pkg.fn"), gpus=8) is None  # a user's function
     cpu = {"trainer": {"device": "cpu", "workers": 1}}
-    assert idle_gpus_hint(spec, cpu, None, gpus=8) is None  # asked for the CPU
+    assert idle_gpus_hint(plan_for(spec, cpu), gpus=8) is None  # asked for the CPU
     spec.gpus_per_trial = 1.0
-    assert idle_gpus_hint(spec, base, None, gpus=8) is None
+    assert idle_gpus_hint(plan_for(spec, base), gpus=8) is None
 
 
 def test_cuda_trials_given_no_gpu_are_refused_before_ray_starts():
     with pytest.raises(ConfigError, match="trainer.device=cuda but sweep.gpus_per_trial=0"):
-        validate_sweep(compose(["+sweep=smoke", "trainer.device=cuda"]))
+        build_plan(compose(["+sweep=smoke", "trainer.device=cuda"]))
 
 
 def test_pick_best_prefers_trials_that_ran_their_whole_budget():
@@ -218,8 +218,8 @@ def test_a_configuration_run_on_several_seeds_ranks_by_its_mean():
 
 
 def test_the_configurations_a_seeded_best_does_not_clearly_beat_are_named(capsys):
-    from sweeper.report.summary import print_stage_table
     from sweeper.config.sweep import SweepSpec
+    from sweeper.report.summary import print_stage_table
     from sweeper.sweep.stages import unresolved_rivals
 
     def trial(lr, seed, metric, status="completed"):
@@ -289,7 +289,7 @@ def test_a_users_function_s_reproduce_line_composes_back_to_the_config_of_its_be
     from omegaconf import OmegaConf
 
     from sweeper.report.summary import _overrides
-    from sweeper.sweep.plan import user_function_config
+    from sweeper.user_function import user_function_config
 
     target = "tests.user_functions.noisy_bowl"
     given = [f"trainable._target_={target}", "+model.dropout=0.1", "model.depth=6"]
@@ -317,7 +317,7 @@ def test_a_float_override_is_short_and_reads_back_as_the_same_float(value, text)
 def test_the_reproduce_command_is_one_shell_line_that_keeps_every_override_whole():
     import shlex
 
-    from sweeper.report.summary import reproduce_command
+    from sweeper.sweep.stages import reproduce_command
 
     overrides = ["data.path=/data/run 1/train_*.bin", "optimizer.matrix_lr=0.05", "x=$HOME"]
     command = reproduce_command(overrides)
@@ -327,7 +327,6 @@ def test_the_reproduce_command_is_one_shell_line_that_keeps_every_override_whole
 
 def test_retune_rule_searches_a_narrow_band_around_each_frozen_lr():
     from sweeper.config.sweep import StageSpec, SweepSpec
-    from sweeper.sweep.spec import stage_space
 
     spec = SweepSpec(lr_keys=["optimizer.matrix_lr", "optimizer.lr"])
     stage = StageSpec(
@@ -336,7 +335,7 @@ def test_retune_rule_searches_a_narrow_band_around_each_frozen_lr():
         retune_factor=2.0,
         params={"trainer": {"total_batch_size": {"choice": [512, 1024]}}},
     )
-    space = stage_space(spec, stage, {"optimizer.matrix_lr": 0.02, "optimizer.lr": 0.001})
+    space = plan_for(spec).space(stage, {"optimizer.matrix_lr": 0.02, "optimizer.lr": 0.001})
     specs = {p.name: p for p in space.params}
     assert (specs["optimizer.matrix_lr"].low, specs["optimizer.matrix_lr"].high) == (0.01, 0.04)
     assert specs["optimizer.matrix_lr"].kind == "log_uniform"
@@ -344,20 +343,20 @@ def test_retune_rule_searches_a_narrow_band_around_each_frozen_lr():
 
 
 def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
-    from sweeper.report.summary import range_edges
     from sweeper.config.sweep import StageSpec, SweepSpec
+    from sweeper.sweep.extend import range_edges
 
     lr = StageSpec(name="lr", params={"optimizer": {"matrix_lr": {"log_uniform": [0.004, 0.1]}}})
     batch = {"trainer": {"total_batch_size": {"grid": [4096, 8192, 16384]}}}
     bs = StageSpec(name="bs", lr_rule="retune", retune_factor=2.0, params=batch)
     spec = SweepSpec(stages=[lr, bs], lr_keys=["optimizer.matrix_lr"])
     lr_bs = compose(["+sweep=lr_bs"])
-    start = base_config(lr_bs, validate_sweep(lr_bs), None)  # matrix_lr 0.02, batch 8192
+    start = build_plan(lr_bs).base  # matrix_lr 0.02, batch 8192
 
     def best(**params):
         return {"params": {key.replace("__", "."): v for key, v in params.items()}}
 
-    (top,) = range_edges(spec, "lr", start, best(optimizer__matrix_lr=0.09))
+    (top,) = range_edges(plan_for(spec), "lr", start, best(optimizer__matrix_lr=0.09))
     assert (top["param"], top["value"], top["side"]) == ("optimizer.matrix_lr", 0.09, "high")
     assert top["note"] == (
         "best optimizer.matrix_lr=0.09 is at the high end of its range [0.004, 0.1]: "
@@ -369,13 +368,16 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
     # params under a dotted key: no Hydra override reaches them, so none is named
     dotted = StageSpec(name="lr", params={"optimizer.matrix_lr": {"log_uniform": [0.004, 0.1]}})
     dotted_spec = SweepSpec(stages=[dotted], lr_keys=["optimizer.matrix_lr"])
-    (top,) = range_edges(dotted_spec, "lr", start, best(optimizer__matrix_lr=0.09))
+    (top,) = range_edges(plan_for(dotted_spec), "lr", start, best(optimizer__matrix_lr=0.09))
     assert top["widen"] is None and top["note"].endswith("; widen the range")
-    assert range_edges(spec, "lr", start, best(optimizer__matrix_lr=0.02)) == []
-    assert range_edges(spec, "lr", start, None) == []  # every trial diverged or failed
+    assert range_edges(plan_for(spec), "lr", start, best(optimizer__matrix_lr=0.02)) == []
+    assert range_edges(plan_for(spec), "lr", start, None) == []  # every trial diverged or failed
     # the retune stage: its LR band [0.01, 0.04] is centred on the frozen 0.02, not the user's
     edges = range_edges(
-        spec, "bs", start, best(optimizer__matrix_lr=0.0105, trainer__total_batch_size=4096)
+        plan_for(spec),
+        "bs",
+        start,
+        best(optimizer__matrix_lr=0.0105, trainer__total_batch_size=4096),
     )
     notes = {edge["param"]: edge["note"] for edge in edges}
     # the next value by the grid's spacing (2048 trains in micro-batches of 8 sequences)
@@ -393,7 +395,8 @@ def test_best_values_at_an_end_of_their_range_are_named_with_what_to_change():
     grid["optimizer"] = {"matrix_lr": {"grid": [0.01, 0.02, 0.04]}}
     spec = SweepSpec(stages=[StageSpec(name="g", params=grid)], lr_keys=["optimizer.matrix_lr"])
     at_ends = best(trainer__budget_flops=1e13, optimizer__matrix_lr=0.04)
-    assert [e["param"] for e in range_edges(spec, "g", start, at_ends)] == ["optimizer.matrix_lr"]
+    edges = range_edges(plan_for(spec), "g", start, at_ends)
+    assert [e["param"] for e in edges] == ["optimizer.matrix_lr"]
 
 
 BATCH, MATRIX_LR, EMBEDDING_LR = (
@@ -461,11 +464,10 @@ BATCH, MATRIX_LR, EMBEDDING_LR = (
 def test_the_override_a_range_edge_names_makes_a_sweep_that_searches_past_it(
     overrides, stage, best, edge_of, past
 ):
-    from sweeper.report.summary import range_edges, searched_params
+    from sweeper.sweep.extend import range_edges, searched_params
 
-    cfg = compose(["+sweep=lr_bs", *overrides])
-    spec = validate_sweep(cfg)
-    edges = range_edges(spec, stage, base_config(cfg, spec, None), {"params": best})
+    plan = build_plan(compose(["+sweep=lr_bs", *overrides]))
+    edges = range_edges(plan, stage, plan.base, {"params": best})
     if edge_of is None:
         assert edges == []
         return
@@ -480,9 +482,8 @@ def test_the_override_a_range_edge_names_makes_a_sweep_that_searches_past_it(
     assert shlex.quote(edge["widen"]) in edge["note"]
     # the sweep it makes passes the checks made before Ray starts (a value that is no valid
     # run is refused there), and its stage searches past the old end
-    again = compose(["+sweep=lr_bs", *overrides, edge["widen"]])
-    spec_again = validate_sweep(again)
-    searched = searched_params(spec_again, stage, base_config(again, spec_again, None))
+    again = build_plan(compose(["+sweep=lr_bs", *overrides, edge["widen"]]))
+    searched = searched_params(again, stage, again.base)
     (param,) = [p for p in searched if p.name == edge_of]
     if param.values:
         assert past in param.values
@@ -492,7 +493,7 @@ def test_the_override_a_range_edge_names_makes_a_sweep_that_searches_past_it(
         assert param.high > past
     # or the sweep searches past it itself, as the note offers
     extend = edge["note"].split("(or ")[1].split(":")[0]
-    extended = validate_sweep(compose(["+sweep=lr_bs", *overrides, extend]))
+    extended = build_plan(compose(["+sweep=lr_bs", *overrides, extend]))
     assert {s.name: s.extend_trials for s in extended.stages}[stage] == 4
 
 
@@ -515,7 +516,7 @@ def test_a_sweeps_micro_batch_is_the_largest_that_divides_the_batch(
     from sweeper.sweep.stages import fit_micro_batch
 
     cfg = compose(["+sweep=lr_bs", f"trainer.device_batch_size={device_batch}"])
-    base = base_config(cfg, validate_sweep(cfg), None)
+    base = build_plan(cfg).base
     base["trainer"]["workers"] = workers
     run = fit_micro_batch(apply_params(base, {BATCH: batch}))
     assert run["trainer"]["device_batch_size"] == fitted
@@ -530,13 +531,13 @@ def test_a_sweeps_micro_batch_is_the_largest_that_divides_the_batch(
 
 
 def test_a_batch_below_the_micro_batch_is_a_sweeps_trial_but_a_plain_runs_error():
-    from sweeper.report.summary import searched_params
+    from sweeper.sweep.extend import searched_params
     from sweeper.sweep.stages import fitted_micro_batches
 
     grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[1024,2048,4096,8192]"
     cfg = compose(["+sweep=lr_bs", grid])
-    spec = validate_sweep(cfg)  # the checks before Ray starts let 1024 and 2048 pass
-    base = base_config(cfg, spec, None)
+    plan = build_plan(cfg)  # the checks before Ray starts let 1024 and 2048 pass
+    spec, base = plan.spec, plan.base
     assert base["trainer"]["device_batch_size"] == 16
     ctx = TrialContext(metric="val_bpb", penalty=8.0, lr_keys=tuple(spec.lr_keys))
     trial = trial_config({BATCH: 2048}, base, ctx)
@@ -545,14 +546,14 @@ def test_a_batch_below_the_micro_batch_is_a_sweeps_trial_but_a_plain_runs_error(
         8,
     )
     # the stage's first line says which batches train in smaller micro-batches
-    assert fitted_micro_batches(searched_params(spec, "batch_size", base), base) == (
+    assert fitted_micro_batches(searched_params(plan, "batch_size", base), base) == (
         "batch 1024 in micro-batches of 4, 2048 in micro-batches of 8 sequences "
         "(trainer.device_batch_size=16 does not divide them)"
     )
     # a sweep's own batch below the micro-batch: its runs (the baseline too) train in 8,
     # while 16 stays the ceiling for the batches its stages try
     cfg = compose(["+sweep=lr_bs", "trainer.total_batch_size=2048"])
-    base = base_config(cfg, validate_sweep(cfg), None)
+    base = build_plan(cfg).base
     assert base["trainer"]["device_batch_size"] == 16
     assert placed(base, 1, 0)["trainer"]["device_batch_size"] == 8
     assert trial_config({BATCH: 16384}, base, ctx)["trainer"]["device_batch_size"] == 16
@@ -564,18 +565,19 @@ def test_a_batch_below_the_micro_batch_is_a_sweeps_trial_but_a_plain_runs_error(
 
 
 def test_a_best_at_the_end_of_what_makes_a_run_is_an_edge_only_for_a_users_function():
-    from sweeper.report.summary import range_edges
+    from sweeper.sweep.extend import range_edges
 
     grid = "sweep.stages.1.params.trainer.total_batch_size.grid=[256,512,1024]"
     cfg = compose(["+sweep=lr_bs", grid])
-    spec = validate_sweep(cfg)
-    base = base_config(cfg, spec, None)
+    plan = build_plan(cfg)
+    spec, base = plan.spec, plan.base
     best = {"params": {BATCH: 256}}
     # 128 tokens are half a sequence: nothing below one sequence is a run of sweeper's, so
     # its best batch cannot lie below it and no note says it may ...
-    assert range_edges(spec, "batch_size", base, best) == []
+    assert range_edges(plan, "batch_size", base, best) == []
     # ... but sweeper cannot see what a user's function accepts: there, the next value
-    (edge,) = range_edges(spec, "batch_size", base, best, own_trainable=False)
+    users = plan_for(spec, base, target="pkg.fn")
+    (edge,) = range_edges(users, "batch_size", base, best)
     assert edge["widen"] == "sweep.stages.1.params.trainer.total_batch_size.grid=[128,256,512,1024]"
 
 
@@ -585,33 +587,36 @@ def test_a_winner_of_the_round_past_the_ends_is_frozen_with_the_lrs_it_trained()
     4096 -> 2048); rebuilt from the stage's start in one scaling they differed in the last
     bits (0.010000000000000002 against 0.01), and the reproduce line trained another run."""
     from sweeper.sweep.extend import merge_round
-    from sweeper.sweep.runner import frozen_config, stage_context
+    from sweeper.sweep.runner import frozen_config
 
-    cfg = compose(["+sweep=full"])
-    spec = validate_sweep(cfg)
-    start = base_config(cfg, spec, None)
+    plan = build_plan(compose(["+sweep=full"]))
+    spec, start = plan.spec, plan.base
     stage = next(s for s in spec.stages if s.lr_rule == "sqrt")
     first = {"params": {"trainer.total_batch_size": 4096}}
-    after = trial_config(first["params"], start, stage_context(spec, stage, start, None))
+    after = trial_config(first["params"], start, plan.trial_context(stage, start))
     own = {"trainer.total_batch_size": 2048}
-    trained = trial_config(own, after, stage_context(spec, stage, after, None))
+    trained = trial_config(own, after, plan.trial_context(stage, after))
     (second,) = merge_round([], first, [{"params": own}])
-    frozen = frozen_config(spec, stage, second, start, None)
+    frozen = frozen_config(plan, stage, second, start)
     assert frozen == trained
     lrs = [get_dotted(trained, key) for key in spec.lr_keys]
     assert lrs != [get_dotted(start, key) for key in spec.lr_keys]  # the rule did scale them
     # a first-round trial is rebuilt from the start as before
-    assert frozen_config(spec, stage, first, start, None) == after
+    assert frozen_config(plan, stage, first, start) == after
 
 
 def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs():
-    from sweeper.report.summary import range_edges, searched_params
-    from sweeper.sweep.extend import extension_ranges, extension_stage, merge_round
     from sweeper.config.sweep import StageSpec, SweepSpec
-    from sweeper.sweep.spec import stage_space
+    from sweeper.sweep.extend import (
+        extension_ranges,
+        extension_stage,
+        merge_round,
+        range_edges,
+        searched_params,
+    )
 
     cfg = compose(["+sweep=lr_bs"])
-    base = base_config(cfg, validate_sweep(cfg), None)
+    base = build_plan(cfg).base
     params = {
         "optimizer": {
             "matrix_lr": {"log_uniform": [0.004, 0.1]},
@@ -629,9 +634,9 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
             "optimizer.embedding_lr": base["optimizer"]["embedding_lr"] / 1.9,  # retune band
         }
     }
-    edges = range_edges(spec, "s", base, best)
+    edges = range_edges(plan_for(spec), "s", base, best)
     assert {e["param"] for e in edges} == set(best["params"]) - {"optimizer.weight_decay"}
-    searched = searched_params(spec, "s", base)
+    searched = searched_params(plan_for(spec), "s", base)
     ranges, skipped = extension_ranges(stage, searched, edges, base, own_trainable=True)
     assert list(ranges) == ["optimizer.matrix_lr"]
     assert [ranges["optimizer.matrix_lr"].low, ranges["optimizer.matrix_lr"].high] == (
@@ -648,7 +653,7 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
     assert sorted(ranges) == ["optimizer.matrix_lr", "trainer.total_batch_size"]
     # the round is a stage of its own over the extended params only, and ends there
     round_two = extension_stage(stage, ranges, 3)
-    assert [p.name for p in stage_space(spec, round_two, {}).params] == sorted(ranges)
+    assert [p.name for p in plan_for(spec).space(round_two, {}).params] == sorted(ranges)
     assert (round_two.num_samples, round_two.extend_trials, round_two.points) == (3, 0, [])
     assert round_two.search == stage.search and round_two.lr_rule == stage.lr_rule
     # its records name a whole point: the other params at the first round's best
@@ -659,7 +664,7 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
 
     def lr_edges(value):
         best["params"]["optimizer.matrix_lr"] = value
-        edges = range_edges(spec, "s", base, best, extended)
+        edges = range_edges(plan_for(spec), "s", base, best, extended)
         return [e for e in edges if e["param"] == "optimizer.matrix_lr"]
 
     (lr_edge,) = lr_edges(0.45)
@@ -676,12 +681,12 @@ def test_a_round_past_the_ends_extends_only_declared_ranges_that_make_valid_runs
     ],
 )
 def test_a_float_range_past_its_end_is_cut_where_runs_end(name, declared, cut, problem):
+    from sweeper.config.sweep import StageSpec
     from sweeper.sweep.extend import extension_ranges, valid_part, widening_override
     from sweeper.sweep.space import extended_range, parse_space
-    from sweeper.config.sweep import StageSpec
 
     cfg = compose(["+sweep=lr_bs"])
-    base = base_config(cfg, validate_sweep(cfg), None)
+    base = build_plan(cfg).base
     (param,) = parse_space({name: {"uniform": declared}}).params
     past = extended_range(param, "high")
     kept, why = valid_part(base, past)
@@ -691,7 +696,7 @@ def test_a_float_range_past_its_end_is_cut_where_runs_end(name, declared, cut, p
     params = {group: {key: {"uniform": declared}}}
     widen = widening_override(0, params, param, "high", base, own_trainable=True)
     assert widen == f"sweep.stages.0.params.{name}.uniform=[{declared[0]},{cut}]"
-    validate_sweep(compose(["+sweep=lr_bs", f"+{widen}"]))
+    build_plan(compose(["+sweep=lr_bs", f"+{widen}"]))
     # a round searches the part that makes runs, and says where it stops
     stage = StageSpec(name="s", params=params, extend_trials=2)
     edge = {"param": name, "side": "high"}
@@ -715,18 +720,23 @@ def test_a_float_range_past_its_end_is_cut_where_runs_end(name, declared, cut, p
 def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
     grid, values, skipped
 ):
-    from sweeper.report.summary import range_edges, searched_params
-    from sweeper.sweep.extend import extended_ranges, extension_ranges, extension_stage
     from sweeper.config.sweep import StageSpec, SweepSpec
+    from sweeper.sweep.extend import (
+        extended_ranges,
+        extension_ranges,
+        extension_stage,
+        range_edges,
+        searched_params,
+    )
 
     cfg = compose(["+sweep=lr_bs"])
-    base = base_config(cfg, validate_sweep(cfg), None)
+    base = build_plan(cfg).base
     params = {"trainer": {"total_batch_size": {"grid": grid}}}
     stage = StageSpec(name="bs", search="grid", params=params, lr_rule="sqrt", extend_trials=2)
     spec = SweepSpec(stages=[stage], lr_keys=["optimizer.matrix_lr"])
     best = {"params": {"trainer.total_batch_size": min(grid)}}
-    edges = range_edges(spec, "bs", base, best)
-    searched = searched_params(spec, "bs", base)
+    edges = range_edges(plan_for(spec), "bs", base, best)
+    searched = searched_params(plan_for(spec), "bs", base)
     ranges, lines = extension_ranges(stage, searched, edges, base, own_trainable=True, count=2)
     if skipped is None:
         assert lines == []
@@ -746,7 +756,7 @@ def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
     # after the round, the note speaks of both rounds' values; at one sequence (256
     # tokens) there is no note: no batch lies below it
     best["params"]["trainer.total_batch_size"] = min(values)
-    edges = range_edges(spec, "bs", base, best, extended)
+    edges = range_edges(plan_for(spec), "bs", base, best, extended)
     if min(values) == 256:
         assert edges == []
         return
@@ -763,8 +773,8 @@ def test_a_grid_whose_best_is_at_its_end_extends_by_the_values_that_make_runs(
     ],
 )
 def test_the_summary_says_whether_the_sweep_beat_the_baseline(capsys, baseline, best, line):
-    from sweeper.report.summary import _print_summary
     from sweeper.config.sweep import SweepSpec
+    from sweeper.report.summary import _print_summary
 
     summary = {
         "trials": 3,
@@ -816,8 +826,8 @@ def test_a_sweep_written_before_a_run_config_key_existed_resumes_at_its_default(
 def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from sweeper.report.plots import plot_stage_lr
     from sweeper.config.sweep import SweepSpec
+    from sweeper.report.plots import plot_stage_lr
 
     drawn = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
@@ -865,8 +875,8 @@ def test_the_stage_plot_marks_the_best_trial_and_each_search_range(tmp_path, mon
 def test_the_stage_plot_colours_each_trials_learning_curve_by_its_lr(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from sweeper.report.plots import plot_stage_lr
     from sweeper.config.sweep import SweepSpec
+    from sweeper.report.plots import plot_stage_lr
 
     drawn = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
@@ -965,7 +975,6 @@ def test_the_learning_curves_plot_the_gradient_norm_update_ratio_and_residual_be
 def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
     from sweeper.config.errors import ConfigError
     from sweeper.config.sweep import StageSpec, SweepSpec
-    from sweeper.sweep.spec import stage_points
 
     spec = SweepSpec(lr_keys=["optimizer.matrix_lr"])
     params = {"trainer": {"total_batch_size": {"choice": [512, 1024]}}}
@@ -973,45 +982,44 @@ def test_points_of_a_retune_stage_start_each_lr_band_at_its_frozen_value():
         name="bs", lr_rule="retune", params=params, points=[{"trainer.total_batch_size": 1024}]
     )
     frozen = {"optimizer.matrix_lr": 0.02}
-    assert stage_points(spec, stage, frozen) == [
+    assert plan_for(spec).points(stage, frozen) == [
         {"trainer.total_batch_size": 1024, "optimizer.matrix_lr": 0.02}
     ]
     stage.points = [{"trainer": {"total_batch_size": 512}, "optimizer": {"matrix_lr": 0.03}}]
     with pytest.raises(ConfigError, match="^sweep stage 'bs': sweep point 1: .*retune"):
-        stage_points(spec, stage, frozen)
+        plan_for(spec).points(stage, frozen)
 
 
 def test_a_base_point_is_the_config_the_stage_starts_from():
     from sweeper.config.errors import ConfigError
     from sweeper.config.sweep import StageSpec, SweepSpec
-    from sweeper.sweep.spec import stage_points
 
     spec = SweepSpec(lr_keys=["optimizer.matrix_lr"])
     lr = {"optimizer": {"matrix_lr": {"log_uniform": [0.005, 0.05]}}}
     stage = StageSpec(name="lr", params=lr, points=["base", {"optimizer.matrix_lr": 0.03}])
     start = {"optimizer.matrix_lr": 0.02, "trainer.total_batch_size": 1024}
-    assert stage_points(spec, stage, start) == [
+    assert plan_for(spec).points(stage, start) == [
         {"optimizer.matrix_lr": 0.02},
         {"optimizer.matrix_lr": 0.03},
     ]
     # validation checks against the composed config, apart from the stand-in frozen values
-    assert stage_points(spec, stage, {}, base_values={"optimizer.matrix_lr": 0.04}) == [
+    assert plan_for(spec).points(stage, {}, base_values={"optimizer.matrix_lr": 0.04}) == [
         {"optimizer.matrix_lr": 0.04},
         {"optimizer.matrix_lr": 0.03},
     ]
     # a retune stage's base point: the batch the stage starts from, its LR band's centre
     params = {"trainer": {"total_batch_size": {"choice": [512, 1024]}}}
     retune = StageSpec(name="bs", lr_rule="retune", params=params, points=["base"])
-    assert stage_points(spec, retune, start) == [
+    assert plan_for(spec).points(retune, start) == [
         {"trainer.total_batch_size": 1024, "optimizer.matrix_lr": 0.02}
     ]
     with pytest.raises(ConfigError, match=r"^sweep stage 'lr': sweep point 1: optimizer\.matrix"):
-        stage_points(spec, stage, {**start, "optimizer.matrix_lr": 0.5})  # outside the range
+        plan_for(spec).points(stage, {**start, "optimizer.matrix_lr": 0.5})  # outside the range
     with pytest.raises(ConfigError, match=r"sweep point 1: base has no value for \['optimizer"):
-        stage_points(spec, stage, {}, base_values={})
+        plan_for(spec).points(stage, {}, base_values={})
     stage.points = ["bse"]
     with pytest.raises(ConfigError, match=r"sweep point 1: expected \{param: value\} or base"):
-        stage_points(spec, stage, start)
+        plan_for(spec).points(stage, start)
 
 
 def test_nested_and_dotted_params_mean_the_same():
@@ -1078,13 +1086,13 @@ def test_a_stage_that_ran_out_of_memory_says_how_to_give_trials_more(tmp_path, e
     ],
 )
 def test_rung_cooldown_null_forks_only_where_a_fork_can_be_made_and_scored(overrides, expected):
-    assert validate_sweep(compose(overrides)).rung_cooldown == expected
+    assert build_plan(compose(overrides)).spec.rung_cooldown == expected
 
 
 def test_a_rung_cooldown_asked_of_a_users_function_is_refused():
     target = "trainable._target_=tests.user_functions.noisy_bowl"
     with pytest.raises(ConfigError, match="sweep.rung_cooldown forks sweeper's own training"):
-        validate_sweep(compose(["+sweep=lr", target, "sweep.rung_cooldown=0.25"]))
+        build_plan(compose(["+sweep=lr", target, "sweep.rung_cooldown=0.25"]))
 
 
 def test_a_log_axis_names_the_values_tried():
@@ -1125,13 +1133,12 @@ def test_a_diverged_trials_penalty_is_a_uniform_guess_in_the_metrics_unit(
     """A diverged trial must rank below every trial that learned anything: a val_bpb
     penalty (3.5 bits/byte on a 50k-token vocabulary) given as train_loss (nats per
     token, a uniform guess 10.8) would rank it above them all."""
-    from sweeper.sweep.runner import default_penalty
     from sweeper.config.sweep import SweepSpec
 
     vocab = 256 if bytes_per_token is None else 65536
     base = {"data": {"vocab_size": vocab, "bytes_per_token": bytes_per_token}}
     spec = SweepSpec(metric=metric, mode=mode)
-    assert default_penalty(spec, base, None) == pytest.approx(penalty)
+    assert plan_for(spec, base).penalty == pytest.approx(penalty)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from sweeper.config.compose import compose
 from sweeper.config.errors import ConfigError
 from sweeper.config.schema import load_run_config
-from sweeper.sweep.plan import base_config, validate_sweep
+from sweeper.sweep.preflight import build_plan
 from sweeper.sweep.runner import run_sweep
 from sweeper.text import rounded_text
 from sweeper.train.model import GPT, GPTShape
@@ -28,7 +28,7 @@ TINY_SWEEP = [*TINY, "mlflow.enabled=false"]
 
 def sweep(tmp_path: Path, *overrides: str) -> dict:
     cfg = compose([*TINY_SWEEP, *overrides])
-    run_sweep(cfg, str(tmp_path))
+    run_sweep(build_plan(cfg), str(tmp_path))
     return json.loads((tmp_path / "summary.json").read_text())
 
 
@@ -168,7 +168,7 @@ def test_grid_stage_freezes_best_and_follows_batch_size_with_sqrt_rule(
     with open(tmp_path / "reports.csv") as f:
         sizes = {row["params"] for row in csv.DictReader(f)}
     cfg = compose(TINY_SWEEP)
-    run = load_run_config(base_config(cfg, validate_sweep(cfg), None))
+    run = load_run_config(build_plan(cfg).base)
     assert sizes == {str(GPT(GPTShape.from_config(run.model)).param_counts()["total"])}
 
 
@@ -263,7 +263,7 @@ def test_a_trial_paused_at_a_rung_resumes_exactly_where_it_stopped(ray_cluster, 
     assert [row["training_iteration"] for row in rows] == [1, 2, 3, 4]
     # and ended where training straight through ends, to the last bit
     cfg = compose([*TINY_SWEEP, *overrides])
-    base = base_config(cfg, validate_sweep(cfg), None)
+    base = build_plan(cfg).base
     straight = train(placed(apply_params(base, survivor["params"]), 1, 0), verbose=False)
     assert straight["val_bpb"] == survivor["metric"]
 
@@ -544,7 +544,7 @@ def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_
 
     lrs = [0.02, 0.08, 0.32]
     cfg = tiny_lr_scaling(lrs)
-    run_sweep(cfg, str(tmp_path))
+    run_sweep(build_plan(cfg), str(tmp_path))
     fit = json.loads((tmp_path / "fit.json").read_text())
     law = fit["hparams"]["lr"]
     assert law["n_points"] == 2 and len(law["budgets"]) == 2
@@ -593,7 +593,7 @@ def test_a_scaling_grid_run_on_two_seeds_is_fitted_on_each_points_mean(
 
     lrs, budgets = [0.02, 0.08], [4e9, 1.2e10]
     cfg = tiny_lr_scaling(lrs, "+sweep.stages.0.params.trainer.seed.grid=[0,1]")
-    run_sweep(cfg, str(tmp_path))
+    run_sweep(build_plan(cfg), str(tmp_path))
     with open(tmp_path / "reports.csv") as f:
         finals = [r for r in csv.DictReader(f) if r["final"] == "True"]
     assert sorted((float(r["budget"]), float(r["peak_lr"]), int(r["seed"])) for r in finals) == (
@@ -682,7 +682,7 @@ def test_the_lr_bs_scaling_sweep_fits_the_best_lr_and_batch_size_against_compute
             f"sweep.stages.0.params.optimizer.matrix_lr.grid=[{','.join(map(str, lrs))}]",
         ]
     )
-    run_sweep(cfg, str(tmp_path))
+    run_sweep(build_plan(cfg), str(tmp_path))
     fit = json.loads((tmp_path / "fit.json").read_text())
     with open(tmp_path / "reports.csv") as f:
         finals = [r for r in csv.DictReader(f) if r["final"] == "True"]
@@ -791,18 +791,16 @@ RESUMED_WITH = [  # (changes on resume, what the refusal names; None: the resume
 
 @pytest.mark.parametrize("changes, names", RESUMED_WITH, ids=[" ".join(c) for c, _ in RESUMED_WITH])
 def test_a_run_dir_resumes_only_the_sweep_that_wrote_it(tmp_path, changes, names):
-    from sweeper.sweep.plan import base_config, validate_sweep
-    from sweeper.sweep.state import SweepState, sweep_definition
+    from sweeper.sweep.state import SweepState
 
     # the state a finished smoke sweep leaves (no need to train it: only its record counts)
-    cfg = compose(["+sweep=smoke"])
-    spec = validate_sweep(cfg)
+    plan = build_plan(compose(["+sweep=smoke"]))
     run_dir = tmp_path / "run"
-    SweepState.new(run_dir, spec.name, base_config(cfg, spec, None), sweep_definition(spec))
+    SweepState.new(run_dir, plan.spec.name, plan.base, plan.definition)
     before = sorted(p.name for p in run_dir.iterdir())
     args = ["+sweep=smoke", f"hydra.run.dir={run_dir}", "sweep.resume=true", *changes]
     if names is None:  # checked the way the CLI checks it, without running the sweep
-        from sweeper.__main__ import validate
+        from sweeper.command import check as validate
 
         validate([*args, "mlflow.enabled=false"])
         return
@@ -1347,13 +1345,13 @@ def test_a_grid_stage_is_checked_by_the_combinations_it_runs_not_by_values_alone
         "sweep.stages.0.params.trainer.budget_flops.grid=[4e9,1.2e10]",
     ]
     # 4e9 fails alone (with the base config's batch of 8,192), but no trial has that batch
-    spec = validate_sweep(
+    spec = build_plan(
         compose([*grids, "sweep.stages.0.params.trainer.total_batch_size.grid=[256,512]"])
-    )
+    ).spec
     assert spec.stages[0].params["trainer"]["budget_flops"] == {"grid": [4e9, 1.2e10]}
     # with 8,192 in the grid the combination fails, and the value that fails alone is named
     with pytest.raises(ConfigError) as refused:
-        validate_sweep(
+        build_plan(
             compose([*grids, "sweep.stages.0.params.trainer.total_batch_size.grid=[256,8192]"])
         )
     assert str(refused.value).startswith(
@@ -1363,7 +1361,7 @@ def test_a_grid_stage_is_checked_by_the_combinations_it_runs_not_by_values_alone
     )
     # where every value passes alone (a base batch of 256), the failing combination is named
     with pytest.raises(ConfigError) as refused:
-        validate_sweep(
+        build_plan(
             compose(
                 [
                     *grids,
@@ -1409,7 +1407,7 @@ def test_a_sweep_dir_is_protected_however_its_path_is_written(tmp_path, monkeypa
     environment variable, through ${sweep.name}, or set in a sweep file. Each was read as
     text off the command line (or not at all), passed the checks, and the sweep there was
     written over."""
-    from sweeper.__main__ import validate
+    from sweeper.command import check as validate
 
     old = tmp_path / "smoke"
     old.mkdir()
@@ -1433,7 +1431,7 @@ def test_a_sweep_dir_is_protected_however_its_path_is_written(tmp_path, monkeypa
 
 
 def test_a_resume_into_a_dir_that_does_not_exist_is_refused(tmp_path):
-    from sweeper.__main__ import validate
+    from sweeper.command import check as validate
 
     with pytest.raises(ConfigError, match="does not exist, so holds no sweep to resume"):
         validate(["+sweep=smoke", "sweep.resume=true", f"hydra.run.dir={tmp_path}/typo"])
@@ -1560,7 +1558,7 @@ def test_a_stage_the_flop_cap_stops_freezes_no_trial_it_cut_short(ray_cluster, t
 
 def test_a_flop_cap_under_one_trial_is_refused_before_ray_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"sweep.max_flops=5e\+09 is less than one trial"):
-        validate_sweep(compose([*TINY, "sweep.max_flops=5e9"]))
+        build_plan(compose([*TINY, "sweep.max_flops=5e9"]))
 
 
 def test_time_cap_stops_the_sweep(ray_cluster, tmp_path, capsys):
@@ -1600,7 +1598,7 @@ def test_a_hyperband_stage_the_time_cap_cut_resumes_its_brackets_exactly(
     bit for bit as training straight through does, and no step is trained twice."""
     import time
 
-    from sweeper.sweep import runner as engine
+    from sweeper.sweep import stage as stage_module
     from sweeper.sweep.stages import apply_params
     from sweeper.sweep.trainable import placed
     from sweeper.train.loop import train
@@ -1614,7 +1612,7 @@ def test_a_hyperband_stage_the_time_cap_cut_resumes_its_brackets_exactly(
             time.sleep(0.05)
         return not done.is_set()
 
-    monkeypatch.setattr(engine, "wait_for_time_cap", until_two_trials_reach_the_rung)
+    monkeypatch.setattr(stage_module, "wait_for_time_cap", until_two_trials_reach_the_rung)
     overrides = halving_over_matrix_lrs("[0.16,0.002,0.004]")
     sweep(tmp_path, *overrides, "sweep.max_seconds=60")
     assert "[lr] sweep.max_seconds=60 ran out during this stage" in capsys.readouterr().out
@@ -1634,7 +1632,7 @@ def test_a_hyperband_stage_the_time_cap_cut_resumes_its_brackets_exactly(
         assert steps == list(range(1, len(steps) + 1)), steps  # none trained twice
     (survivor,) = [r for r in lr["records"] if r["status"] == "completed"]
     cfg = compose([*TINY_SWEEP, *overrides])
-    base = base_config(cfg, validate_sweep(cfg), None)
+    base = build_plan(cfg).base
     straight = train(placed(apply_params(base, survivor["params"]), 1, 0), verbose=False)
     assert straight["val_bpb"] == survivor["metric"]
 
@@ -1644,9 +1642,9 @@ def test_the_time_cap_keeps_a_users_trials_that_reported_no_tokens(
 ):
     """A trial the cap stopped is kept if it reported: its metric says so where a user's
     function reports no tokens (all of them were lost, and the stage said none reported)."""
-    from sweeper.sweep import runner as engine
+    from sweeper.sweep import stage as stage_module
 
-    monkeypatch.setattr(engine, "wait_for_time_cap", until_both_trials_reported(tmp_path))
+    monkeypatch.setattr(stage_module, "wait_for_time_cap", until_both_trials_reported(tmp_path))
     sweep(
         tmp_path,
         "trainable._target_=tests.user_functions.paced_reports_without_tokens",
@@ -1688,9 +1686,9 @@ def test_a_stage_the_time_cap_cut_goes_on_when_resumed_with_more_time(
     """sweep.max_seconds stops a stage's trials as Ctrl+C would: a resume with a higher cap
     (here none) trains the same trials on from their last checkpoint, not again from
     step 0, and freezes the stage's best only then."""
-    from sweeper.sweep import runner as engine
+    from sweeper.sweep import stage as stage_module
 
-    monkeypatch.setattr(engine, "wait_for_time_cap", until_both_trials_reported(tmp_path))
+    monkeypatch.setattr(stage_module, "wait_for_time_cap", until_both_trials_reported(tmp_path))
     lr_stage_only = [
         # long enough to outlast a second trial that starts late: in one full run the first
         # trial had finished 600,000 tokens before the second's first report

@@ -97,9 +97,10 @@ def mlflow_server(tmp_path_factory):
 
 def sweep(run_dir: Path, *overrides: str) -> dict:
     from sweeper.config.compose import compose
+    from sweeper.sweep.preflight import build_plan
     from sweeper.sweep.runner import run_sweep
 
-    run_sweep(compose([*TINY_SWEEP, *overrides]), str(run_dir))
+    run_sweep(build_plan(compose([*TINY_SWEEP, *overrides])), str(run_dir))
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -349,11 +350,12 @@ def test_ctrl_c_leaves_no_run_running_and_resume_continues_the_same_runs(ray_clu
         client.update_run(run.info.run_id, status="RUNNING")
 
     from sweeper.config.compose import compose
+    from sweeper.sweep.preflight import build_plan
     from sweeper.sweep.runner import run_sweep
 
     os.chdir(tmp_path)  # the same store as the interrupted driver's
     try:
-        run_sweep(compose([*overrides, "sweep.resume=true"]), str(run_dir))
+        run_sweep(build_plan(compose([*overrides, "sweep.resume=true"])), str(run_dir))
     finally:
         os.chdir(REPO)
     assert_store_holds_the_sweep(f"sqlite:///{tmp_path}/mlflow.db", run_dir, 3)
@@ -754,16 +756,14 @@ def test_calls_a_dead_server_never_took_are_kept_and_sent_by_the_next_driver(tmp
 # --- the tracker's trial bookkeeping, with stand-in Tune trials (no Ray) ---------------------
 def test_paused_resumed_and_restarted_trials_keep_one_run(tmp_path, monkeypatch):
     from sweeper.config.compose import compose
-    from sweeper.sweep.plan import base_config, validate_sweep
-    from sweeper.sweep.runner import stage_context
+    from sweeper.sweep.preflight import build_plan
     from sweeper.tracking import make_tracker
 
     monkeypatch.chdir(tmp_path)
-    cfg = compose([*TINY_SWEEP, "sweep.stages.0.scheduler=hyperband"])
-    spec = validate_sweep(cfg)
-    tracker = make_tracker(cfg, spec, tmp_path / "run")
-    base = base_config(cfg, spec, None)
-    ctx = stage_context(spec, spec.stages[0], base, None)
+    plan = build_plan(compose([*TINY_SWEEP, "sweep.stages.0.scheduler=hyperband"]))
+    tracker = make_tracker(plan, tmp_path / "run")
+    base = plan.base
+    ctx = plan.trial_context(plan.stages[0], base)
     (callback,) = tracker.stage_callbacks("lr", base, ctx, "random", "hyperband")
     trial = SimpleNamespace(
         trial_id="abc_00000", config={"optimizer.matrix_lr": 0.02}, last_result={}, status=""
@@ -983,7 +983,7 @@ def test_a_single_runs_store_is_checked_without_importing_mlflow_where_it_trains
     the training process and count in a CPU run's peak memory: the check runs apart."""
     script = f"""
 import sys
-from sweeper.config import ConfigError
+from sweeper.config.errors import ConfigError
 from sweeper.tracking.mlflow_store import check_config_in_a_process
 
 check_config_in_a_process({{"mlflow": {{"tracking_uri": "sqlite:///{tmp_path}/ok.db"}}}})

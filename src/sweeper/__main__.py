@@ -59,7 +59,9 @@ def hydra_arguments():
     """The command line as Hydra itself reads it (its own parser)."""
     from hydra._internal.utils import get_args_parser
 
-    return get_args_parser().parse_args(sys.argv[1:])
+    parser = get_args_parser()
+    parser.error = lambda message: fail(f"{message} (python -m sweeper --help)")  # one line
+    return parser.parse_args(sys.argv[1:])
 
 
 def add_cleared_budgets(overrides: list[str]) -> list[str]:

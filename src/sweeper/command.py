@@ -26,7 +26,6 @@ from sweeper.sweep.preflight import build_plan, resumable_state
 from sweeper.text import flops_text
 from sweeper.tracking.mlflow_store import check_config_in_a_process, check_store
 from sweeper.train.budget import check_budget, check_model_fits
-from sweeper.train.data import check_shards, check_stdlib_split
 from sweeper.user_function import load_user_function, trainable_target
 
 # how often a run evaluates: in a sweep, sweep.reports_per_trial decides
@@ -118,6 +117,9 @@ def check_device(run: RunConfig, elsewhere: bool) -> None:
 
 
 def check_data(run: RunConfig, target: str | None) -> None:
+    # imported here: the data module imports torch, which a user's function never needs
+    from sweeper.train.data import check_shards, check_stdlib_split
+
     if run.data.name == "shards":
         check_shards(run.data, run.model.seq_len)
     elif not target:  # a user's function reads its own data
@@ -182,6 +184,7 @@ def check_chdir(overrides: list[str]) -> None:
     """hydra.job.chdir: relative paths (data.path, the MLflow store) are read from where the
     command starts, and sweeper writes into the run dir itself."""
     chdir = hydra_setting(overrides, "hydra.job.chdir")
+    chdir = None if chdir is None else str(chdir)
     chdir = chdir.lower() if chdir in ("True", "False") else chdir  # as YAML writes a bool
     if chdir is not None and str(chdir).strip().lower() not in ("false", "null", "0", "no", "off"):
         raise ConfigError(

@@ -73,9 +73,9 @@ def check_dir_contents(job, run_dir: str | None) -> None:
                 f"({RESULT}), not a sweep; name the interrupted sweep's dir"
             )
         return
-    check_nothing_written_over(run_dir, sweep)
     if not sweep:
         check_new_run_dir(run_dir)
+    check_nothing_written_over(run_dir, sweep)
 
 
 def check_nothing_written_over(run_dir: str, sweep: bool) -> None:
