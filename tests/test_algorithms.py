@@ -851,3 +851,41 @@ def test_ray_refuses_metric_in_both_scheduler_and_tune_config(ray_session, tmp_p
     )
     with pytest.raises(Exception, match="scheduler you are using was already instantiated"):
         _tuner(param_space, alg, sched, tmp_path, metric=METRIC, mode=MODE).fit()
+
+
+def test_the_ray_internals_the_bracket_fixes_rely_on_are_there():
+    """sweep/ray_patches.py subclasses Ray's HyperBand bracket and schedulers and reads their
+    private state (ray-project/ray#12536, #30838). A Ray release that renames any of it
+    fails here, by name, before a sweep misbehaves; pyproject.toml pins the tested minor."""
+    import inspect
+
+    import ray
+    from ray.tune.schedulers import AsyncHyperBandScheduler, HyperBandScheduler
+    from ray.tune.schedulers.async_hyperband import _Bracket as AshaBracket
+    from ray.tune.schedulers.hyperband import _Bracket
+    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
+
+    assert ray.__version__.startswith("2.60."), ray.__version__
+    bracket = _Bracket(
+        time_attr="t", max_trials=3, init_t_attr=1, max_t_attr=9, eta=3, s=2,
+        stop_last_trials=True,
+    )  # fmt: skip
+    for name in ("_n0", "_live_trials", "_all_trials", "_n", "_r", "_cumul_r", "_halves"):
+        assert hasattr(bracket, name), f"_Bracket.{name}"
+    for name in ("_completed_progress", "is_being_processed", "trials_to_unpause"):
+        assert hasattr(bracket, name), f"_Bracket.{name}"
+    assert callable(bracket.filled) and callable(bracket.current_trials)
+    scheduler = HyperBandScheduler(time_attr="t", max_t=9, metric="m", mode="min")
+    for name in ("_hyperbands", "_state", "_trial_info", "_num_stopped", "_s_max_1", "_eta"):
+        assert hasattr(scheduler, name), f"HyperBandScheduler.{name}"
+    for name in ("_max_t_attr", "_stop_last_trials", "_time_attr", "_metric"):
+        assert hasattr(scheduler, name), f"HyperBandScheduler.{name}"
+    for method in ("_get_n0", "_get_r0", "_process_bracket", "_unpause_trial"):
+        assert callable(getattr(scheduler, method)), f"HyperBandScheduler.{method}"
+    for method in ("_cur_band_filled", "_create_bracket", "choose_trial_to_run"):
+        assert callable(getattr(scheduler, method)), f"HyperBandScheduler.{method}"
+    assert "_live_trials" in inspect.getsource(BasicVariantGenerator.__init__)
+    assert "live_trials" in inspect.getsource(ConcurrencyLimiter.__init__)
+    asha = AsyncHyperBandScheduler(time_attr="t", max_t=9, metric="m", mode="min")
+    assert isinstance(asha._brackets[0], AshaBracket) and hasattr(asha._brackets[0], "_rungs")
+    assert callable(asha._brackets[0].on_result)

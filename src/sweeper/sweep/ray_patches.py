@@ -147,9 +147,8 @@ def _tell_searcher(tune_controller: Any, event: str, trial: Trial) -> None:
         hook(trial.trial_id)
 
 
-@functools.cache
-def grace_unit_scheduler(base: type) -> type:
-    """Subclass of a HyperBand scheduler that measures time in units of its smallest rung,
+class GraceUnitMixin:
+    """A HyperBand scheduler (mixed into Ray's by `grace_unit_scheduler`) that measures time in units of its smallest rung,
     closes filled brackets, runs at most ``max_concurrent`` trials at once, and cycles
     through the ``brackets`` most aggressive brackets only (1: successive halving).
 
@@ -161,191 +160,194 @@ def grace_unit_scheduler(base: type) -> type:
     HyperBandForBOHB's budget annotations on the same dict must reach TuneBOHB.
     """
 
-    class GraceUnitScheduler(base):
-        # Ray's HyperBandForBOHB differs from its HyperBand twice, and both are kept: it opens
-        # the most aggressive bracket first (HyperBand the one that stops nothing), and it
-        # goes on with the oldest bracket (HyperBand the least complete, for fairness): its
-        # model needs results at the larger budgets, and the oldest bracket is closest to them.
-        _is_bohb = issubclass(base, HyperBandForBOHB)
+    # Ray's HyperBandForBOHB differs from its HyperBand twice, and both are kept: it opens
+    # the most aggressive bracket first (HyperBand the one that stops nothing), and it
+    # goes on with the oldest bracket (HyperBand the least complete, for fairness): its
+    # model needs results at the larger budgets, and the oldest bracket is closest to them.
+    _is_bohb = False  # set by grace_unit_scheduler
 
-        def __init__(
-            self,
-            *,
-            time_attr: str,
-            max_t: float,
-            grace_period: float,
-            reduction_factor: int,
-            max_concurrent: int | None = None,
-            brackets: int | None = None,
-            **kwargs: Any,
-        ) -> None:
-            unit, units = hyperband_units(max_t, grace_period, reduction_factor)
-            super().__init__(
-                time_attr=budget_key(time_attr),
-                max_t=units,
-                reduction_factor=reduction_factor,
-                **kwargs,
-            )
-            # how many brackets a band cycles through, the most aggressive kept: 1 is
-            # successive halving from the first rung (Ray's ASHA runs one bracket too)
-            self._bracket_count = min(brackets or self._s_max_1, self._s_max_1)
-            # Ray's own int(max_t * eta**-s) drops to 0 where eta**-s rounds below 1/eta**s
-            # (729 * 3**-6 = 0.999...); in whole units the first rung is exact.
-            self._get_r0 = lambda s: units // reduction_factor**s
-            self._source_time_attr = time_attr
-            self._unit = unit
-            self._max_concurrent = max_concurrent
-            self._halving_unfilled = False
-            self._restored: dict[str, tuple[ClosingBracket, int]] = {}
+    def __init__(
+        self,
+        *,
+        time_attr: str,
+        max_t: float,
+        grace_period: float,
+        reduction_factor: int,
+        max_concurrent: int | None = None,
+        brackets: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        unit, units = hyperband_units(max_t, grace_period, reduction_factor)
+        super().__init__(
+            time_attr=budget_key(time_attr),
+            max_t=units,
+            reduction_factor=reduction_factor,
+            **kwargs,
+        )
+        # how many brackets a band cycles through, the most aggressive kept: 1 is
+        # successive halving from the first rung (Ray's ASHA runs one bracket too)
+        self._bracket_count = min(brackets or self._s_max_1, self._s_max_1)
+        # Ray's own int(max_t * eta**-s) drops to 0 where eta**-s rounds below 1/eta**s
+        # (729 * 3**-6 = 0.999...); in whole units the first rung is exact.
+        self._get_r0 = lambda s: units // reduction_factor**s
+        self._source_time_attr = time_attr
+        self._unit = unit
+        self._max_concurrent = max_concurrent
+        self._halving_unfilled = False
+        self._restored: dict[str, tuple[ClosingBracket, int]] = {}
 
-        def snapshot(self) -> dict | None:
-            """The brackets by trial id (None before the first trial): BracketState saves it."""
-            if not self._trial_info:
-                return None
-            current = self._state["bracket"]
-            return {
-                "bands": [  # Ray's HyperBand can leave None for a bracket too small to open
-                    [b and b.snapshot(self._time_attr, self._metric) for b in band]
-                    for band in self._hyperbands
-                ],
-                "current": next(
-                    (
-                        [i, j]
-                        for i, band in enumerate(self._hyperbands)
-                        for j, b in enumerate(band)
-                        if b is current
-                    ),
-                    None,
-                ),
-                "band_idx": self._state["band_idx"],
-                "num_stopped": self._num_stopped,
-            }
-
-        def restore(self, saved: dict) -> None:
-            """Rebuilds the saved brackets, empty; on_trial_add puts each trial back in its
-            own as Tune restores it."""
-            self._hyperbands, self._restored, self._trial_info = [], {}, {}
-            for band_idx, band in enumerate(saved["bands"]):
-                rebuilt = []
-                for bracket_state in band:
-                    if bracket_state is None:
-                        rebuilt.append(None)
-                        continue
-                    bracket = self._new_bracket(bracket_state["s"])
-                    bracket.restore(bracket_state)
-                    rebuilt.append(bracket)
-                    for trial_id in bracket_state["trials"]:
-                        self._restored[trial_id] = (bracket, band_idx)
-                self._hyperbands.append(rebuilt)
-            i, j = saved["current"] if saved["current"] else (None, None)
-            self._state = {
-                "bracket": None if i is None else self._hyperbands[i][j],
-                "band_idx": saved["band_idx"],
-            }
-            self._num_stopped = saved["num_stopped"]
-
-        def on_trial_add(self, tune_controller: Any, trial: Trial) -> None:
-            place = self._restored.get(trial.trial_id)
-            if place is None or trial in self._trial_info:
-                return super().on_trial_add(tune_controller, trial)
-            bracket, band_idx = place
-            bracket.add_restored(trial)
-            self._trial_info[trial] = bracket, band_idx
-
-        def _cur_band_filled(self) -> bool:
-            return len(self._hyperbands[self._state["band_idx"]]) >= self._bracket_count
-
-        def _create_bracket(self, s: int) -> ClosingBracket:
-            if not self._is_bohb:
-                # Ray's HyperBand counts s up from 0, the bracket that stops nothing:
-                # shift it so that the band keeps the most aggressive brackets
-                s += self._s_max_1 - self._bracket_count
-            return self._new_bracket(s)
-
-        def _new_bracket(self, s: int) -> ClosingBracket:
-            return ClosingBracket(
-                time_attr=self._time_attr,
-                max_trials=self._get_n0(s),
-                init_t_attr=self._get_r0(s),
-                max_t_attr=self._max_t_attr,
-                eta=self._eta,
-                s=s,
-                stop_last_trials=self._stop_last_trials,
-            )
-
-        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-            if self._source_time_attr not in result:
-                # a user's function that does not report the stage's time axis (tokens):
-                # Ray's HyperBand fails the whole run on it (a KeyError), its ASHA lets the
-                # trial go on unranked, as this does; the progress display says so
-                return self.CONTINUE
-            # rounded: the full budget must read as exactly `units`, not 8.999999
-            units = round(result[self._source_time_attr] / self._unit, 9)
-            result[budget_key(self._source_time_attr)] = units
-            decision = super().on_trial_result(tune_controller, trial, result)
-            if decision == self.PAUSE:
-                _tell_searcher(tune_controller, "on_pause", trial)
-            if decision == self.STOP and "budget" in result.get("hyperband_info", {}):
-                # Tune passes a result to the searcher only when the scheduler does not stop
-                # the trial, and HyperBandForBOHB stops the trial whose result completes a
-                # rung: TuneBOHB never saw the result that decided each rung (measured: 4
-                # of 12 full-budget results reached it), so its model started late and
-                # learnt from the weaker trials. Pass those results on.
-                tune_controller.search_alg.on_trial_result(trial.trial_id, result)
-            return decision
-
-        def _process_bracket(self, tune_controller: Any, bracket: Any) -> str:
-            # a rung is decided among all the bracket's trials: until the last has been
-            # given, the ones at the rung wait (plain HyperBand halved whatever was there)
-            if not bracket.filled() and not self._halving_unfilled:
-                return self.PAUSE
-            return super()._process_bracket(tune_controller, bracket)
-
-        def _unpause_trial(self, tune_controller: Any, trial: Any) -> None:
-            super()._unpause_trial(tune_controller, trial)
-            _tell_searcher(tune_controller, "on_unpause", trial)
-
-        def _next_in_brackets(self, tune_controller: Any) -> Any:
-            """A trial waiting to start, or promoted and paused, in the bracket to go on."""
-            if not self._is_bohb:
-                return HyperBandScheduler.choose_trial_to_run(self, tune_controller)
-            for band in self._hyperbands:
-                for bracket in band:
-                    for trial in bracket.current_trials() if bracket else ():
-                        if trial.status == Trial.PENDING or (
-                            trial.status == Trial.PAUSED and trial in bracket.trials_to_unpause
-                        ):
-                            return trial
+    def snapshot(self) -> dict | None:
+        """The brackets by trial id (None before the first trial): BracketState saves it."""
+        if not self._trial_info:
             return None
+        current = self._state["bracket"]
+        return {
+            "bands": [  # Ray's HyperBand can leave None for a bracket too small to open
+                [b and b.snapshot(self._time_attr, self._metric) for b in band]
+                for band in self._hyperbands
+            ],
+            "current": next(
+                (
+                    [i, j]
+                    for i, band in enumerate(self._hyperbands)
+                    for j, b in enumerate(band)
+                    if b is current
+                ),
+                None,
+            ),
+            "band_idx": self._state["band_idx"],
+            "num_stopped": self._num_stopped,
+        }
 
-        def choose_trial_to_run(self, tune_controller: Any, allow_recurse: bool = True) -> Any:
+    def restore(self, saved: dict) -> None:
+        """Rebuilds the saved brackets, empty; on_trial_add puts each trial back in its
+        own as Tune restores it."""
+        self._hyperbands, self._restored, self._trial_info = [], {}, {}
+        for band_idx, band in enumerate(saved["bands"]):
+            rebuilt = []
+            for bracket_state in band:
+                if bracket_state is None:
+                    rebuilt.append(None)
+                    continue
+                bracket = self._new_bracket(bracket_state["s"])
+                bracket.restore(bracket_state)
+                rebuilt.append(bracket)
+                for trial_id in bracket_state["trials"]:
+                    self._restored[trial_id] = (bracket, band_idx)
+            self._hyperbands.append(rebuilt)
+        i, j = saved["current"] if saved["current"] else (None, None)
+        self._state = {
+            "bracket": None if i is None else self._hyperbands[i][j],
+            "band_idx": saved["band_idx"],
+        }
+        self._num_stopped = saved["num_stopped"]
+
+    def on_trial_add(self, tune_controller: Any, trial: Trial) -> None:
+        place = self._restored.get(trial.trial_id)
+        if place is None or trial in self._trial_info:
+            return super().on_trial_add(tune_controller, trial)
+        bracket, band_idx = place
+        bracket.add_restored(trial)
+        self._trial_info[trial] = bracket, band_idx
+
+    def _cur_band_filled(self) -> bool:
+        return len(self._hyperbands[self._state["band_idx"]]) >= self._bracket_count
+
+    def _create_bracket(self, s: int) -> ClosingBracket:
+        if not self._is_bohb:
+            # Ray's HyperBand counts s up from 0, the bracket that stops nothing:
+            # shift it so that the band keeps the most aggressive brackets
+            s += self._s_max_1 - self._bracket_count
+        return self._new_bracket(s)
+
+    def _new_bracket(self, s: int) -> ClosingBracket:
+        return ClosingBracket(
+            time_attr=self._time_attr,
+            max_trials=self._get_n0(s),
+            init_t_attr=self._get_r0(s),
+            max_t_attr=self._max_t_attr,
+            eta=self._eta,
+            s=s,
+            stop_last_trials=self._stop_last_trials,
+        )
+
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+        if self._source_time_attr not in result:
+            # a user's function that does not report the stage's time axis (tokens):
+            # Ray's HyperBand fails the whole run on it (a KeyError), its ASHA lets the
+            # trial go on unranked, as this does; the progress display says so
+            return self.CONTINUE
+        # rounded: the full budget must read as exactly `units`, not 8.999999
+        units = round(result[self._source_time_attr] / self._unit, 9)
+        result[budget_key(self._source_time_attr)] = units
+        decision = super().on_trial_result(tune_controller, trial, result)
+        if decision == self.PAUSE:
+            _tell_searcher(tune_controller, "on_pause", trial)
+        if decision == self.STOP and "budget" in result.get("hyperband_info", {}):
+            # Tune passes a result to the searcher only when the scheduler does not stop
+            # the trial, and HyperBandForBOHB stops the trial whose result completes a
+            # rung: TuneBOHB never saw the result that decided each rung (measured: 4
+            # of 12 full-budget results reached it), so its model started late and
+            # learnt from the weaker trials. Pass those results on.
+            tune_controller.search_alg.on_trial_result(trial.trial_id, result)
+        return decision
+
+    def _process_bracket(self, tune_controller: Any, bracket: Any) -> str:
+        # a rung is decided among all the bracket's trials: until the last has been
+        # given, the ones at the rung wait (plain HyperBand halved whatever was there)
+        if not bracket.filled() and not self._halving_unfilled:
+            return self.PAUSE
+        return super()._process_bracket(tune_controller, bracket)
+
+    def _unpause_trial(self, tune_controller: Any, trial: Any) -> None:
+        super()._unpause_trial(tune_controller, trial)
+        _tell_searcher(tune_controller, "on_unpause", trial)
+
+    def _next_in_brackets(self, tune_controller: Any) -> Any:
+        """A trial waiting to start, or promoted and paused, in the bracket to go on."""
+        if not self._is_bohb:
+            return HyperBandScheduler.choose_trial_to_run(self, tune_controller)
+        for band in self._hyperbands:
+            for bracket in band:
+                for trial in bracket.current_trials() if bracket else ():
+                    if trial.status == Trial.PENDING or (
+                        trial.status == Trial.PAUSED and trial in bracket.trials_to_unpause
+                    ):
+                        return trial
+        return None
+
+    def choose_trial_to_run(self, tune_controller: Any, allow_recurse: bool = True) -> Any:
+        trial = self._next_in_brackets(tune_controller)
+        active = [t for t in tune_controller.get_trials() if t.status in _ACTIVE]
+        if trial is None and not active:
+            # Nothing runs or waits, so no trial is coming to fill a bracket (the stage
+            # has proposed all it will): decide the rungs among the trials there are.
+            self._halving_unfilled = True
+            try:
+                for band in self._hyperbands:
+                    for bracket in band:
+                        if bracket and any(
+                            t.status == Trial.PAUSED for t in bracket.current_trials()
+                        ):
+                            self._process_bracket(tune_controller, bracket)
+            finally:
+                self._halving_unfilled = False
             trial = self._next_in_brackets(tune_controller)
-            active = [t for t in tune_controller.get_trials() if t.status in _ACTIVE]
-            if trial is None and not active:
-                # Nothing runs or waits, so no trial is coming to fill a bracket (the stage
-                # has proposed all it will): decide the rungs among the trials there are.
-                self._halving_unfilled = True
-                try:
-                    for band in self._hyperbands:
-                        for bracket in band:
-                            if bracket and any(
-                                t.status == Trial.PAUSED for t in bracket.current_trials()
-                            ):
-                                self._process_bracket(tune_controller, bracket)
-                finally:
-                    self._halving_unfilled = False
-                trial = self._next_in_brackets(tune_controller)
-            if (
-                trial is not None
-                and trial.status == Trial.PAUSED
-                and self._max_concurrent
-                and len(active) >= self._max_concurrent
-            ):
-                return None  # it goes on when a running trial pauses or ends
-            return trial
+        if (
+            trial is not None
+            and trial.status == Trial.PAUSED
+            and self._max_concurrent
+            and len(active) >= self._max_concurrent
+        ):
+            return None  # it goes on when a running trial pauses or ends
+        return trial
 
-    GraceUnitScheduler.__name__ = GraceUnitScheduler.__qualname__ = f"GraceUnit{base.__name__}"
-    return GraceUnitScheduler
+
+@functools.cache
+def grace_unit_scheduler(base: type) -> type:
+    """`base` (Ray's HyperBandScheduler or HyperBandForBOHB) with GraceUnitMixin's changes."""
+    name = f"GraceUnit{base.__name__}"
+    return type(name, (GraceUnitMixin, base), {"_is_bohb": issubclass(base, HyperBandForBOHB)})
 
 
 class BracketState(Callback):
