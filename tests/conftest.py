@@ -138,3 +138,30 @@ def plan_for(spec, base: dict | None = None, target: str | None = None):
     from sweeper.sweep.plan import SweepPlan
 
     return SweepPlan(spec=spec, base=base or {}, target=target)
+
+
+def run_main(args: list[str], cwd: Path):
+    """`python -m sweeper args` in this process, for commands that stop before Hydra runs a
+    job (bad input, dry runs): the same checks and output as the CLI, without a Python
+    start-up and its imports each time. Returns what run_cli returns (returncode, stdout,
+    stderr)."""
+    import io
+    import signal
+    from types import SimpleNamespace
+
+    from sweeper.__main__ import main
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv, here, sigterm = sys.argv, os.getcwd(), signal.getsignal(signal.SIGTERM)
+    sys.argv = ["sweeper", *args]
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+        signal.signal(signal.SIGTERM, sigterm)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())

@@ -16,7 +16,7 @@ from sweeper.config.errors import ConfigError
 from sweeper.config.paths import config_dir
 from sweeper.config.schema import load_run_config
 
-from .conftest import REPO, plan_of, run_cli, run_cli_into_closed_pipe
+from .conftest import REPO, plan_of, run_cli, run_cli_into_closed_pipe, run_main
 
 GROUPS = ["model", "optimizer", "scheduler", "data", "trainer"]
 
@@ -253,13 +253,25 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("args, names", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, names):
-    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    proc = run_main(args, cwd=tmp_path)  # the CLI's own process: test_the_cli_* below
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert names in lines[0], lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert list(tmp_path.iterdir()) == [], "bad input must write nothing"
+
+
+@pytest.mark.parametrize(
+    ("args", "names"), [(["model.depth=0"], "model.depth"), (["+sweep=smoke", "--foo"], "--foo")]
+)
+def test_the_cli_refuses_bad_input_in_one_line_exit_2_writing_nothing(tmp_path, args, names):
+    """The table above runs the command in-process; here, the real `python -m sweeper`."""
+    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], proc.stderr
+    assert proc.stdout == "" and list(tmp_path.iterdir()) == []
 
 
 def test_a_sweep_refuses_a_model_that_fits_once_but_not_as_often_as_trials_run_at_once(

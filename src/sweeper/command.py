@@ -117,13 +117,16 @@ def check_device(run: RunConfig, elsewhere: bool) -> None:
 
 
 def check_data(run: RunConfig, target: str | None) -> None:
-    # imported here: the data module imports torch, which a user's function never needs
-    from sweeper.train.data import check_shards, check_stdlib_split
+    """Token shards readable, or the embedded corpus long enough to split; a user's function
+    reads its own data (and its driver never imports torch, which the data module does)."""
+    if run.data.name != "shards" and target:
+        return
+    from sweeper.train import data
 
     if run.data.name == "shards":
-        check_shards(run.data, run.model.seq_len)
-    elif not target:  # a user's function reads its own data
-        check_stdlib_split(run.data.val_every_n_files, run.model.seq_len)
+        data.check_shards(run.data, run.model.seq_len)
+    else:
+        data.check_stdlib_split(run.data.val_every_n_files, run.model.seq_len)
 
 
 def check_single_run(cfg, run: RunConfig, target: str | None, joins: bool) -> None:
