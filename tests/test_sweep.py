@@ -1220,7 +1220,10 @@ REFUSED = [
     (["sweep.stages.x.name=a"], "sweep.stages.x.name=a: Index 'x'"),
     (["sweep.stages.5.name=a"], "sweep.stages.5.name=a: list index out of range"),
     # found by a new user's mistakes: each used to start Ray, or end in a traceback
-    (["sweep.budget.tokens_per_trial=inf"], "sweep.budget.tokens_per_trial must be a finite number"),
+    (
+        ["sweep.budget.tokens_per_trial=inf"],
+        "sweep.budget.tokens_per_trial must be a finite number",
+    ),
     (["sweep.budget.tokens_per_trial=0"], "sweep.budget.tokens_per_trial must be > 0, got 0"),
     (["+sweep.budget.tokens_per_trail=1"], "did you mean sweep.budget.tokens_per_trial?"),
     (["sweep.seed=-1"], "sweep.seed must be >= 0"),
