@@ -46,11 +46,9 @@ def make_tracker(plan: Any, out_dir: Any, announce: bool = True):
 
 
 def start_tracker(plan: Any, out_dir: Any) -> Callable[[], Any]:
-    """make_tracker in a helper thread; returns the call that waits for the tracker (and
-    raises its error). MLflow's import and a new store take 5-7 s of the driver's start,
-    and Ray's start-up about as long, mostly in processes of its own: side by side a
-    sweep starts ~4 s sooner on 2 cores. The fail-fast checks of the store (reachable,
-    writable) ran before the job (`mlflow_store.check_store`), so none waits for Ray."""
+    """make_tracker in a helper thread, beside Ray's start; returns the call that waits for
+    the tracker (and raises its error). Why: MLflow's import and a new store take seconds,
+    and the store's fail-fast checks ran before the job (`mlflow_store.check_store`)."""
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-start")
     future = executor.submit(make_tracker, plan, out_dir, announce=False)
     executor.shutdown(wait=False)

@@ -12,11 +12,9 @@ LIVE: dict[str, Any] = {}  # run dir -> its MlflowTracker: how unpickled callbac
 
 
 class MlflowCallback(tune.Callback):
-    """Forwards a stage's trial events to the live tracker of its run dir.
-
-    It holds only plain values: Tune pickles it into the experiment's tuner.pkl, and a
-    resumed stage (`Tuner.restore`) gets the unpickled copy, which finds the new driver's
-    tracker through `LIVE` (and does nothing if tracking is off now)."""
+    """Forwards a stage's trial events to the live tracker of its run dir. It holds only
+    plain values: Tune pickles it, and a restored stage's copy finds the new driver's
+    tracker through `LIVE` (none: tracking is off now)."""
 
     def __init__(self, run_dir: str, stage: str, base: dict, ctx, search: str, scheduler: str):
         self.run_dir, self.stage, self.base, self.ctx = run_dir, stage, base, ctx

@@ -1,32 +1,30 @@
-"""The MLflow calls of a sweep, sent by one background thread so that a slow or dead
-tracking server never holds up training.
+"""The MLflow calls of a sweep or a run, sent in order by one background thread, so that a
+slow or dead tracking server never holds up training.
 
-Metric ops of one run that queue up within METRICS_LINGER_S go out as one call.
+Why not MLflow's own async logging (3.17): it keeps failed batches only in memory, retries
+them only through urllib3 (minutes, with its defaults) and then drops them with a log line,
+sends batches on 10 threads in no order, and cannot create or find a run. It would lose data
+through a server outage and could not keep one run per trial across a resume.
 
-The tracker turns each event into an *op*: a JSON-able dict that names its run by a local
-key ("sweep", "lr/3f2a1_00000", "baseline"), since the MLflow run may not exist yet. The
-worker applies the ops in order. A call that fails for a transient reason (connection
-refused, timeout, 5xx) stays at the head of the queue and is retried with backoff (1 s,
-2 s, ... 15 s); meanwhile nothing else is tried, so a dead server costs one quick failed
-call per backoff period. A call the store refuses (4xx: a bad value) is dropped with a
-warning. While the server is down the queue is mirrored to `mlflow_pending.jsonl` in the
-run dir; what is still unsent when the sweep ends stays there, and the next
-`sweep.resume=true` in that run dir sends it first.
+Each call is an *op*: a JSON-able dict that names its run by a local key ("sweep",
+"lr/3f2a1_00000", "baseline"), since the MLflow run may not exist yet. A transient failure
+(no answer, a timeout, a 5xx) keeps the op at the head of the queue, retried with backoff
+up to MAX_BACKOFF_S; a call the store refuses (a 4xx) is dropped with a warning. While the
+server is down the queue is mirrored to the run dir's `mlflow_pending.jsonl`; what is left
+when the queue closes stays there, and the next driver in that run dir sends it first.
 
-Every op is idempotent, so a retry after an ambiguous failure (a timeout after the server
-had written the batch) duplicates nothing:
-- open: the run is looked up by its tags under its parent before one is created;
-- metrics: (key, step) pairs the run already has are skipped; after a failure, or when a
-  run is reopened, the run's logged steps are read back from the store first. An op marked
-  `latest` (a sweep run's figures, which a resume can change without adding a step) logs a
-  changed value at a logged step again, and MLflow shows the later one;
-- params, tags, status and artifacts: setting the same value twice changes nothing.
+Every op is idempotent, so a retry after an ambiguous failure duplicates nothing: a run is
+looked up by its tags before one is created; (metric, step) pairs a run already has are
+skipped, read back from the store after a failure or when a run is reopened (an op marked
+`latest` logs a changed value at a logged step again); params, tags, status and artifacts
+are the same when set twice.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import threading
 import time
@@ -34,12 +32,20 @@ from pathlib import Path
 from typing import Any
 
 MAX_BACKOFF_S = 15.0
-# a run's metrics wait this long at the head of the queue, so that every report that
-# arrives meanwhile goes in the same log_batch call: a call to the SQLite store costs ~8 ms
-# of driver CPU plus ~0.1 ms a metric row, which on 2 cores is taken from the trials
+# a run's metrics wait this long at the head of the queue, so that its reports meanwhile go
+# in one log_batch call: each call costs the driver CPU that the trials share
 METRICS_LINGER_S = 1.0
-CLOSE_ATTEMPTS = 2  # tries of the head call once the sweep ends, before giving up
+CLOSE_ATTEMPTS = 2  # tries of the head call once the queue closes, before giving up
 MAX_PARAM_LENGTH = 6000
+
+
+def is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def finite(value) -> bool:
+    """A number MLflow can plot (not a bool, NaN or inf)."""
+    return is_number(value) and math.isfinite(value)
 
 
 def is_transient(error: BaseException) -> bool:
@@ -73,8 +79,7 @@ def short_error(error: BaseException) -> str:
     ):
         if needle in lowered:
             return reason
-    # SQLAlchemy appends the statement and a link: "(sqlite3.DatabaseError) file is not a
-    # database [SQL: SELECT ...] (Background on this error at: https://sqlalche.me/...)"
+    # SQLAlchemy appends the statement and a link to its docs
     text = text.split("[SQL:")[0].split("(Background on this error")[0]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return (lines[0][:200] if lines else "") or type(error).__name__
@@ -105,23 +110,21 @@ class OpQueue:
         # run key -> metric -> logged step -> its latest value
         self.seen: dict[str, dict[str, dict[int, float]]] = {}
         self.checked: dict[str, set[str]] = {}  # suspect run -> metrics read back since
-        self.sent = self.dropped = self.skipped = 0
+        self.dropped = 0
         self.failures = 0  # consecutive failed tries of the head op
         self.retry_at = 0.0
         self.down_since: float | None = None
         self.mirroring = False  # the pending file mirrors the queue until it is drained
         self.last_error = ""
-        self.drop_errors: list[str] = []
         self.closing = False
         self.close_failures = 0
         self.thread: threading.Thread | None = None
 
     # --- the driver's side -----------------------------------------------------------
     def load_pending(self) -> int:
-        """Ops left in the pending file by an earlier driver go first, to the runs that
-        driver logged to. Its ops name runs by key ("sweep", "run"), which this driver
-        uses for its own runs: under their own keys they went to whatever this driver
-        opened, a new run in the same dir given the earlier run's metrics and end."""
+        """Queues first the ops an earlier driver left in the pending file. They go to the
+        runs that driver logged to, under keys of their own: this driver's runs of the same
+        key may be new runs."""
         if not self.pending_path.is_file():
             return 0
         count = 0
@@ -176,12 +179,12 @@ class OpQueue:
                 self.pending_path.unlink()
             return left
 
-    def apply_now(self, op: dict) -> None:
-        """Applies one op on the calling thread (before the worker starts); raises."""
-        self._apply(op)
-
     def run_id(self, key: str) -> str | None:
         return self.run_ids.get(key)
+
+    def stats(self) -> dict[str, Any]:
+        with self.cond:
+            return {"left": len(self.ops), "dropped": self.dropped, "last_error": self.last_error}
 
     # --- the worker ------------------------------------------------------------------
     def _work(self) -> None:
@@ -205,15 +208,13 @@ class OpQueue:
                 op = self.ops[0]
             error = None
             try:
-                self._apply(op)
+                self.apply_now(op)
             except Exception as exc:
                 error = exc
             with self.cond:
                 if error is None or not is_transient(error):
                     self.ops.popleft()
-                    if error is None:
-                        self.sent += 1
-                    else:
+                    if error is not None:
                         self._drop(op, error)
                     if self.down_since is not None:
                         self._recovered()
@@ -273,9 +274,8 @@ class OpQueue:
 
     def _drop(self, op: dict, error: Exception) -> None:
         self.dropped += 1
-        message = f"{op.get('op')} {op.get('run')}: {short_error(error)}"
-        self.drop_errors.append(message)
         if self.dropped <= 3:
+            message = f"{op.get('op')} {op.get('run')}: {short_error(error)}"
             self.say(f"[mlflow] a call was refused and dropped: {message}")
 
     def suspect(self, key: str) -> None:
@@ -297,7 +297,8 @@ class OpQueue:
             f.write(json.dumps(op) + "\n")
 
     # --- the calls -------------------------------------------------------------------
-    def _apply(self, op: dict) -> None:
+    def apply_now(self, op: dict) -> None:
+        """Makes the op's calls on the calling thread; raises what they raise."""
         getattr(self, "_op_" + op["op"])(op)
 
     def _id(self, key: str) -> str:
@@ -306,53 +307,65 @@ class OpQueue:
             raise KeyError(f"run '{key}' was never opened")
         return run_id
 
-    def _op_open(self, op: dict) -> None:
-        """Find the run (by its tags, under its parent) or create it; log what it lacks."""
-        from mlflow.entities import Param, RunStatus, RunTag
+    def _log(self, run_id: str, params: dict | None = None, tags: dict | None = None) -> None:
+        from mlflow.entities import Param, RunTag
 
-        key, client = op["run"], self.client
+        for part in chunks([Param(k, v) for k, v in (params or {}).items()], 100):
+            self.client.log_batch(run_id, params=part)
+        for part in chunks([RunTag(k, str(v)) for k, v in (tags or {}).items()], 100):
+            self.client.log_batch(run_id, tags=part)
+
+    def _op_open(self, op: dict) -> None:
+        """Finds the run (by its tags, under its parent) or creates it; logs what it lacks."""
+        key = op["run"]
         parent = self._id(op["parent"]) if op.get("parent") else None
         match = dict(op.get("match") or {})
-        clauses = [f"tags.`{k}` = {quote(v)}" for k, v in sorted(match.items())]
-        if parent:
-            clauses.append(f"tags.`mlflow.parentRunId` = {quote(parent)}")
-        found = []
-        if not op.get("create"):
-            found = client.search_runs(
-                [self.experiment_id],
-                filter_string=" and ".join(clauses),
-                order_by=["attributes.start_time DESC"],
-                max_results=1,
-            )
         tags = dict(op.get("tags") or {})
         if parent:
             tags["mlflow.parentRunId"] = parent
         params = {k: str(v)[:MAX_PARAM_LENGTH] for k, v in (op.get("params") or {}).items()}
-        if found:
-            run = found[0]
-            run_id = run.info.run_id
-            if run.info.status != RunStatus.to_string(RunStatus.RUNNING):
-                client.update_run(run_id, status="RUNNING")
-            params = {k: v for k, v in params.items() if k not in run.data.params}
-            self.suspect(key)  # it may hold metric steps from an earlier driver
+        run = None if op.get("create") else self._find(match, parent)
+        if run is None:
+            run_id = self._create(key, op, {**tags, **match})
+            self._log(run_id, params)
         else:
-            run = client.create_run(
-                self.experiment_id,
-                run_name=op.get("name"),
-                tags={**tags, **match},
-                start_time=op.get("start_time"),  # None: now
-            )
             run_id = run.info.run_id
-            self.seen[key] = {}
-            self.checked.pop(key, None)
-        for part in chunks([Param(k, v) for k, v in params.items()], 100):
-            client.log_batch(run_id, params=part)
-        if found:  # a new run got its tags at creation
-            for part in chunks([RunTag(k, str(v)) for k, v in tags.items()], 100):
-                client.log_batch(run_id, tags=part)
+            self._reopen(key, run)
+            self._log(run_id, {k: v for k, v in params.items() if k not in run.data.params}, tags)
         for name, text in (op.get("text") or {}).items():
-            client.log_text(run_id, text, name)
+            self.client.log_text(run_id, text, name)
         self.run_ids[key] = run_id
+
+    def _find(self, match: dict, parent: str | None):
+        """The latest run with the `match` tags under `parent`, or None."""
+        clauses = [f"tags.`{k}` = {quote(v)}" for k, v in sorted(match.items())]
+        if parent:
+            clauses.append(f"tags.`mlflow.parentRunId` = {quote(parent)}")
+        found = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=" and ".join(clauses),
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        return found[0] if found else None
+
+    def _create(self, key: str, op: dict, tags: dict) -> str:
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=op.get("name"),
+            tags=tags,
+            start_time=op.get("start_time"),  # None: now
+        )
+        self.seen[key] = {}
+        self.checked.pop(key, None)
+        return run.info.run_id
+
+    def _reopen(self, key: str, run) -> None:
+        from mlflow.entities import RunStatus
+
+        if run.info.status != RunStatus.to_string(RunStatus.RUNNING):
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        self.suspect(key)  # it may hold metric steps from an earlier driver
 
     def _op_metrics(self, op: dict) -> None:
         from mlflow.entities import Metric
@@ -372,7 +385,6 @@ class OpQueue:
             if (name, step) in batch_keys or (
                 step in logged and not (op.get("latest") and logged[step] != float(value))
             ):
-                self.skipped += 1
                 continue
             batch_keys.add((name, step))
             batch.append(Metric(name, float(value), int(timestamp), step))
@@ -382,12 +394,7 @@ class OpQueue:
             seen[metric.key][metric.step] = metric.value
 
     def _op_tags(self, op: dict) -> None:
-        from mlflow.entities import RunTag
-
-        tags = [RunTag(k, str(v)) for k, v in op["tags"].items()]
-        run_id = op.get("run_id") or self._id(op["run"])
-        for part in chunks(tags, 100):
-            self.client.log_batch(run_id, tags=part)
+        self._log(op.get("run_id") or self._id(op["run"]), tags=op["tags"])
 
     def _op_end(self, op: dict) -> None:
         if op.get("tags"):
@@ -395,8 +402,8 @@ class OpQueue:
         self.client.set_terminated(self._id(op["run"]), op["status"], op.get("end_time"))
 
     def _op_close_children(self, op: dict) -> None:
-        """Ends the children still RUNNING (left so by a driver that was killed): with their
-        status from the sweep state when it has them."""
+        """Ends the children still RUNNING (a killed driver's), with their status from the
+        sweep state where it has one."""
         parent = self._id(op["run"])
         token = None
         while True:
@@ -411,7 +418,7 @@ class OpQueue:
                 tags = run.data.tags
                 key = f"{tags.get('stage')}/{tags.get('trial_id')}"
                 status, run_status = op["statuses"].get(key, op["default"])
-                self._op_tags({"run": None, "run_id": run.info.run_id, "tags": {"status": status}})
+                self._log(run.info.run_id, tags={"status": status})
                 self.client.set_terminated(run.info.run_id, run_status)
             token = page.token
             if not token:
@@ -422,16 +429,6 @@ class OpQueue:
         for path, folder in op["files"]:
             if os.path.isfile(path):  # a file gone since (a cleaned run dir): nothing to send
                 self.client.log_artifact(run_id, path, folder)
-
-    def stats(self) -> dict[str, Any]:
-        with self.cond:
-            return {
-                "sent": self.sent,
-                "left": len(self.ops),
-                "dropped": self.dropped,
-                "skipped": self.skipped,
-                "last_error": self.last_error,
-            }
 
 
 def _when(metric) -> tuple[int, int]:

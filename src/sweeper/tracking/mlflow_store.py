@@ -11,30 +11,24 @@ from sweeper.config.errors import ConfigError
 
 PROBE_TIMEOUT_S = 3.0
 
-# MLflow's REST client retries a refused connection 7 times with exponential backoff
-# (about 4 minutes per call) and waits 120 s for an answer. The sweep's own queue retries
-# instead, so each call gets one quick try. A value the user set wins.
+# MLflow's REST client retries a refused connection for minutes and waits 120 s for an
+# answer; our queue retries instead, so each call gets one quick try. Its "View run ... at"
+# lines as each run ends would crowd a sweep's output; the last line has the run's page
+# instead (ui_hint). A value the user set wins.
 HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
-    # and against a server, MLflow prints two lines ("View run ... at", "View experiment
-    # at") as each run ends: 26 in a 12-trial sweep, among its progress lines. The sweep's
-    # last line gives the run's address in the UI instead (ui_hint).
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 
 
-def quick_http_calls() -> None:
+def quick_quiet_calls() -> None:
+    """HTTP_DEFAULTS, and no INFO lines when MLflow creates a SQLite store's tables (its
+    warnings and errors still show)."""
     for name, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(name, value)
-
-
-def quiet_store_creation() -> None:
-    """MLflow logs two INFO lines ("Creating initial MLflow database tables...", "Updating
-    database tables") when it creates a SQLite store: the first sweep's output would start
-    with them. Its warnings and errors still show."""
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
 
@@ -116,10 +110,9 @@ def check_store(cfg) -> None:
 
 
 def check_config_in_a_process(cfg) -> None:
-    """check_store in a process of its own: what a single run checks before it trains.
-    Its scheme check imports MLflow's store registry, ~0.12 GiB that would stay resident in
-    the training process and count in a CPU run's peak memory (tiny model 0.47 against
-    0.35 GiB). The logger process imports MLflow anyway; this one only says what is wrong."""
+    """check_store in a process of its own, as a single run checks before it trains: the
+    scheme check imports MLflow, which would stay resident in the training process and
+    count in a CPU run's peak memory."""
     import json
     import subprocess
     import sys
@@ -192,9 +185,8 @@ def check_database_driver(uri: str) -> None:
 
 
 def check_sqlite_writable(uri: str) -> None:
-    """A SQLite store where no file can be made is a ConfigError: MLflow would retry
-    creating its engine for about a minute and then fail with a traceback. Probed with a
-    temporary file in the nearest folder that exists (MLflow makes the ones below it)."""
+    """A SQLite store where no file can be made is a ConfigError (MLflow would retry for a
+    minute, then fail with a traceback): probed in the nearest folder that exists."""
     import tempfile
 
     path = sqlite_path(uri)

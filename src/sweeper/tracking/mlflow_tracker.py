@@ -1,22 +1,18 @@
 """MLflow tracking of a sweep, from the Ray driver.
 
-One parent run per sweep (tag run_dir: the Hydra run dir) and one child run per trial
-(tags stage, trial_id, ...; mlflow.parentRunId), plus a child run for the baseline. A Tune
-callback per stage turns trial events into queued MLflow calls (`mlflow_queue`); no Ray
-worker talks to MLflow and no global active run is used.
+One parent run per sweep (tag run_dir) and one child run per trial (tags stage, trial_id;
+mlflow.parentRunId), plus one for the baseline. A Tune callback per stage turns trial events
+into queued calls (`mlflow_queue`): no Ray worker talks to MLflow, no global active run.
 
-Run states: completed -> FINISHED, pruned -> KILLED, diverged and failed -> FAILED (the
-`status` tag tells diverged from failed); trials still open when the sweep is interrupted
-end KILLED with status `interrupted`. The same trial (paused and resumed by Hyperband/BOHB,
-retried after a failure, restored by `sweep.resume=true`) keeps its one run: it is found
-again by its tags, and steps it already has are not logged twice.
+A trial's run ends FINISHED (completed), KILLED (pruned, interrupted) or FAILED (diverged,
+failed; the `status` tag tells which). A trial paused and resumed by Hyperband/BOHB, retried
+or restored by `sweep.resume=true` keeps its one run, found again by its tags.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
-import math
 import re
 import subprocess
 import time
@@ -31,27 +27,24 @@ from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.space import to_builtin
 from sweeper.sweep.state import STATE_NAME, write_json_atomic
 from sweeper.sweep.trainable import RUNG_METRIC, UPDATE_RATIO_COLUMNS, trial_config
-from sweeper.tracking.mlflow_queue import OpQueue, short_error
+from sweeper.tracking.mlflow_queue import OpQueue, finite, is_number, short_error
 from sweeper.tracking.mlflow_store import (
     check_reachable,
     get_or_create_experiment,
-    quick_http_calls,
-    quiet_store_creation,
+    quick_quiet_calls,
     resolve_tracking_uri,
     shown,
     ui_hint,
 )
 from sweeper.train.activations import ACTIVATION_COLUMNS
 
-# sweep settings a stage may set for itself (spec.StageSpec), the sweep's being its default
-STAGE_DEFAULTS = ("search", "scheduler", "reports_per_trial")
-
+# why: mlflow_callback imports Ray's Tune; a single run (run_tracker) shares this module's
+# helpers and imports no Ray, so the callback is imported where a sweep uses it
 if TYPE_CHECKING:
     from sweeper.tracking.mlflow_callback import MlflowCallback
 
-# The Tune callback (mlflow_callback, which imports Ray's Tune) is imported where a sweep
-# uses it: a single run shares this module's helpers (run_tracker) and imports no Ray.
-
+# sweep settings a stage may set for itself, the sweep's being its default
+STAGE_DEFAULTS = ("search", "scheduler", "reports_per_trial")
 METRICS = (
     "train_loss",
     "val_bpb",
@@ -69,8 +62,7 @@ METRICS = (
     RUNG_METRIC,  # what ASHA, HyperBand and BOHB ranked, where rungs fork a cooled copy
     "fork_flops",
 )
-# what sweeper's trial wrapper adds to a report (trainable.run_trial, ASHA's rung forks):
-# not a user's function's own numbers
+# what sweeper's trial wrapper adds to a report: not a user's function's own numbers
 TRIAL_KEYS = ("wall_time", RUNG_METRIC)
 RUN_STATUS = {
     "completed": "FINISHED",
@@ -80,49 +72,78 @@ RUN_STATUS = {
     "failed": "FAILED",
 }
 PENDING_NAME = "mlflow_pending.jsonl"
-RUN_FILE = "mlflow_run.json"  # the parent run of the sweep in this run dir
+RUN_FILE = "mlflow_run.json"  # the run dir's own MLflow run (sweeper.compare reads it)
 PARENT = "sweep"
 PARENT_FILES = ("report.html", "report.md", "summary.json", "reports.csv", "fit.json")
 
 
-class MlflowTracker:
-    def __init__(self, plan: SweepPlan, out_dir, announce: bool = True):
+class QueuedRun:
+    """What a sweep's tracker and a single run's share: the run dir's own MLflow run (the
+    sweep's parent, or the single run), opened at the start, and the queue of calls."""
+
+    finished = False
+
+    def _start(self, mlflow_cfg, out: Path, key: str, open_op: dict, sweep: bool) -> int:
+        """Opens the run now (raises: for a sweep, a ConfigError that names the store), writes
+        mlflow_run.json, starts the queue. Returns how many calls an earlier driver kept."""
         from mlflow import MlflowClient
 
-        mlflow_cfg, spec = plan.mlflow, plan.spec
         self.uri = resolve_tracking_uri(mlflow_cfg.get("tracking_uri"))
-        check_reachable(self.uri)
-        quick_http_calls()
-        quiet_store_creation()
-        self.plan, self.spec, self.out = plan, spec, Path(out_dir).resolve()
+        self.experiment = str(mlflow_cfg.get("experiment") or "sweeper")
+        if sweep:
+            check_reachable(self.uri)
+        quick_quiet_calls()
+        try:
+            client = MlflowClient(self.uri)  # a fresh SQLite file is migrated here, once
+            self.experiment_id = get_or_create_experiment(client, self.experiment)
+            self.queue = OpQueue(client, self.experiment_id, out / PENDING_NAME, self.uri)
+            kept = self.queue.load_pending()
+            self.queue.apply_now(open_op)
+        except Exception as error:
+            if not sweep or isinstance(error, ConfigError):
+                raise
+            raise ConfigError(f"MLflow store {shown(self.uri)}: {short_error(error)}") from None
+        self.run_id = self.queue.run_id(key)
+        out.mkdir(parents=True, exist_ok=True)
+        where = {"tracking_uri": self.uri, "experiment": self.experiment}
+        write_json_atomic(
+            out / RUN_FILE, {**where, "experiment_id": self.experiment_id, "run_id": self.run_id}
+        )
+        self.queue.start()
+        atexit.register(self._at_exit)
+        return kept
+
+    def _close(self, where: str, resend: str = "", say_dropped: bool = False) -> None:
+        """Sends what is queued; says what could not be sent, and where the run is."""
+        left = self.queue.close()
+        stats = self.queue.stats()
+        if left:
+            print(
+                f"[mlflow] {left} MLflow calls could not be sent to {shown(self.uri)} "
+                f"({stats['last_error']}); kept in {self.queue.pending_path}{resend}",
+                flush=True,
+            )
+        if say_dropped and stats["dropped"]:
+            print(f"[mlflow] {stats['dropped']} MLflow calls were refused by the store")
+        print(f"[mlflow] {where}{ui_hint(self.uri, self.experiment_id, self.run_id)}", flush=True)
+
+
+class MlflowTracker(QueuedRun):
+    def __init__(self, plan: SweepPlan, out_dir, announce: bool = True):
+        self.plan, self.spec, self.out = plan, plan.spec, Path(out_dir).resolve()
         self.base = plan.base
         self.users_function = plan.target is not None
         self.commit, dirty = git_commit()
-        self.common = {"sweep": spec.name, "run_dir": str(self.out), "git_commit": self.commit}
-        self.experiment = str(mlflow_cfg.get("experiment") or "sweeper")
-        try:
-            client = MlflowClient(self.uri)  # a fresh SQLite file is migrated here, once
-            self.experiment_id = experiment_id = get_or_create_experiment(client, self.experiment)
-            self.queue = OpQueue(client, experiment_id, self.out / PENDING_NAME, self.uri)
-            kept = self.queue.load_pending()
-            self.queue.apply_now(self._parent_op(dirty))
-        except ConfigError:
-            raise
-        except Exception as error:
-            raise ConfigError(f"MLflow store {shown(self.uri)}: {short_error(error)}") from None
-        self.parent_id = self.queue.run_id(PARENT)
-        write_run_file(self.out, self.uri, self.experiment, experiment_id, self.parent_id)
+        self.common = {"sweep": self.spec.name, "run_dir": str(self.out), "git_commit": self.commit}
         self.open: set[str] = set()
         self.retries: dict[str, int] = {}
         self.ended: dict[str, str] = {}  # run key -> the status it was ended with
-        self.finished = False
-        self.queue.start()
+        kept = self._start(plan.mlflow, self.out, PARENT, self._parent_op(dirty), sweep=True)
         from sweeper.tracking.mlflow_callback import LIVE
 
         LIVE[str(self.out)] = self
-        atexit.register(self._at_exit)
         self.announcement = (
-            f"[mlflow] sweep run {self.parent_id} in {shown(self.uri)} (experiment '{self.experiment}')"
+            f"[mlflow] sweep run {self.run_id} in {shown(self.uri)} (experiment '{self.experiment}')"
             + (f"; {kept} calls kept from an earlier run are sent first" if kept else "")
         )
         if announce:
@@ -139,17 +160,17 @@ class MlflowTracker:
         return [MlflowCallback(str(self.out), stage, base, ctx, search, scheduler)]
 
     def log_baseline(self, baseline: dict, config: dict | None = None) -> None:
-        """The baseline's run; `config`: what it trained (the sweep's base config,
-        evaluated once), else the base config."""
+        """The baseline's run; `config`: what it trained, else the base config."""
         status = baseline.get("status") or "completed"
         tags = {**self.common, "role": "baseline", "stage": "baseline", "status": status}
         if baseline.get("error"):
             tags["error"] = str(baseline["error"])[:500]
-        trained = config or self.base
-        # it is logged once the stages are done, but ran in a slot a stage left idle: its
-        # run shows when it trained, and its values at its last step, as a trial's do
+        # logged after the stages, it ran in a slot a stage left idle: its run shows when it
+        # trained, and its values at its last step, as a trial's do
         started, ended = baseline.get("started_ms"), baseline.get("ended_ms")
-        opened = self._open_op("baseline", "baseline", {"role": "baseline"}, tags, trained)
+        opened = self._open_op(
+            "baseline", "baseline", {"role": "baseline"}, tags, config or self.base
+        )
         self.queue.put({**opened, "start_time": started})
         values = {self.spec.metric: baseline.get("value"), **baseline}
         values = {k: v for k, v in values.items() if k not in ("started_ms", "ended_ms", "steps")}
@@ -162,8 +183,7 @@ class MlflowTracker:
         self.finished = True
         for key in sorted(self.open):
             self._end(key, "pruned" if status == "FINISHED" else "interrupted")
-        out = Path(out_dir)
-        metric = self.spec.metric
+        out, metric = Path(out_dir), self.spec.metric
         best, baseline = summary.get("best") or {}, summary.get("baseline") or {}
         confirmation = summary.get("confirmation") or {}
         values = {
@@ -177,60 +197,42 @@ class MlflowTracker:
             "total_flops": summary.get("total_flops"),
             "elapsed_s": summary.get("elapsed_s"),
         }
-        # a resumed sweep that ran more trials logs its new results as a new step; one with
-        # as many (it only confirmed, or only fitted) updates them at the same step
+        # a resume that ran more trials logs a new step; one that only confirmed or fitted
+        # updates the same step
         self._metrics(PARENT, values, step=int(summary.get("trials") or 0), latest=True)
         files = [out / name for name in PARENT_FILES] + sorted(out.glob("*.png"))
         files = [[str(path), None] for path in files if path.is_file()]
         if files:
             self.queue.put({"op": "artifacts", "run": PARENT, "files": files})
-        # the sweep state has the last word on a trial's status (a stage stopped by the
-        # sweep's time cap: interrupted here, pruned there); runs an earlier, killed driver
-        # left RUNNING get their status from it too
+        # the sweep state has the last word on a trial's status (a stage stopped by the time
+        # cap), also for the runs a killed driver left RUNNING
         recorded = recorded_statuses(out)
         for key, value in recorded.items():
             if key in self.ended and self.ended[key] != value:
                 self._end(key, value)
         default = "interrupted" if status != "FINISHED" else "pruned"
+        statuses = {key: [value, RUN_STATUS[value]] for key, value in recorded.items()}
         self.queue.put(
             {
                 "op": "close_children",
                 "run": PARENT,
-                "statuses": {key: [value, RUN_STATUS[value]] for key, value in recorded.items()},
+                "statuses": statuses,
                 "default": [default, RUN_STATUS[default]],
             }
         )
-        parent_status = {"FINISHED": "completed", "KILLED": "interrupted"}.get(status, "failed")
         if best:
             self.queue.put({"op": "tags", "run": PARENT, "tags": {"best": json.dumps(best)[:5000]}})
-        self.queue.put(
-            {
-                "op": "end",
-                "run": PARENT,
-                "status": status,
-                "end_time": now_ms(),
-                "tags": {"status": parent_status},
-            }
-        )
-        left = self.queue.close()
+        parent_status = {"FINISHED": "completed", "KILLED": "interrupted"}.get(status, "failed")
+        end = {"op": "end", "run": PARENT, "status": status, "end_time": now_ms()}
+        self.queue.put({**end, "tags": {"status": parent_status}})
         from sweeper.tracking.mlflow_callback import LIVE
 
         LIVE.pop(str(self.out), None)
-        stats = self.queue.stats()
-        if left:
-            print(
-                f"[mlflow] {left} MLflow calls could not be sent to {shown(self.uri)} "
-                f"({stats['last_error']}); kept in {self.queue.pending_path}: the next "
-                "`sweep.resume=true` in this run dir sends them",
-                flush=True,
-            )
-        if stats["dropped"]:
-            print(f"[mlflow] {stats['dropped']} MLflow calls were refused by the store")
-        ui = ui_hint(self.uri, self.experiment_id, self.parent_id)
-        print(
-            f"[mlflow] sweep run {self.parent_id} in {shown(self.uri)}: compare its trials with "
-            f"python -m sweeper.compare {self.out}{ui}",
-            flush=True,
+        self._close(
+            f"sweep run {self.run_id} in {shown(self.uri)}: compare its trials with "
+            f"python -m sweeper.compare {self.out}",
+            resend=": the next `sweep.resume=true` in this run dir sends them",
+            say_dropped=True,
         )
 
     # --- trial events (from MlflowCallback, on the driver's thread) -----------------------
@@ -258,7 +260,7 @@ class MlflowTracker:
             self.trial_started(cb, trial)
         result = to_builtin(dict(result))
         step = result.get("step")
-        if isinstance(step, bool) or not isinstance(step, int | float):
+        if not is_number(step):
             step = result.get("training_iteration") or 0
         self._metrics(key, result, step=int(step))
 
@@ -268,7 +270,7 @@ class MlflowTracker:
             self.trial_started(cb, trial)
         tags = {"error": error[:500]} if error else {}
         if reused := (trial.last_result or {}).get("reused_from"):
-            tags["reused_from"] = str(reused)  # replayed, not trained (engine.reusable_run)
+            tags["reused_from"] = str(reused)  # replayed, not trained
         if status == "diverged":  # the why of a diverged trial, on its run
             tags["reason"] = str((trial.last_result or {}).get("reason") or "non-finite metric")
         self._end(key, status, tags)
@@ -291,43 +293,28 @@ class MlflowTracker:
     def _open_op(self, key: str, name: str, match: dict, tags: dict, config: dict) -> dict:
         if not self.users_function:
             config = vocab_as_trained(config)
-        return {
-            "op": "open",
-            "run": key,
-            "parent": PARENT,
-            "name": name,
-            "match": match,
-            "tags": {**tags, **match},
-            "params": {param_key(k): param_value(v) for k, v in flatten(config).items()},
-            "text": {"config.yaml": config_yaml(config)},
-        }
+        return open_op(key, name, match, {**tags, **match}, config, parent=PARENT)
 
     def _metrics(
         self, key: str, values: dict, step: int, at: int | None = None, latest: bool = False
     ) -> None:
-        """A trial run gets the training metrics, or every number a user's function
+        """A trial's run gets the training metrics, or every number a user's function
         reported; the sweep and baseline runs every number they are given."""
-        if key in (PARENT, "baseline"):
-            names = values
+        trial = key not in (PARENT, "baseline")
+        if not trial:
+            names = list(values)
         elif self.users_function:
             from ray.tune.result import AUTO_RESULT_KEYS  # the trial's driver runs Tune
 
             added = {*AUTO_RESULT_KEYS, *TRIAL_KEYS, "step"}
-            names = (self.spec.metric, *(k for k in values if k not in added))
+            names = [self.spec.metric, *(k for k in values if k not in added)]
         else:
-            names = (self.spec.metric, *METRICS)
-        if key not in (PARENT, "baseline") and values.get("status") == "diverged":
-            # the searcher's penalty (log2 of the vocabulary, 1e9 for a user's function)
-            # stands where the metric was not finite: no measurement, and one 1e9 point
-            # flattens the UI's chart of every trial
+            names = [self.spec.metric, *METRICS]
+        if trial and values.get("status") == "diverged":
+            # why: the searcher's penalty stands where the metric was not finite; it is no
+            # measurement, and one 1e9 point flattens the UI's chart of every trial
             names = [n for n in names if n not in (self.spec.metric, RUNG_METRIC)]
-        rows = []
-        for name in dict.fromkeys(names):
-            value = values.get(name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or name == "value":
-                continue
-            if math.isfinite(value) and metric_name_taken(name):  # NaN/inf would not plot
-                rows.append([name, float(value), step, at or now_ms()])
+        rows = metric_rows(values, [n for n in names if n != "value"], step, at)
         if rows:
             self.queue.put({"op": "metrics", "run": key, "metrics": rows, "latest": latest})
 
@@ -336,14 +323,9 @@ class MlflowTracker:
     ) -> None:
         self.open.discard(key)
         self.ended[key] = status
+        end = {"op": "end", "run": key, "status": RUN_STATUS.get(status, "FAILED")}
         self.queue.put(
-            {
-                "op": "end",
-                "run": key,
-                "status": RUN_STATUS.get(status, "FAILED"),
-                "end_time": end_time or now_ms(),
-                "tags": {"status": status, **(tags or {})},
-            }
+            {**end, "end_time": end_time or now_ms(), "tags": {"status": status, **(tags or {})}}
         )
 
     def _parent_op(self, dirty: bool) -> dict:
@@ -354,11 +336,11 @@ class MlflowTracker:
         settings = asdict(spec)
         settings.pop("stages"), settings.pop("resume")
         for key in STAGE_DEFAULTS:
-            # the sweep's value is only the default of a stage that sets none: where every
-            # stage sets its own, logging it would name a search that never ran
+            # why: the sweep's value is only the default of a stage that sets none; where
+            # every stage sets its own, it would name a search that never ran
             if all(stage.get(key) for stage in self.plan.definition["stages"]):
                 settings.pop(key)
-        params = {param_key(k): param_value(v) for k, v in flatten(settings).items()}
+        params = params_of(settings)
         for stage in spec.stages:
             prefix = param_key(f"stage.{stage.name}")
             params[f"{prefix}.search"] = stage.search
@@ -368,17 +350,9 @@ class MlflowTracker:
             params[f"{prefix}.lr_rule"] = stage.lr_rule
             params[f"{prefix}.space"] = json.dumps(to_builtin(flatten_params(stage.params)))
         match = {"role": "sweep", "run_dir": str(self.out)}
-        return {
-            "op": "open",
-            "run": PARENT,
-            "parent": None,
-            # a new sweep in a reused run dir gets a new run; sweep.resume=true finds its own
-            "create": not spec.resume,
-            "name": run_name(spec.name, self.out),
-            "match": match,
-            "tags": {**tags, **match},
-            "params": params,
-        }
+        # a new sweep in a reused run dir gets a new run; sweep.resume=true finds its own
+        op = open_op(PARENT, run_name(spec.name, self.out), match, {**tags, **match}, None)
+        return {**op, "create": not spec.resume, "params": params}
 
     def _at_exit(self) -> None:
         if not self.finished:  # the sweep died outside the engine's own handling
@@ -386,6 +360,29 @@ class MlflowTracker:
 
 
 # --- helpers ------------------------------------------------------------------------------
+def open_op(key, name, match, tags, config, parent=None, create=False) -> dict:
+    """The op that finds or creates run `key` (tags `match`) with `config` as its params."""
+    op = {"op": "open", "run": key, "parent": parent, "create": create, "name": name}
+    op.update(match=match, tags=tags)
+    if config is not None:
+        op.update(params=params_of(config), text={"config.yaml": config_yaml(config)})
+    return op
+
+
+def params_of(config: dict) -> dict[str, str]:
+    return {param_key(k): param_value(v) for k, v in flatten(config).items()}
+
+
+def metric_rows(values: dict, names, step: int, at: int | None = None) -> list[list]:
+    """[name, value, step, time] of each of `names` whose value is a finite number (NaN and
+    inf would not plot) and a name MLflow takes."""
+    return [
+        [name, float(values[name]), step, at or now_ms()]
+        for name in dict.fromkeys(names)
+        if finite(values.get(name)) and metric_name_taken(name)
+    ]
+
+
 def recorded_statuses(out: Path) -> dict[str, str]:
     """stage/trial_id -> status of every trial in the finished stages of the sweep state."""
     try:
@@ -400,20 +397,13 @@ def recorded_statuses(out: Path) -> dict[str, str]:
     }
 
 
-def write_run_file(out: Path, uri: str, experiment: str, experiment_id: str, run_id: str) -> None:
-    """mlflow_run.json: where the run dir's MLflow run is (sweeper.compare reads it)."""
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"tracking_uri": uri, "experiment": experiment, "experiment_id": experiment_id}
-    write_json_atomic(out / RUN_FILE, {**record, "run_id": run_id})
-
-
 def trial_key(stage: str, trial) -> str:
     return f"{stage}/{trial.trial_id}"
 
 
 def vocab_as_trained(config: dict) -> dict:
-    """model.vocab_size null is the data's (config.RunConfig), as a single run's params
-    record it: MLflow's diff of a trial and its reproduced run shows no false difference."""
+    """model.vocab_size null is the data's, as a single run's params record it, so that
+    MLflow's diff of a trial and its reproduced run shows no false difference."""
     model, data = config.get("model") or {}, config.get("data") or {}
     if model.get("vocab_size") is not None or data.get("vocab_size") is None:
         return config
@@ -447,9 +437,9 @@ REFUSED_NAMES: set[str] = set()  # said once each
 
 
 def metric_name_taken(name: str) -> bool:
-    """Whether MLflow takes `name` as a metric's name (a user's function may report
-    `acc@1`): a batch with one name it refuses is refused whole, the run's val_bpb with it.
-    MLflow's own check decides; it is not public API, so where it has moved the store does."""
+    """Whether MLflow takes `name` as a metric's name (a user's function may report `acc@1`):
+    it refuses a batch with one bad name whole. MLflow's own check decides; it is not public
+    API, so where it has moved the store does."""
     if name in TAKEN_NAMES:
         return True
     try:
@@ -482,23 +472,17 @@ def run_name(sweep: str, out: Path) -> str:
 def git_commit() -> tuple[str, bool]:
     """HEAD of the repository sweeper's code is in ("unknown" outside one), and whether
     tracked files differ from it."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=PACKAGE_DIR,
-            capture_output=True,
-            text=True,
-            timeout=5,
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["git", *args], cwd=PACKAGE_DIR, capture_output=True, text=True, timeout=5
         )
+
+    try:
+        head = git("rev-parse", "HEAD")
         if head.returncode != 0:
             return "unknown", False
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=PACKAGE_DIR,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
+        status = git("status", "--porcelain", "--untracked-files=no")
         return head.stdout.strip(), bool(status.stdout.strip())
     except (OSError, subprocess.SubprocessError):
         return "unknown", False

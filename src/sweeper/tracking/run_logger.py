@@ -1,31 +1,27 @@
 """The training process's side of a single run's MLflow logging.
 
-`start_run_logger` starts `python -m sweeper.tracking.run_tracker`, a process that opens
-the MLflow run and sends its calls (run_tracker.RunTracker); this side writes it one JSON
-line per event on its stdin and never waits on MLflow.
+`start_run_logger` starts `python -m sweeper.tracking.run_tracker`, a process that opens the
+MLflow run and sends its calls; this side writes it one JSON line per event and never waits
+on MLflow. Why a process of its own: MLflow's client (with pandas and SQLAlchemy) would stay
+resident in the run and count in a CPU run's peak memory, and its import slows the start.
 
-Why a process of its own, as W&B runs its logging in a service process: MLflow's client
-(with pandas, SQLAlchemy and alembic) adds ~0.17 GiB to the process that imports it,
-which a CPU run's peak memory would report as the run's own (0.36 -> 0.53 GiB for the
-tiny model), and its import and a new store cost 1-2 s of the run's start. A sweep's trials
-do not import it either: the driver logs for them.
-
-The logger is started in a session of its own, so a Ctrl+C in the terminal reaches only
-the run, which then tells the logger how it ended. If the run dies without a word, the
-logger sees its stdin close and ends the MLflow run as failed.
+The logger runs in a session of its own, so a Ctrl+C reaches only the run, which then tells
+it how the run ended; if the run dies without a word, its stdin closes and it ends the MLflow
+run as failed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import subprocess
 import sys
 
 from sweeper.signals import interrupts_held
+from sweeper.tracking.mlflow_queue import finite
 
-FINISH_TIMEOUT_S = 150.0  # the queue's own close gives a dead server ~2 tries in 120 s
+# why: longer than the logger's own close, which waits at most 120 s for its queue
+FINISH_TIMEOUT_S = 150.0
 
 
 class RunLogger:
@@ -49,14 +45,7 @@ class RunLogger:
 
     def report(self, metrics: dict) -> None:
         """One evaluation's figures (the numbers; NaN and inf are left out)."""
-        numbers = {
-            name: value
-            for name, value in metrics.items()
-            if isinstance(value, int | float)
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-        }
-        self._send({"report": numbers})
+        self._send({"report": {name: v for name, v in metrics.items() if finite(v)}})
 
     def finish(self, status: str, result: dict | None = None) -> None:
         """Ends the MLflow run with `status` and waits until the logger has sent it all
