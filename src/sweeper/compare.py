@@ -1,18 +1,16 @@
 """`python -m sweeper.compare [SWEEP]`: a sweep's trials as MLflow has them, best first.
-`python -m sweeper.compare --runs`: the single runs (`python -m sweeper` without a sweep),
-the latest `--last` of them, best first, each with the commit it ran (the experiment log
-practitioners keep by hand: commit, val_bpb, memory, status, what changed); with
-`--plot FILE.png`, their val_bpb curves on one axis (runs_plot.py).
+`--runs`: the latest `--last` single runs (`python -m sweeper` without a sweep), best first,
+each with the commit it ran; `--plot FILE.png` draws their val_bpb curves (runs_plot.py).
 
-SWEEP is a sweep name (its latest run), the MLflow run id of a sweep, or a sweep's run dir
-(default: the latest sweep in the store). The store is MLflow's default (sqlite:///mlflow.db
-in the working directory), the one a run dir recorded, or --tracking-uri. Columns: stage,
-trial, status, the metric, tokens, peak memory (GiB) and every parameter whose value
-differs across trials.
+SWEEP is a sweep's name (its latest run), the MLflow run id of a sweep, or its run dir
+(default: the latest sweep). The store is --tracking-uri, the one a run dir recorded, or
+MLflow's default (sqlite:///mlflow.db in the working directory). Columns: stage, trial,
+status, the metric, tokens, peak memory (GiB) and each parameter that differs across trials.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,13 +19,24 @@ import time
 from pathlib import Path
 
 from sweeper.config.errors import ConfigError, OneLineParser, fail
+from sweeper.report.runs_plot import plot_runs
 from sweeper.signals import end_quietly_when_output_closes
 from sweeper.text import float_text
-from sweeper.tracking.mlflow_store import shown
+from sweeper.tracking.mlflow_queue import quote, short_error
+from sweeper.tracking.mlflow_store import (
+    check_reachable,
+    check_scheme,
+    quick_quiet_calls,
+    resolve_tracking_uri,
+    shown,
+    sqlite_path,
+)
 from sweeper.train.run_checkpoint import RUN_SETTINGS
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 MEMORY = "peak_memory_gib"  # shown as "GiB": the most a trial held (runtime.peak_memory_bytes)
+BROKEN = ("failed", "diverged")  # trials whose last value is no measurement of the config
+NEWEST = ["attributes.start_time DESC"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as error:
         fail(str(error))
     except Exception as error:  # the store's own failure (a file that is no database)
-        fail(f"MLflow store: {type(error).__name__}: {_line(error)}")
+        fail(f"MLflow store: {type(error).__name__}: {short_error(error)}")
 
 
 def compare(sweep: str | None, tracking_uri: str | None, experiment: str | None) -> str:
@@ -88,8 +97,7 @@ def compare(sweep: str | None, tracking_uri: str | None, experiment: str | None)
             f"{sweep} is a single run (MLflow run {parent.info.run_id}), not a sweep: "
             "`python -m sweeper.compare --runs` lists it with the other single runs"
         )
-    children = _children(client, parent)
-    return _render(parent, children, uri)
+    return _render(parent, _children(client, parent), uri)
 
 
 def check_plot_path(plot: str, runs: bool) -> None:
@@ -122,26 +130,30 @@ def compare_runs(
     """The latest `last` single runs, best val_bpb first; with `plot`, their curves there."""
     client, uri = _client(tracking_uri)
     experiments = _experiments(client, experiment)
-    try:
+    with _reading():
         runs = client.search_runs(
-            experiments,
-            "tags.role = 'run'",
-            order_by=["attributes.start_time DESC"],
-            max_results=last,
+            experiments, "tags.role = 'run'", order_by=NEWEST, max_results=last
         )
-    except Exception as error:
-        raise ConfigError(f"cannot read the MLflow store: {_line(error)}") from None
     if not runs:
         raise ConfigError("no single runs in the MLflow store (python -m sweeper logs one)")
     table = _render_runs(runs, uri)
     if plot is None:
         return table
-    from sweeper.report.runs_plot import plot_runs
-
     varied = _varied_keys(runs)
     values = {r.info.run_id: {k: _param(r.data.params.get(k)) for k in varied} for r in runs}
     drawn = plot_runs(client, runs, values, Path(plot))
     return f"{table}\nval_bpb curves of {drawn} of them -> {plot}"
+
+
+@contextlib.contextmanager
+def _reading():
+    """The store's own errors while reading it, as one line."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(f"cannot read the MLflow store: {short_error(error)}") from None
 
 
 def _recorded(run_dir: Path) -> dict:
@@ -154,14 +166,6 @@ def _recorded(run_dir: Path) -> dict:
 def _client(tracking_uri: str | None, named_by: Path | None = None):
     """A client of the store; `named_by`: the run dir whose mlflow_run.json named it."""
     from mlflow import MlflowClient
-
-    from sweeper.tracking.mlflow_store import (
-        check_reachable,
-        check_scheme,
-        quick_http_calls,
-        resolve_tracking_uri,
-        sqlite_path,
-    )
 
     uri = resolve_tracking_uri(tracking_uri)
     check_scheme(uri, "--tracking-uri" if tracking_uri else "MLFLOW_TRACKING_URI")
@@ -177,63 +181,53 @@ def _client(tracking_uri: str | None, named_by: Path | None = None):
             "or pass --tracking-uri"
         )
     check_reachable(uri, hint="is it running? (or pass another --tracking-uri)")
-    quick_http_calls()
+    quick_quiet_calls()
     return MlflowClient(uri), uri
 
 
 def _experiments(client, name: str | None) -> list[str]:
-    try:
-        if name:
-            found = client.get_experiment_by_name(name)
-            if found is None:
-                raise ConfigError(f"no MLflow experiment '{name}'")
-            return [found.experiment_id]
-        return [e.experiment_id for e in client.search_experiments()]
-    except ConfigError:
-        raise
-    except Exception as error:
-        raise ConfigError(f"cannot read the MLflow store: {_line(error)}") from None
+    with _reading():
+        if not name:
+            return [e.experiment_id for e in client.search_experiments()]
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise ConfigError(f"no MLflow experiment '{name}'")
+        return [found.experiment_id]
 
 
 def _find_sweep(client, experiments, sweep, run_dir, recorded_id):
-    from sweeper.tracking.mlflow_queue import quote
-
-    try:
+    """The sweep's parent run, by the run id its run dir recorded, its run dir, a run id (a
+    trial's: its parent), its name, or the latest."""
+    found = []
+    with _reading():
         if recorded_id:
             return client.get_run(recorded_id)
+        where = f"tags.sweep = {quote(sweep)}" if sweep else ""
         if run_dir is not None:
             where = f"tags.run_dir = {quote(str(run_dir.resolve()))}"
         elif sweep and RUN_ID.fullmatch(sweep):
-            run = _run_or_none(client, sweep)
-            if run is None:
-                raise LookupError  # not a run of this store: said below, as for a name
-            parent = run.data.tags.get("mlflow.parentRunId")
-            return (
-                client.get_run(parent) if run.data.tags.get("role") != "sweep" and parent else run
-            )
-        elif sweep:
-            where = f"tags.sweep = {quote(sweep)}"
-        else:
-            where = ""
-        clauses = " and ".join(c for c in ("tags.role = 'sweep'", where) if c)
-        found = client.search_runs(
-            experiments, clauses, order_by=["attributes.start_time DESC"], max_results=1
-        )
-    except LookupError:
-        found = []
-    except Exception as error:
-        raise ConfigError(f"cannot read the MLflow store: {_line(error)}") from None
-    if not found:
-        if sweep:
-            raise ConfigError(
-                f"no sweep '{sweep}' in the MLflow store: give a sweep's name, its MLflow "
-                "run id or its run dir"
-            )
+            run, where = _run_or_none(client, sweep), None  # None: said below, as for a name
+            parent = run and run.data.tags.get("mlflow.parentRunId")
+            if run is not None:
+                return (
+                    client.get_run(parent)
+                    if run.data.tags.get("role") != "sweep" and parent
+                    else run
+                )
+        if where is not None:
+            clauses = " and ".join(c for c in ("tags.role = 'sweep'", where) if c)
+            found = client.search_runs(experiments, clauses, order_by=NEWEST, max_results=1)
+    if found:
+        return found[0]
+    if sweep:
         raise ConfigError(
-            "no sweep in the MLflow store yet: run one (python -m sweeper +sweep=smoke), "
-            "or see its single runs with --runs"
+            f"no sweep '{sweep}' in the MLflow store: give a sweep's name, its MLflow run id "
+            "or its run dir"
         )
-    return found[0]
+    raise ConfigError(
+        "no sweep in the MLflow store yet: run one (python -m sweeper +sweep=smoke), "
+        "or see its single runs with --runs"
+    )
 
 
 def _run_or_none(client, run_id: str):
@@ -262,9 +256,6 @@ def _children(client, parent) -> list:
             return runs
 
 
-BROKEN = ("failed", "diverged")  # trials whose last value is no measurement of the config
-
-
 def _render(parent, children: list, uri: str) -> str:
     params, tags = parent.data.params, parent.data.tags
     metric, mode = params.get("metric", "val_bpb"), params.get("mode", "min")
@@ -277,8 +268,8 @@ def _render(parent, children: list, uri: str) -> str:
         return run.data.tags.get("status", run.info.status.lower())
 
     def value(run) -> float | None:
-        # as the stage tables: a failed trial's last value is from a broken run, and a
-        # diverged one's was the searcher's penalty (logged by stores of older sweeps)
+        # why: as in the stage tables, a failed trial's last value is from a broken run, and
+        # a diverged one's was the searcher's penalty (logged by older sweeps)
         return None if status(run) in BROKEN else run.data.metrics.get(metric)
 
     def order(run):
@@ -286,8 +277,7 @@ def _render(parent, children: list, uri: str) -> str:
         ranked = 0.0 if v is None else (v if mode == "min" else -v)
         return (v is None, ranked, run.data.tags.get("trial_id", run.info.run_name))
 
-    # sweeper's own training logs its peak memory; a user's function may not
-    memory = any(MEMORY in r.data.metrics for r in trials)
+    memory = any(MEMORY in r.data.metrics for r in trials)  # a user's function may log none
     header = ["stage", "trial", "status", metric, "tokens", *["GiB"] * memory, *varied]
     rows = [
         [
@@ -304,17 +294,13 @@ def _render(parent, children: list, uri: str) -> str:
     lines = [
         f"sweep '{tags.get('sweep', '?')}' run {parent.info.run_id} "
         f"({tags.get('status', parent.info.status.lower())}), {len(trials)} trials, "
-        f"sorted by {metric} ({mode}) | {shown(uri)}"
+        f"sorted by {metric} ({mode}) | {shown(uri)}",
+        *(_table(header, rows) if rows else ["no trials logged yet"]),
     ]
-    if rows:
-        widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-        for row in [header, *rows]:
-            lines.append("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
-    else:
-        lines.append("no trials logged yet")
     for run in baselines:
-        value = _number(run.data.metrics.get(metric), ".4f")
-        lines.append(f"baseline (unmodified config): {metric} {value}")
+        lines.append(
+            f"baseline (unmodified config): {metric} {_number(run.data.metrics.get(metric), '.4f')}"
+        )
     return "\n".join(lines)
 
 
@@ -333,32 +319,30 @@ def _render_runs(runs: list, uri: str) -> str:
     rows = []
     for r in sorted(runs, key=order):
         tags = r.data.tags
-        commit = tags.get("git_commit", "unknown")[:7] + (
-            "*" if tags.get("git_dirty") == "True" else ""
-        )
-        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000))
+        dirty = "*" if tags.get("git_dirty") == "True" else ""
         rows.append(
             [
                 r.info.run_name,
-                started,
-                commit,
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
+                tags.get("git_commit", "unknown")[:7] + dirty,
                 tags.get("status", r.info.status.lower()),
                 _number(r.data.metrics.get(metric), ".4f"),
                 _number(r.data.metrics.get("tokens"), ",.0f"),
                 _number(r.data.metrics.get(MEMORY), ".2f"),
-                *(r.data.tags.get("trainable", "sweeper") for _ in ran),
+                *(tags.get("trainable", "sweeper") for _ in ran),
                 *(_param(r.data.params.get(k)) for k in varied),
             ]
         )
-    lines = [
-        (f"the latest {len(runs)} single runs" if len(runs) > 1 else "the latest single run")
-        + f", sorted by {metric}; "
-        f"commit * = uncommitted changes | {shown(uri)}"
-    ]
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        lines.append("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
-    return "\n".join(lines)
+    title = f"the latest {len(runs)} single runs" if len(runs) > 1 else "the latest single run"
+    head = f"{title}, sorted by {metric}; commit * = uncommitted changes | {shown(uri)}"
+    return "\n".join([head, *_table(header, rows)])
+
+
+def _table(header: list, rows: list[list]) -> list[str]:
+    """The header and rows, each column right-aligned to its widest cell."""
+    table = [header, *rows]
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
+    return ["  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)) for row in table]
 
 
 def _varied_keys(runs: list) -> list[str]:
@@ -386,12 +370,6 @@ def _param(value: str | None) -> str:
     if number.is_integer() and abs(number) < 1e6:
         return str(int(number))
     return float_text(float(f"{number:.4g}"))  # as an override writes it: 1e13, 2.5e-5
-
-
-def _line(error: BaseException) -> str:
-    from sweeper.tracking.mlflow_queue import short_error
-
-    return short_error(error)
 
 
 if __name__ == "__main__":
