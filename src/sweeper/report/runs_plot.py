@@ -1,7 +1,5 @@
-"""The validation curves of several single runs on one axis, from MLflow:
-`python -m sweeper.compare --runs --plot runs.png`. The table says which run is best; the
-curves say when it pulled ahead and whether the others were still falling.
-"""
+"""Several single runs' validation curves on one axis (`python -m sweeper.compare --runs
+--plot runs.png`): when the best pulled ahead, and whether the others were still falling."""
 
 from __future__ import annotations
 
@@ -13,10 +11,9 @@ MAX_LABEL = 70  # characters of a legend entry: the run's name, its value, what 
 
 
 def run_curves(client, runs: list) -> tuple[str, dict[str, list[tuple[float, float]]]]:
-    """Each run's (x, val_bpb) points from its MLflow history, by run id (a run dir used
-    twice gives two runs of one name), and the x axis's name:
-    tokens where every run logged them at its evaluations (sweeper's training does),
-    else the step (a user's function may report neither tokens nor steps)."""
+    """Each run's (x, val_bpb) points by run id (two runs may share a name), and the x
+    axis's name: tokens where every run logged them at its evaluations, else the step (a
+    user's function may report neither)."""
     values, tokens = {}, {}
     for run in runs:
         history = client.get_metric_history(run.info.run_id, METRIC)

@@ -110,14 +110,11 @@ class OpQueue:
         # run key -> metric -> logged step -> its latest value
         self.seen: dict[str, dict[str, dict[int, float]]] = {}
         self.checked: dict[str, set[str]] = {}  # suspect run -> metrics read back since
-        self.dropped = 0
+        self.dropped = self.close_failures = 0
         self.failures = 0  # consecutive failed tries of the head op
-        self.retry_at = 0.0
-        self.down_since: float | None = None
+        self.retry_at, self.down_since, self.last_error = 0.0, None, ""
         self.mirroring = False  # the pending file mirrors the queue until it is drained
-        self.last_error = ""
         self.closing = False
-        self.close_failures = 0
         self.thread: threading.Thread | None = None
 
     # --- the driver's side -----------------------------------------------------------

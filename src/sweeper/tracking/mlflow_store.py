@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
 from urllib.parse import urlparse
 
 from sweeper.config.errors import ConfigError
@@ -39,12 +42,9 @@ def resolve_tracking_uri(uri: str | None) -> str:
         import mlflow
 
         uri = mlflow.get_tracking_uri()
-    uri = str(uri)
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix) :].startswith("/"):
-        path = uri[len(prefix) :]
-        if path and path != ":memory:":
-            uri = prefix + os.path.abspath(path)
+    uri, path = str(uri), sqlite_path(str(uri))
+    if path and path != ":memory:" and not path.startswith("/"):
+        uri = "sqlite:///" + os.path.abspath(path)
     return uri
 
 
@@ -113,10 +113,6 @@ def check_config_in_a_process(cfg) -> None:
     """check_store in a process of its own, as a single run checks before it trains: the
     scheme check imports MLflow, which would stay resident in the training process and
     count in a CPU run's peak memory."""
-    import json
-    import subprocess
-    import sys
-
     mlflow_cfg = cfg.get("mlflow") or {}
     if not mlflow_cfg.get("enabled", True):
         return
@@ -226,9 +222,6 @@ def get_or_create_experiment(client, name: str) -> str:
 
 
 if __name__ == "__main__":  # check_config_in_a_process's child: the mlflow section on stdin
-    import json
-    import sys
-
     try:
         check_store({"mlflow": json.load(sys.stdin)})
     except ConfigError as error:

@@ -343,11 +343,8 @@ class MlflowTracker(QueuedRun):
         params = params_of(settings)
         for stage in spec.stages:
             prefix = param_key(f"stage.{stage.name}")
-            params[f"{prefix}.search"] = stage.search
-            params[f"{prefix}.scheduler"] = stage.scheduler
-            params[f"{prefix}.num_samples"] = str(stage.num_samples)
-            params[f"{prefix}.reports_per_trial"] = str(stage.reports_per_trial)
-            params[f"{prefix}.lr_rule"] = stage.lr_rule
+            for name in ("search", "scheduler", "num_samples", "reports_per_trial", "lr_rule"):
+                params[f"{prefix}.{name}"] = str(getattr(stage, name))
             params[f"{prefix}.space"] = json.dumps(to_builtin(flatten_params(stage.params)))
         match = {"role": "sweep", "run_dir": str(self.out)}
         # a new sweep in a reused run dir gets a new run; sweep.resume=true finds its own
