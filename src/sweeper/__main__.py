@@ -19,7 +19,7 @@ from sweeper.signals import (
     stop_on_sigterm_as_on_ctrl_c,
 )
 
-MAX_CHECKED_JOBS = 64  # of a multirun, before it starts (~0.3 s each); the rest as they run
+MAX_CHECKED_JOBS = 64  # of a multirun, before it starts; the rest as each job starts
 CHECKED: dict[str, Job] = {}  # the job checked before Hydra started it (one run, no -m)
 
 

@@ -50,7 +50,7 @@ def interrupts_held():
     then raises it as KeyboardInterrupt; a second one is raised at once, so a block that
     hangs can still be left. For the few steps that must not stop half way: an evaluation
     taken off the DDP run's queue and not yet handed to the logger was lost with the
-    interrupt (seen once in CI), and a line half written to the logger breaks the rest.
+    interrupt, and a line half written to the logger breaks the rest.
 
     Only the main thread can set signal handlers; elsewhere the block runs as it is. An
     ignored signal (SIGINT in a background job) stays ignored."""

@@ -240,10 +240,9 @@ class IdleSlot(tune.Callback):
     """Starts the sweep's work outside Tune (`IDLE_WORK`: the baseline) the first time the
     stage leaves a slot idle that it will not fill: fewer trials run than the cluster has
     slots for, and every trial the stage plans has started with none waiting (pending, or
-    paused between rungs) or sweep.concurrency keeps it from starting more. lr_bs: the LR
-    stage's last trial trains alone for ~100 s on 2 cores, and the baseline fits there.
-    Started any earlier, it would hold a slot the stage's trials could use; started later,
-    a slot is idle and the baseline takes one from the next stage."""
+    paused between rungs) or sweep.concurrency keeps it from starting more (lr_bs: beside
+    the LR stage's last trial). Any earlier, it would hold a slot the stage's trials could
+    use; any later, a slot stays idle and the baseline takes one from the next stage."""
 
     def __init__(self, run_dir: str, stage: str, planned: int, slots: int, concurrency=None):
         self.run_dir, self.stage, self.planned, self.slots = run_dir, stage, planned, slots

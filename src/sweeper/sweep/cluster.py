@@ -11,16 +11,16 @@ from sweeper.config.errors import ConfigError
 from sweeper.signals import stop_on_sigterm_as_on_ctrl_c
 
 # persist the experiment state at most once a second rather than Tune's >= 10 s: a killed
-# driver then re-runs only trials that finished in its last second. Every controller step
-# (period 0) cost 1.26x vs 1.14x overhead on 100 one-second trials (BENCHMARKS.md)
+# driver then re-runs only trials that finished in its last second (every step costs more:
+# BENCHMARKS.md, orchestration overhead)
 os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # with a checkpoint per report, Tune warns at every forced state snapshot: that is by design
 os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
 # Tune's default per-trial loggers write every result three times (result.json, progress.csv,
 # TensorBoard events): MLflow is the sweep's tracker, and the JSON log alone feeds Tune's
-# results (engine.py adds it back). TensorBoard's logger alone cost ~2 ms of driver CPU a
-# result, and importing tensorboardX (which imports torch) ~6 s of driver start-up.
+# results (stage.py adds it back); TensorBoard's logger costs driver CPU at every result,
+# and its import (tensorboardX imports torch) seconds of start-up.
 os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
 # Tune's new output engine prints a box per stage (its searcher's and scheduler's class names,
 # the trial count) even at verbose=0; the engine's own stage line says the same in the
@@ -161,7 +161,7 @@ def check_local_cluster(ray_cfg) -> None:
 def detected_gpus() -> int:
     """The GPUs a local Ray cluster started here will register: Ray's own NVML count,
     capped by CUDA_VISIBLE_DEVICES, as ray.init does. Asking torch would import it into
-    the driver (~1.5 s of a sweep's start-up), which a user's own trainable never needs."""
+    the driver, which a user's own trainable never needs."""
     try:
         from ray._private.accelerators import get_accelerator_manager_for_resource
 

@@ -1,9 +1,8 @@
 """The best config and the baseline trained again on fresh seeds (`sweep.confirm_seeds`).
 
-A sweep picks its best trial out of many runs on one seed, so the best value is partly luck
-(the winner's curse), and on the default run two seeds alone differ by ~0.1 bpb
-(BENCHMARKS.md). Runs on seeds the sweep never used, paired by seed, show whether the
-improvement stands above that noise. The stats use the fresh seeds only, for that reason.
+A sweep picks its best trial out of many runs on one seed, so its value is partly luck (the
+winner's curse). Runs on seeds the sweep never used, paired by seed, show whether the
+improvement stands above the seed-to-seed noise; the stats use the fresh seeds only.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """`sweep.dry_run=true`: what a sweep would run, printed before anything starts.
 
-A sweep's cost is a product of several settings spread over files and overrides (stages,
-num_samples, grids, the budget, the model's FLOPs per token, the scheduler's rungs, rung
-forks, the baseline, extra rounds past a range's end, confirmation seeds), and the
-answer only shows once the trials run. The plan is computed from the same validated spec
-and base config a sweep starts from, with nothing started or written: per stage, the
-trials, what they search, the FLOPs of one trial and the most the stage can take (every
-trial to its end); then the whole sweep's at-most figures in FLOPs and, where its trials
-train on this machine's CPUs, an estimate in minutes from a few steps timed on the spot
-(trials side by side run a little slower than the probe alone); and how
-many trials run at once. A later stage starts from the earlier stages' best, which only
-the sweep can know: its plan is taken from the base config (with a token budget its
-FLOPs do not depend on the frozen values; a stage that searches the model's size or
-budget shows its range). The sweep's first line gives the same totals (`opening_line`).
+A sweep's cost is the product of settings spread over files and overrides; this computes it
+from the plan, with nothing started or written: per stage its trials, what they search and
+their FLOPs, then the sweep's at-most totals, and minutes from a few training steps timed
+here where the trials train on this machine's CPUs. Later stages start from earlier stages'
+best, which only the sweep can know: they are estimated from the base config.
 """
 
 from __future__ import annotations
@@ -85,9 +77,8 @@ class Speed:
         return self.setup_s + train + evaluate
 
 
-# the measurement: training steps timed after an untimed first (warm-up), and evaluation
-# batches timed after an untimed first; skipped where that would take more than ~20 s on
-# a CPU's ~1e11 FLOP/s (a model a CPU sweep would not train)
+# the measurement: training steps and evaluation batches timed after an untimed first
+# (warm-up); skipped for a model whose few steps would take a CPU tens of seconds
 PROBE_STEPS = 3
 PROBE_EVAL_BATCHES = 4
 PROBE_MAX_FLOPS = 2e12
@@ -149,8 +140,7 @@ def measure_speed(base: dict, threads: int) -> Speed | None:
 
 
 # each stage's trials run in processes Tune starts for that stage (reused between its
-# trials), which import torch and load the data first: the first round of lr_bs's LR stage
-# (fifo) took 36 s against 29-30 s for the rounds after it, on a 2-core bf16 EPYC
+# trials), which import torch and load the data before the first trial trains
 STAGE_START_S = 6.0
 
 

@@ -1,18 +1,10 @@
-"""A stage's second round past the end of a range where its best sat (`extend_trials`).
+"""A best value at the end of its range, and the stage's round past it (`extend_trials`).
 
-A best value at an end of its range says the optimum may lie beyond it (`range_edge`). A
-practitioner then widens the range and runs again; a resumed sweep cannot (a changed space
-is refused), so starting over would lose every stage. With `sweep.stages.N.extend_trials`,
-the stage does it itself: N more trials search only the params at an end, each in the
-range just past it (`extended_range`: half the range's width further), with the stage's
-other params held at its best (an lr_rule=retune stage also searches its LR bands again,
-around the best's LRs, as its first round did around the frozen ones). The stage's best
-is then the best of both rounds, so a round that finds nothing better changes nothing.
-A numeric grid or choice has no range to widen: its round tries the next values past the
-end, continuing its spacing (`extended_values`: batch sizes 4096, 8192, 16384 -> 2048,
-1024), a grid each once, as many as N trials hold.
-One round: if the best sits at the new end, the stage's note says so, over the range
-both rounds covered.
+A best at an end of its range says the optimum may lie beyond it (`range_edges` names the
+override that widens it). With `sweep.stages.N.extend_trials`, the stage looks itself: N
+more trials search only the params at an end, in the range just past it (half its width
+further; for a grid or choice, the next values by its spacing), the others at the best.
+The stage's best is then the best of both rounds.
 """
 
 from __future__ import annotations

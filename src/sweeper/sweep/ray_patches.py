@@ -76,7 +76,7 @@ class ClosingBracket(_Bracket):
 
         Tune restores every trial its saved state calls unfinished as pending, and starts
         pending trials by itself. That state lags behind the brackets: a trial HyperBand
-        stopped while it was paused keeps the PAUSED it was last saved with (measured: 4
+        stopped while it was paused keeps the PAUSED it was last saved with (here: 4
         trials of 8 pruned or finished read PAUSED after Ctrl+C), so it would train again.
         Tune reads the status after on_trial_add, so setting it here holds: a trial the
         bracket had dropped (pruned, finished, failed) ends, and one paused at a rung stays

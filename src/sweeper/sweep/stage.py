@@ -34,7 +34,8 @@ from sweeper.sweep.state import SweepState
 from sweeper.sweep.trainable import RUNG_METRIC, EarlierRun, TrialContext, run_trial
 from sweeper.text import flops_text
 
-# a grid's trials are costed (~13 ms each) for a compute-weighted ETA up to this many
+# a grid's trials are costed one by one (a run config each) for a compute-weighted ETA up
+# to this many
 MAX_COSTED_GRID = 1000
 
 

@@ -235,8 +235,8 @@ class BackgroundReporter:
 
     Why: a Tune function trainable's report() blocks until the driver has taken the result,
     run its callbacks (scheduler, searcher, MLflow, state) and asked for the next one
-    (`synchronous_result_reporting` in ray.train._internal.session): 4-12 ms a report here,
-    with the training thread idle. Results reach Tune in order; at most `backlog` wait.
+    (`synchronous_result_reporting` in ray.train._internal.session), with the training
+    thread idle. Results reach Tune in order; at most `backlog` wait.
     When Tune stops or pauses the trial, the training thread is ended at once (stop_thread):
     what is lost is the training done since the result Tune decided on, and the checkpoint
     Tune keeps is the one reported with that result.
