@@ -10,7 +10,8 @@ import torch
 from sweeper.config.schema import load_run_config
 from sweeper.train.activations import ACTIVATION_COLUMNS, TOKENS, ActivationWatch
 from sweeper.train.data import load_data, val_windows
-from sweeper.train.loop import evaluate, train
+from sweeper.train.evaluation import evaluate
+from sweeper.train.loop import train
 from sweeper.train.model import GPT, GPTShape, rms_norm, scaled_sum
 
 from .conftest import tiny

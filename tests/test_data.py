@@ -194,7 +194,7 @@ def test_a_long_id_check_says_what_it_is_doing(tmp_path, monkeypatch, capsys):
 
 def test_a_run_says_when_its_evaluation_is_short_of_its_ask_or_in_bits_per_token(tmp_path):
     from sweeper.config.schema import load_run_config
-    from sweeper.train.loop import data_notes
+    from sweeper.train.evaluation import data_notes
 
     _write_shard(tmp_path / "train_000.bin", np.arange(20_000) % 500 + 1)
     _write_shard(tmp_path / "val.bin", np.arange(300) % 500 + 1)

@@ -13,18 +13,18 @@ import torch
 
 from sweeper.config.schema import load_run_config
 from sweeper.config.sweep import BUILTIN_METRICS
+from sweeper.train.budget import resolve_total_steps
 from sweeper.train.data import BatchSampler, load_data
 from sweeper.train.device import keep_freed_memory_for_reuse, release_freed_memory
-from sweeper.train.loop import (
+from sweeper.train.evaluation import (
     DivergenceWatch,
     evaluate,
     evaluation_count,
     evaluation_steps,
     is_eval_step,
-    resolve_total_steps,
     rung_steps,
-    train,
 )
+from sweeper.train.loop import train
 from sweeper.train.model import GPT, GPTShape
 
 from .conftest import tiny

@@ -96,7 +96,8 @@ def measure_speed(base: dict, threads: int) -> Speed | None:
     from sweeper.sweep.trainable import placed
     from sweeper.train.data import load_data
     from sweeper.train.device import resolve_device, resolve_dtype
-    from sweeper.train.loop import evaluate, train
+    from sweeper.train.evaluation import evaluate
+    from sweeper.train.loop import train
     from sweeper.train.model import GPT, GPTShape, residual_dtype_for
 
     config = placed(base, threads, 0.0)
@@ -166,7 +167,7 @@ def run_cost(config: dict, rungs: tuple[float, ...] = ()) -> TrialCost:
     evaluates on its grid and at `rungs` (its scheduler's, as a trial is given them)."""
     from sweeper.config.schema import load_run_config
     from sweeper.train.budget import model_counts, planned_flops, resolve_total_steps
-    from sweeper.train.loop import evaluation_count, evaluation_steps
+    from sweeper.train.evaluation import evaluation_count, evaluation_steps
 
     run = load_run_config(sweep_run(config, {"trainer.rungs": list(rungs)}))
     params, flops_per_token = model_counts(run)

@@ -193,21 +193,18 @@ def recorded_cpu_timing(measure: Callable[[], dict] = _measure_this_cpu) -> dict
 
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_is_fast() -> bool:
-    """Whether bf16 autocast beats fp32 on this CPU. Having bf16 units is not enough: on a
-    2-core Xeon with AVX512-BF16 and no AMX (model 207, 2026-12-02) oneDNN's bf16 matmul
-    took 19.7 ms against fp32's 11.9 ms and training in bf16 was 1.45x slower, where an
-    EPYC's AVX512-BF16 trained 2.6x faster and an AMX Xeon's matmul was 10x faster. So
-    where the units exist, one timed matmul decides (recorded_cpu_timing)."""
+    """Whether bf16 autocast beats fp32 on this CPU. Having bf16 units is not enough: some
+    CPUs with AVX512-BF16 and no AMX run oneDNN's bf16 matmul slower than fp32 (figures in
+    BENCHMARKS.md), so where the units exist one timed matmul decides (recorded_cpu_timing)."""
     return cpu_has_bf16_units() and bf16_beats_fp32(recorded_cpu_timing())
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_fp32_matmul_by_onednn() -> bool:
     """Whether fp32 linear layers on this CPU should run on oneDNN's matmul rather than
-    torch's (MKL's sgemm). MKL picks its kernels by CPU vendor: on an AMD EPYC with AVX-512
-    (family 26, 2026-12-05) its sgemm ran at 210 GF/s, the AVX2 rate, where oneDNN's
-    reached 455-499 GF/s and fp32 training steps took 0.67x the time. On Intel CPUs MKL
-    takes its AVX-512 kernels, and the timed probe decides (recorded_cpu_timing)."""
+    torch's (MKL's sgemm). MKL picks its kernels by CPU vendor and gives AMD CPUs its AVX2
+    path, where oneDNN uses AVX-512 (figures in BENCHMARKS.md); the timed probe decides
+    (recorded_cpu_timing)."""
     return onednn_beats_fp32(recorded_cpu_timing())
 
 
