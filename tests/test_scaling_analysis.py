@@ -247,7 +247,7 @@ def test_plot_all_skips_absent_fits(tmp_path):
     ],
 )
 def test_the_optimum_on_a_grid_is_a_parabolas_vertex_in_log_value(grid, vertex, expected, how):
-    from sweeper.scaling.analysis import optimum_on_grid
+    from sweeper.scaling.hparams import optimum_on_grid
 
     # every value twice (two model sizes at one budget): each value's lowest loss counts
     values = [v for v in grid for _ in range(2)]

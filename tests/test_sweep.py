@@ -539,7 +539,7 @@ def tiny_lr_scaling(lrs: list[float], *overrides: str):
 
 
 def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_path, capsys):
-    from sweeper.scaling.analysis import optimum_on_grid
+    from sweeper.scaling.hparams import optimum_on_grid
     from sweeper.sweep.runner import run_sweep
 
     lrs = [0.02, 0.08, 0.32]
@@ -589,7 +589,7 @@ def test_the_lr_scaling_sweep_fits_the_best_lr_against_compute(ray_cluster, tmp_
 def test_a_scaling_grid_run_on_two_seeds_is_fitted_on_each_points_mean(
     ray_cluster, tmp_path, capsys
 ):
-    from sweeper.scaling.analysis import optimum_on_grid
+    from sweeper.scaling.hparams import optimum_on_grid
 
     lrs, budgets = [0.02, 0.08], [4e9, 1.2e10]
     cfg = tiny_lr_scaling(lrs, "+sweep.stages.0.params.trainer.seed.grid=[0,1]")
@@ -665,7 +665,7 @@ def test_the_lr_bs_scaling_sweep_fits_the_best_lr_and_batch_size_against_compute
     """On a function whose best LR and batch size at each budget are known and lie inside
     the grid: with two values a side, the best is always an end of them, and the fit makes
     no law through ends (test_scaling_analysis)."""
-    from sweeper.scaling.analysis import optimum_on_grid
+    from sweeper.scaling.hparams import optimum_on_grid
 
     lrs, batches, budgets = [0.01, 0.02, 0.04, 0.08], [256, 512, 1024], [4e9, 1.2e10]
     cfg = compose(

@@ -141,7 +141,7 @@ def _best_at_largest_budget(points: list[dict], name: str) -> float | None:
     budget (seeds averaged, as the fits read it); None where the sweep did not vary it."""
     import numpy as np
 
-    from sweeper.scaling.analysis import optimum_on_grid
+    from sweeper.scaling.hparams import optimum_on_grid
     from sweeper.scaling.records import average_seeds, to_points
 
     pts, _ = average_seeds(to_points(points))

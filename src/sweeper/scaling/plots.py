@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .analysis import LR_RULE_EXPONENTS, budget_groups
+from .hparams import LR_RULE_EXPONENTS, budget_groups
 from .laws import compute_optimal
 from .records import average_seeds, to_points
 
