@@ -1,5 +1,5 @@
 """One causal-attention layer's backward on CPU: SDPA's flash kernel against sweeper's
-hand-written bf16 backward (src/sweeper/attention.py), and the hand-written one at other
+hand-written bf16 backward (src/sweeper/train/cpu_fast.py), and the hand-written one at other
 block sizes. Rounds alternate so machine noise hits every variant.
 
     python bench/bench_attention.py [--rounds 15] [--shape 16,4,256,64]
@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import sweeper.train.attention as attention
-from sweeper.train.device import keep_freed_memory_for_reuse
+import sweeper.train.cpu_fast as attention
+from sweeper.train.cpu_fast import keep_freed_memory_for_reuse
 
 
 def backward_ms(fn, q, k, v, grad) -> float:

@@ -4,11 +4,13 @@ same batch, same precision, in one process. Runs alternate so machine noise hits
 
     python bench/bench_train.py [--repeats 5] [--steps 20] [--model small]
     python bench/bench_train.py --breakdown    # where a step's time goes, piece by piece
+    python bench/bench_train.py --ablate       # what each CPU fast path (cpu_fast.py) earns
 
 Prints the median tokens/s of each and the ratio (target: >= 1.0 on CPU). On a GPU machine
 it also prints MFU (the d12 target is >= 45% with bf16 + compile). `optimizer=adamw` as an
-override gives sweeper's GPT the plain one's optimizer: the model and loop alone;
-`--plain-same-matmul` gives the plain GPT sweeper's fp32 matmul kernel (sweeper/linear.py).
+override gives sweeper's GPT the plain one's optimizer: the model and loop alone.
+`--ablate` trains sweeper's GPT with all of cpu_fast's ops, with none (torch's own), and
+with each one in turn put back to torch's, alternating.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+import sweeper.train.loop
 from sweeper.config.compose import compose
 from sweeper.config.schema import load_run_config
+from sweeper.train.cpu_fast import CPU_OPS, ops_for
 from sweeper.train.data import BatchSampler, load_data
 from sweeper.train.device import autocast_context, resolve_device, resolve_dtype
-from sweeper.train.linear import linear
 from sweeper.train.loop import train
-from sweeper.train.model import GPT, GPTShape
+from sweeper.train.model import GPT, PLAIN_OPS, GPTShape
 from sweeper.train.optim import build_optimizer
 
 
@@ -65,27 +68,12 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def on_sweepers_matmul(model: nn.Module) -> nn.Module:
-    """The plain GPT's linear layers through sweeper.train.linear (oneDNN's fp32 matmul where the
-    probe took it) plus their bias: the kernel's gain taken out of the comparison."""
-    for layer in model.modules():
-        if isinstance(layer, nn.Linear):
-            layer.forward = lambda x, layer=layer: (
-                linear(x, layer.weight)
-                if layer.bias is None
-                else linear(x, layer.weight) + layer.bias
-            )
-    return model
-
-
-def plain_tokens_per_s(cfg, steps: int, compile_model: bool, same_matmul: bool = False) -> float:
+def plain_tokens_per_s(cfg, steps: int, compile_model: bool) -> float:
     device = resolve_device(cfg.trainer.device)
     dtype = resolve_dtype(cfg.trainer.dtype, device)
     m, t = cfg.model, cfg.trainer
     torch.manual_seed(0)
     model = PlainGPT(m.vocab_size, m.width, m.depth, m.width // m.head_dim, m.seq_len).to(device)
-    if same_matmul:
-        model = on_sweepers_matmul(model)
     if compile_model:
         model = torch.compile(model, dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=None)
@@ -182,7 +170,7 @@ def step_breakdown(cfg, repeats: int) -> dict[str, float]:
     device = resolve_device(t.device)
     dtype = resolve_dtype(t.dtype, device)
     torch.manual_seed(0)
-    ours = GPT(GPTShape.from_config(m)).to(device)
+    ours = GPT(GPTShape.from_config(m), ops=ops_for(device, compiled=False)).to(device)
     plain = PlainGPT(m.vocab_size, m.width, m.depth, m.width // m.head_dim, m.seq_len).to(device)
     ours_opt = build_optimizer(ours, cfg.optimizer)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, betas=(0.9, 0.95))
@@ -212,6 +200,19 @@ def step_breakdown(cfg, repeats: int) -> dict[str, float]:
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
+def ablations() -> dict[str, Callable[[], None]]:
+    """Setups for alternate_in_loop: the loop's model on every fast op, on none, and on all
+    but one."""
+
+    def on(ops):
+        return lambda: setattr(sweeper.train.loop, "ops_for", lambda device, compiled: ops)
+
+    variants = {"cpu_fast": on(CPU_OPS), "plain ops": on(PLAIN_OPS)}
+    for name in CPU_OPS._fields:
+        variants[f"without {name}"] = on(CPU_OPS._replace(**{name: getattr(PLAIN_OPS, name)}))
+    return variants
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -222,10 +223,7 @@ def main() -> None:
         "--breakdown", action="store_true", help="time each piece of a step instead (eager)"
     )
     parser.add_argument(
-        "--plain-same-matmul",
-        action="store_true",
-        help="the plain GPT's linear layers on sweeper's matmul too (oneDNN's in fp32 where "
-        "the probe took it): the model and loop alone, without the kernel's gain",
+        "--ablate", action="store_true", help="sweeper's GPT with and without each fast path"
     )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (trainer=gpu ...)")
     args = parser.parse_args()
@@ -248,6 +246,10 @@ def main() -> None:
             f"plain {plain_step:.0f} ms, ratio {plain_step / ours_step:.2f}x"
         )
         return
+    if args.ablate:
+        run = OmegaConf.to_container(composed, resolve=True)
+        alternate_in_loop(run, ablations(), args.repeats, args.steps)
+        return
     ours, plain, mfus = [], [], []
     for i in range(args.repeats):
         tok_s, mfu = sweeper_tokens_per_s(
@@ -260,7 +262,6 @@ def main() -> None:
                 cfg,
                 args.steps,
                 args.compile or cfg.trainer.compile == "true",
-                same_matmul=args.plain_same_matmul,
             )
         )
         print(f"run {i + 1}: sweeper {ours[-1]:,.0f} tok/s | plain {plain[-1]:,.0f} tok/s")

@@ -1,6 +1,5 @@
-"""trainer.dtype=auto on a CPU: bf16 where a timed matmul says it is faster, and fp32 linear
-layers on oneDNN where its matmul beats torch's own; the same answers for every process on
-the machine."""
+"""trainer.dtype=auto on a CPU: bf16 where a timed matmul says it is faster; the same answer
+for every process on the machine."""
 
 import json
 import os
@@ -11,42 +10,23 @@ import torch
 from sweeper.train import device as runtime
 
 
-def timing(bf16_ms=None, fp32_ms=10.0, fp32_onednn_ms=None) -> dict:
-    return {"bf16_ms": bf16_ms, "fp32_ms": fp32_ms, "fp32_onednn_ms": fp32_onednn_ms}
+def timing(bf16_ms=None, fp32_ms=10.0) -> dict:
+    return {"bf16_ms": bf16_ms, "fp32_ms": fp32_ms}
 
 
 @pytest.mark.parametrize(
-    "bf16_ms, fp32_ms, fp32_onednn_ms, faster",
+    "bf16_ms, fp32_ms, faster",
     [
-        (0.57, 6.1, None, True),  # an AMX Xeon
-        (10.0, 12.5, None, True),  # exactly the margin
-        (10.0, 12.0, None, False),  # faster, not by enough to pay for autocast's casts
-        (19.7, 11.9, None, False),  # AVX512-BF16 without AMX, measured 2026-12-02
-        (2.3, 10.7, 4.7, True),  # an AMD EPYC of family 26, measured 2026-12-05
-        (4.0, 10.7, 4.7, False),  # beats MKL's fp32, not oneDNN's, which fp32 would use
-        (None, 10.0, 4.0, False),  # no bf16 units: not timed
+        (0.57, 6.1, True),  # an AMX Xeon
+        (10.0, 12.5, True),  # exactly the margin
+        (10.0, 12.0, False),  # faster, not by enough to pay for autocast's casts
+        (19.7, 11.9, False),  # AVX512-BF16 without AMX
+        (2.3, 10.7, True),  # an AMD EPYC with AVX512-BF16
+        (None, 10.0, False),  # no bf16 units: not timed
     ],
 )
-def test_bf16_is_taken_only_where_its_matmul_beats_fp32_by_the_margin(
-    bf16_ms, fp32_ms, fp32_onednn_ms, faster
-):
-    assert runtime.bf16_beats_fp32(timing(bf16_ms, fp32_ms, fp32_onednn_ms)) is faster
-
-
-@pytest.mark.parametrize(
-    "fp32_ms, fp32_onednn_ms, faster",
-    [
-        (10.7, 4.7, True),  # an AMD EPYC with AVX-512, where MKL runs its AVX2 kernel
-        (12.0, 10.0, True),  # exactly the margin
-        (11.9, 10.0, False),  # faster, within what timing noise can do
-        (5.0, 6.0, False),
-        (10.0, None, False),  # a torch without oneDNN
-    ],
-)
-def test_onednn_is_taken_for_fp32_only_where_it_beats_torchs_matmul_by_the_margin(
-    fp32_ms, fp32_onednn_ms, faster
-):
-    assert runtime.onednn_beats_fp32(timing(None, fp32_ms, fp32_onednn_ms)) is faster
+def test_bf16_is_taken_only_where_its_matmul_beats_fp32_by_the_margin(bf16_ms, fp32_ms, faster):
+    assert runtime.bf16_beats_fp32(timing(bf16_ms, fp32_ms)) is faster
 
 
 def test_the_matmul_timing_is_measured_once_and_read_back_by_later_processes(tmp_path, monkeypatch):
@@ -57,9 +37,9 @@ def test_the_matmul_timing_is_measured_once_and_read_back_by_later_processes(tmp
         calls.append(timing)
         return timing
 
-    first = runtime.recorded_cpu_timing(lambda: measure(timing(5.0, 9.0, 4.0)))
-    later = runtime.recorded_cpu_timing(lambda: measure(timing(9.0, 5.0, None)))
-    assert first == later == timing(5.0, 9.0, 4.0)
+    first = runtime.recorded_cpu_timing(lambda: measure(timing(5.0, 9.0)))
+    later = runtime.recorded_cpu_timing(lambda: measure(timing(9.0, 5.0)))
+    assert first == later == timing(5.0, 9.0)
     assert len(calls) == 1
     (record,) = (tmp_path / "cache").iterdir()  # no temporary file left beside it
     assert json.loads(record.read_text())["torch"] == torch.__version__
@@ -86,8 +66,8 @@ def test_an_unreadable_record_or_cache_dir_falls_back_to_the_processs_own_timing
     (record,) = tmp_path.iterdir()
     record.write_text("{not json")
     assert runtime.recorded_cpu_timing(lambda: timing(3.0, 4.0)) == timing(3.0, 4.0)
-    # a record from before the oneDNN timing (two keys) is not read as this one
-    record.write_text('{"bf16_ms": 1.0, "fp32_ms": 8.0}')
+    # a record that lacks a timing is not read
+    record.write_text('{"bf16_ms": 1.0}')
     assert runtime.recorded_cpu_timing(lambda: timing(3.0, 4.0)) == timing(3.0, 4.0)
     blocked = tmp_path / "a file, not a dir"
     blocked.write_text("")
@@ -98,8 +78,6 @@ def test_an_unreadable_record_or_cache_dir_falls_back_to_the_processs_own_timing
 def test_the_real_matmuls_are_timed_on_this_cpu():
     measured = runtime.measure_cpu_matmuls(bf16=True)
     assert measured["bf16_ms"] > 0 and measured["fp32_ms"] > 0
-    # torch's CPU wheels carry oneDNN (bf16 matmuls run on it)
-    assert measured["fp32_onednn_ms"] > 0
     assert runtime.measure_cpu_matmuls(bf16=False)["bf16_ms"] is None
 
 

@@ -14,8 +14,8 @@ import torch
 from sweeper.config.schema import load_run_config
 from sweeper.config.sweep import BUILTIN_METRICS
 from sweeper.train.budget import resolve_total_steps
+from sweeper.train.cpu_fast import keep_freed_memory_for_reuse, release_freed_memory
 from sweeper.train.data import BatchSampler, load_data
-from sweeper.train.device import keep_freed_memory_for_reuse, release_freed_memory
 from sweeper.train.evaluation import (
     DivergenceWatch,
     evaluate,
@@ -25,7 +25,7 @@ from sweeper.train.evaluation import (
     rung_steps,
 )
 from sweeper.train.loop import train
-from sweeper.train.model import GPT, GPTShape
+from sweeper.train.model import GPT, PLAIN_OPS, GPTShape
 
 from .conftest import tiny
 
@@ -580,7 +580,7 @@ def test_a_one_step_cooldown_fork_still_cools_the_run_it_scores(monkeypatch):
 # late thread arena put hundreds of one-off faults on some steps, and CI hit them.
 PAGE_FAULTS_PER_STEP = """
 import ctypes, resource, sys, torch
-from sweeper.train.device import keep_freed_memory_for_reuse
+from sweeper.train.cpu_fast import keep_freed_memory_for_reuse
 # glibc's own thresholds (128 KiB), fixed: left dynamic, glibc raises them after the first
 # large free or not depending on the heap's layout, and trims the step's memory on some
 # runs only (5 x 32,225 faults on some, 128 on others, on the same machine)
@@ -782,8 +782,8 @@ def test_the_loop_trains_the_model_with_the_residual_stream_its_device_calls_for
         return torch.bfloat16
 
     class Recorded(GPT):
-        def __init__(self, shape, residual_dtype=None):
-            super().__init__(shape, residual_dtype)
+        def __init__(self, shape, residual_dtype=None, ops=PLAIN_OPS):
+            super().__init__(shape, residual_dtype, ops)
             built.append(residual_dtype)
 
     monkeypatch.setattr(sweeper.train.loop, "residual_dtype_for", rule)

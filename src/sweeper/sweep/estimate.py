@@ -94,6 +94,7 @@ def measure_speed(base: dict, threads: int) -> Speed | None:
 
     from sweeper.config.schema import load_run_config
     from sweeper.sweep.trainable import placed
+    from sweeper.train.cpu_fast import ops_for
     from sweeper.train.data import load_data
     from sweeper.train.device import resolve_device, resolve_dtype
     from sweeper.train.evaluation import evaluate
@@ -123,7 +124,8 @@ def measure_speed(base: dict, threads: int) -> Speed | None:
     device = resolve_device(run.trainer.device, 0)
     dtype = resolve_dtype(run.trainer.dtype, device)
     data = load_data(run.data, run.model.seq_len)
-    model = GPT(GPTShape.from_config(run.model), residual_dtype_for(device, dtype)).to(device)
+    residual, ops = residual_dtype_for(device, dtype), ops_for(device, compiled=False)
+    model = GPT(GPTShape.from_config(run.model), residual, ops).to(device)
     setup_s = time.perf_counter() - started
     result = train(probe, verbose=False)
     evaluate(model, data, run, device, dtype, 0, 1)  # warm-up: one batch

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import functools
 import os
 import re
@@ -48,11 +46,8 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 # bf16 autocast must beat fp32 by this much in a matmul to pay for its casts
 BF16_MIN_SPEEDUP = 1.25
-# oneDNN's fp32 matmul must beat torch's own (MKL's sgemm) by this much to be taken: a
-# margin over timing noise, so that a machine does not switch kernels on a close call
-ONEDNN_MIN_SPEEDUP = 1.2
 # what measure_cpu_matmuls records, in ms (None: not timed on this CPU)
-_TIMINGS = ("bf16_ms", "fp32_ms", "fp32_onednn_ms")
+_TIMINGS = ("bf16_ms", "fp32_ms")
 # the `small` model's widest matmul (a micro-batch of 16 x 256 tokens into its MLP)
 _PROBE_SHAPE = (4096, 256, 1024)
 
@@ -78,16 +73,8 @@ def cpu_has_bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def onednn_fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T in fp32 by oneDNN's matmul (torch's own fp32 matmul on CPU is MKL's).
-    A private op of torch's (Inductor's CPU linear), so it is looked up where it is used:
-    a torch without it raises AttributeError, and measure_cpu_matmuls then records None."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
 def measure_cpu_matmuls(bf16: bool = True) -> dict:
-    """Median time (ms) of the probe matmul at torch's thread count: in fp32 as torch runs
-    it (`fp32_ms`), in fp32 by oneDNN (`fp32_onednn_ms`, None where torch has no oneDNN)
+    """Median time (ms) of the probe matmul at torch's thread count: in fp32 (`fp32_ms`)
     and in bf16 (`bf16_ms`, None unless asked: timing emulated bf16 tells nothing)."""
     import time
 
@@ -95,16 +82,11 @@ def measure_cpu_matmuls(bf16: bool = True) -> dict:
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     kernels = {"fp32_ms": lambda: a @ b.T}
-    if torch.backends.mkldnn.is_available():
-        kernels["fp32_onednn_ms"] = lambda: onednn_fp32_linear(a, b)
     if bf16:
         a16, b16 = a.bfloat16(), b.bfloat16()
         kernels["bf16_ms"] = lambda: a16 @ b16.T
-    for name, kernel in list(kernels.items()):
-        try:
-            kernel()  # also the first warm-up of oneDNN's kernels
-        except (AttributeError, RuntimeError):  # no such op in this torch build
-            del kernels[name]
+    for kernel in kernels.values():
+        kernel()  # the first call also warms up oneDNN's kernels
     times = {name: [] for name in kernels}
     for rep in range(6):  # alternating, so a noisy neighbour slows all alike
         for name, kernel in kernels.items():
@@ -119,18 +101,9 @@ def measure_cpu_matmuls(bf16: bool = True) -> dict:
 
 
 def bf16_beats_fp32(timing: dict) -> bool:
-    """bf16 against the faster of the fp32 kernels (the one fp32 training would use)."""
     if timing["bf16_ms"] is None:
         return False
-    fp32_ms = min(t for t in (timing["fp32_ms"], timing["fp32_onednn_ms"]) if t is not None)
-    return fp32_ms >= BF16_MIN_SPEEDUP * timing["bf16_ms"]
-
-
-def onednn_beats_fp32(timing: dict) -> bool:
-    return (
-        timing["fp32_onednn_ms"] is not None
-        and timing["fp32_ms"] >= ONEDNN_MIN_SPEEDUP * timing["fp32_onednn_ms"]
-    )
+    return timing["fp32_ms"] >= BF16_MIN_SPEEDUP * timing["bf16_ms"]
 
 
 def cache_dir() -> str:
@@ -170,7 +143,6 @@ def recorded_cpu_timing(measure: Callable[[], dict] = _measure_this_cpu) -> dict
 
     identity, _ = _cpu_identity()
     key = hashlib.sha1(f"{identity}\n{torch.__version__}".encode()).hexdigest()[:16]
-    # cpu_matmul-: a record of the three timings (the older cpu_bf16- held two)
     path = os.path.join(cache_dir(), f"cpu_matmul-{key}.json")
     if recorded := _recorded_timing(path):
         return recorded
@@ -197,63 +169,6 @@ def cpu_bf16_is_fast() -> bool:
     CPUs with AVX512-BF16 and no AMX run oneDNN's bf16 matmul slower than fp32 (figures in
     BENCHMARKS.md), so where the units exist one timed matmul decides (recorded_cpu_timing)."""
     return cpu_has_bf16_units() and bf16_beats_fp32(recorded_cpu_timing())
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_fp32_matmul_by_onednn() -> bool:
-    """Whether fp32 linear layers on this CPU should run on oneDNN's matmul rather than
-    torch's (MKL's sgemm). MKL picks its kernels by CPU vendor and gives AMD CPUs its AVX2
-    path, where oneDNN uses AVX-512 (figures in BENCHMARKS.md); the timed probe decides
-    (recorded_cpu_timing)."""
-    return onednn_beats_fp32(recorded_cpu_timing())
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-@functools.lru_cache(maxsize=1)
-def keep_freed_memory_for_reuse() -> bool:
-    """Stop glibc's malloc from giving freed activations back to the kernel between steps.
-
-    PyTorch's CPU allocator is plain malloc. By default glibc serves large blocks with
-    mmap and trims the heap top as soon as it is free, so every training step faults its
-    activations' pages in again: measured 25,000 page faults and ~10% of a step for the
-    `small` model on 2 cores. A fixed mmap threshold at glibc's 64-bit maximum (32 MiB) and
-    a 1 GiB trim threshold keep that memory in the process for the next step; the cost is
-    that a run's memory stays at its peak until release_freed_memory(). PyTorch's CPU-tuning
-    guide gets the same effect by preloading jemalloc or tcmalloc, which this needs no
-    system package for. A no-op (False) where the C library has no mallopt (musl, macOS,
-    Windows).
-    """
-    mallopt = getattr(_libc(), "mallopt", None)
-    if mallopt is None:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's <malloc.h>
-    return bool(mallopt(m_trim_threshold, 1 << 30) and mallopt(m_mmap_threshold, 32 << 20))
-
-
-def release_freed_memory() -> None:
-    """Hand back to the kernel what earlier runs in this process freed: glibc's malloc_trim
-    over every arena, after a collection of the runs' garbage cycles.
-
-    Why: each thread allocates from its own malloc arena, and Tune runs every trial of a
-    reused worker in a new thread. With the trim threshold above, each arena keeps its
-    trial's peak: four `small` runs in new threads grew a process from 0.94 to 1.43 GB
-    without this, and stay at 0.87-0.89 GB with it. A larger peak multiplies that: when an
-    evaluation briefly kept its autograd graph (3.5 GB peaks), lr_bs's workers reached
-    11-15 GB and Ray's memory monitor killed one. Costs 0.12-0.17 s at a run's start
-    (mostly the collection): under 0.5% of a 30-100 s CPU trial. No-op without glibc.
-    """
-    import gc
-
-    gc.collect()
-    malloc_trim = getattr(_libc(), "malloc_trim", None)
-    if malloc_trim is not None:
-        malloc_trim(0)
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -24,14 +24,13 @@ from sweeper.config.errors import ConfigError
 from sweeper.config.schema import RunConfig, load_run_config
 from sweeper.train.activations import ActivationWatch, activations_text
 from sweeper.train.budget import resolve_total_steps
+from sweeper.train.cpu_fast import keep_freed_memory_for_reuse, ops_for, release_freed_memory
 from sweeper.train.data import BatchSampler, load_data, unigram_bpb
 from sweeper.train.device import (
     autocast_context,
     distributed_info,
-    keep_freed_memory_for_reuse,
     peak_flops,
     peak_memory_bytes,
-    release_freed_memory,
     reset_peak_memory,
     resolve_device,
     resolve_dtype,
@@ -109,8 +108,10 @@ class Run:
 
         torch.manual_seed(t.seed)
         self.data = load_data(cfg.data, cfg.model.seq_len)
-        shape = GPTShape.from_config(cfg.model)
-        self.model = GPT(shape, residual_dtype_for(device, self.dtype)).to(device)
+        self.use_compile = t.compile == "true" or (t.compile == "auto" and device.type == "cuda")
+        residual = residual_dtype_for(device, self.dtype)
+        ops = ops_for(device, self.use_compile)
+        self.model = GPT(GPTShape.from_config(cfg.model), residual, ops).to(device)
         self.counts, self.flops_per_token = self.model.param_counts(), self.model.flops_per_token()
         self.total_steps = resolve_total_steps(cfg, self.counts["total"], self.flops_per_token)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -125,7 +126,6 @@ class Run:
         max_loss = t.max_loss or 1.5 * math.log(cfg.model.vocab_size)
         self.divergence = DivergenceWatch(max_loss, t.max_loss_patience, cfg.model.vocab_size)
 
-        self.use_compile = t.compile == "true" or (t.compile == "auto" and device.type == "cuda")
         self.train_model = (
             torch.compile(self.model, dynamic=False) if self.use_compile else self.model
         )
