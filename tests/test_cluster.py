@@ -394,3 +394,38 @@ def test_a_local_cluster_is_its_own_and_its_dashboard_takes_the_token_its_line_n
         shutil.rmtree(temp, ignore_errors=True)
     stderr.seek(0)
     assert "Token authentication is enabled" not in stderr.read()
+
+
+STATE_API_FROM_A_WORKER = """
+import ray
+from sweeper.sweep.cluster import start_local
+
+start_local({"num_cpus": 1}, "127.0.0.1", {"log_to_driver": False})
+
+
+@ray.remote(num_cpus=0)
+def nodes_seen_by_a_worker():
+    from ray.util.state import list_nodes
+
+    return len(list_nodes())
+
+
+print(ray.get(nodes_seen_by_a_worker.remote()))
+"""
+
+
+def test_a_worker_reaches_its_own_clusters_state_api_beside_another_cluster(ray_cluster):
+    """Ray Train's placement-group cleaner asks Ray's state API from a worker; with a second
+    Ray instance on the machine (the test process's own, here) Ray's lookup of the address
+    finds two and raises, unless the cluster told its workers where its dashboard is."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_API_SERVER_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", STATE_API_FROM_A_WORKER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "1"

@@ -211,6 +211,12 @@ def start_local(ray_cfg, host: str, common: dict):
     port = int(ray_cfg.get("dashboard_port") or 8265)
     for attempt in range(4):
         port = free_port(host, port)
+        # Ray's state API, which Ray Train's placement-group cleaner calls from a worker,
+        # finds its cluster by scanning this machine's processes and fails where several
+        # clusters run; the dashboard serves it, and every worker inherits this address
+        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://{host}:{port}"
+        if attempt == 3:
+            del os.environ["RAY_API_SERVER_ADDRESS"]
         try:
             return ray.init(
                 # "local": a cluster of its own. ray.init's default (None) would join one
