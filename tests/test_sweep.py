@@ -272,15 +272,16 @@ def test_with_rung_cooldown_the_rung_ranks_cooled_forks_not_the_runs_as_they_are
     ray_cluster, tmp_path
 ):
     # successive halving over three LRs (found for this: at the rung, a third of the way,
-    # the runs as they are rank 0.16 first and their cooled-down copies 0.1, by 0.017-0.019)
-    overrides = halving_over_matrix_lrs("[0.1,0.16,0.3]")
-    overrides += ["trainer.dtype=float32", "sweep.rung_cooldown=0.5"]  # fp32: same on every CPU
+    # the runs as they are rank 0.1 first, by 0.014, and their cooled-down copies 0.03, by
+    # 0.019)
+    overrides = halving_over_matrix_lrs("[0.03,0.1,0.16]")
+    overrides += ["trainer.dtype=float32", "sweep.rung_cooldown=1.0"]
     summary = sweep(tmp_path, *overrides)
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     lr_stage, batch_stage = state["stages"]
     lr_of = {r["trial_id"]: r["params"]["optimizer.matrix_lr"] for r in lr_stage["records"]}
     at_rung = {lr_of[r["trial_id"]]: r for r in lr_stage["reports"] if r["step"] == 6}
-    assert sorted(at_rung) == [0.1, 0.16, 0.3]
+    assert sorted(at_rung) == [0.03, 0.1, 0.16]
     cooled_best = min(at_rung, key=lambda lr: at_rung[lr]["rung_val_bpb"])
     live_best = min(at_rung, key=lambda lr: at_rung[lr]["val_bpb"])
     assert cooled_best != live_best  # the case this test is for
