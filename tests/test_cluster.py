@@ -25,7 +25,7 @@ from sweeper.config.errors import ConfigError
 from sweeper.sweep.preflight import build_plan
 from sweeper.sweep.runner import run_sweep
 
-from .conftest import REPO, run_cli
+from .conftest import REPO, local_ray, run_cli
 from .test_sweep import TINY_SWEEP
 
 pytestmark = pytest.mark.slow
@@ -414,10 +414,17 @@ print(ray.get(nodes_seen_by_a_worker.remote()))
 """
 
 
-def test_a_worker_reaches_its_own_clusters_state_api_beside_another_cluster(ray_cluster):
+def test_a_worker_reaches_its_own_clusters_state_api_beside_another_cluster():
     """Ray Train's placement-group cleaner asks Ray's state API from a worker; with a second
     Ray instance on the machine (the test process's own, here) Ray's lookup of the address
     finds two and raises, unless the cluster told its workers where its dashboard is."""
+    import ray
+
+    with contextlib.nullcontext() if ray.is_initialized() else local_ray():
+        worker_reaches_its_own_clusters_state_api()
+
+
+def worker_reaches_its_own_clusters_state_api():
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_API_SERVER_ADDRESS", None)
     done = subprocess.run(
