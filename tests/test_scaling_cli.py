@@ -342,6 +342,11 @@ def test_cli_averages_rows_that_differ_only_in_their_seed(tmp_path, column, opti
     assert res["hparams"]["lr"]["best"] == pytest.approx([0.01, 0.01])
 
 
+def cut_short(rows) -> bytes:
+    text = "params,tokens,loss\n" + "".join(f"{n},{d},{loss}\n" for n, d, loss in rows)
+    return text[: text.rindex(",")].encode()  # the last row loses its loss
+
+
 @pytest.mark.parametrize(
     "setup, needle",
     [
@@ -350,7 +355,9 @@ def test_cli_averages_rows_that_differ_only_in_their_seed(tmp_path, column, opti
         (lambda d: write_csv(d / "b.csv", ["params", "loss"], [[1e8, 3.0]] * 2), "usable row"),
         (lambda d: put(d / "c.csv", b"\xff\xfe\x00garbage\x00"), "cannot read"),
         (lambda d: put(d / "e.csv", b""), "empty"),
-        (lambda d: put(d / "h.csv", b'loss,params\n1,2,3\n"unterminated'), "not a number"),
+        (lambda d: put(d / "h.csv", b'loss,params\n1,2,3\n"unterminated'), "line 3 is cut"),
+        # a writer killed mid-row: the rows before are whole, the file is not
+        (lambda d: put(d / "k.csv", cut_short(law_rows())), "line 37 is cut short (2 of 3"),
         (lambda d: d, "without reports.csv"),
         (lambda d: write_csv(d / "f.csv", ["params", "loss"], [["x", "y"]] * 9), "not a number"),
         # a binary file can read as a CSV of thousands of unnamed columns: not all named
@@ -363,7 +370,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, setup, needle):
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], captured.err
-    assert captured.out == ""
+    assert captured.out == "" and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 
 from sweeper.command import Job, check, check_config, multirun_jobs, print_plans
-from sweeper.config.compose import other_budgets_cleared
+from sweeper.config.compose import hydra_setting, other_budgets_cleared
 from sweeper.config.errors import ConfigError, fail
 from sweeper.config.paths import config_dir
+from sweeper.rundir import new_default_dir, take_run_dir
 from sweeper.signals import (
     end_quietly_when_output_closes,
     skip_the_collection_at_exit,
@@ -26,11 +27,14 @@ CHECKED: dict[str, Job] = {}  # the job checked before Hydra started it (one run
 def run_job(cfg) -> float | None:
     """Hydra's task function: the run (or sweep) in the Hydra run dir."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     out_dir = HydraConfig.get().runtime.output_dir
     try:
-        job = CHECKED.pop("job", None) or check_config(cfg)
-    except ConfigError as error:  # a multirun's job past MAX_CHECKED_JOBS
+        job = CHECKED.pop("job", None) or check_config(cfg)  # -m: checked as each job starts
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            take_run_dir(out_dir, "hydra.sweep.dir")
+    except ConfigError as error:
         fail(str(error))
     if job.plan is not None:
         return run_sweep_job(job, out_dir)
@@ -74,6 +78,19 @@ def add_cleared_budgets(overrides: list[str]) -> list[str]:
     return overrides + cleared
 
 
+def take_the_run_dir(overrides: list[str], multirun: bool) -> None:
+    """This command's dir, for it alone: the one it names, or Hydra's default made here
+    (two commands in the same second get two dirs). A -m run's jobs take theirs as each
+    starts (run_job)."""
+    key, root = ("hydra.sweep.dir", "multirun") if multirun else ("hydra.run.dir", "outputs")
+    named = hydra_setting(overrides, key)
+    if named is None:
+        named = new_default_dir(root)
+        sys.argv.append(f"{key}={named}")
+    if not multirun:
+        take_run_dir(str(named), key)
+
+
 def main() -> None:
     skip_the_collection_at_exit()
     stop_on_sigterm_as_on_ctrl_c()
@@ -105,6 +122,7 @@ def main() -> None:
             fail(str(error))
         if not args.multirun:
             CHECKED["job"] = checked[0]
+        take_the_run_dir(overrides, args.multirun)
     import hydra
 
     hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(run_job)()

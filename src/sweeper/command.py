@@ -12,12 +12,19 @@ from sweeper.config.compose import check_syntax, chosen_budgets, compose, hydra_
 from sweeper.config.errors import ConfigError, one_line
 from sweeper.config.paths import config_dir
 from sweeper.config.schema import (
+    NONEMPTY_DIR_KEY,
     RunConfig,
     check_optimizer_reads,
     check_platform_sections,
     load_run_config,
 )
-from sweeper.rundir import check_dir_contents, check_multirun_dir, check_run_dir
+from sweeper.rundir import (
+    check_dir_contents,
+    check_multirun_dir,
+    check_not_foreign,
+    check_not_in_use,
+    check_run_dir,
+)
 from sweeper.sweep.cluster import check_local_cluster, local_cluster_size, probe
 from sweeper.sweep.estimate import PROBE_MAX_FLOPS, finished, measure_speed, plan_text
 from sweeper.sweep.feasibility import slots_for
@@ -64,6 +71,8 @@ def check(overrides: list[str], multirun: bool = False) -> Job:
         run_dir = hydra_setting(overrides, "hydra.run.dir")
         if run_dir is not None:
             check_run_dir(str(run_dir))
+            check_not_in_use(str(run_dir))
+            check_not_foreign(str(run_dir), bool(job.cfg.get(NONEMPTY_DIR_KEY)))
         check_dir_contents(job, None if run_dir is None else str(run_dir))
     return job
 

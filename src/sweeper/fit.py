@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from sweeper.config.errors import OneLineParser
+from sweeper.files import write_json_atomic
 from sweeper.scaling.records import SWEEP_COLUMNS, InputError, read_csv_records
 from sweeper.signals import end_quietly_when_output_closes
 
@@ -311,7 +312,7 @@ def run(args) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise InputError(f"--out {out_dir}: {error.strerror or error}") from None
-    (out_dir / "fit.json").write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    write_json_atomic(out_dir / "fit.json", result, allow_nan=False)
     written = [out_dir / "fit.json"]
     if not args.no_plots:
         from sweeper.scaling.plots import plot_all

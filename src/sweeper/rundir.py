@@ -1,19 +1,30 @@
 """The run dir a command writes to, checked before Hydra writes there: a directory that can
 be made, and one that holds nothing this command would write over (another sweep's state,
-a run's record or checkpoint), or, to resume, the very run or sweep it goes on with."""
+a run's record or checkpoint), or, to resume, the very run or sweep it goes on with. Then
+the dir is taken for this process alone (`take_run_dir`): one process per run dir."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shlex
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from sweeper.config.errors import ConfigError
+from sweeper.config.schema import NONEMPTY_DIR_KEY
+from sweeper.files import remove_stale_temps
 from sweeper.sweep.preflight import resumable_state
 from sweeper.sweep.state import STATE_NAME
 from sweeper.train.run_checkpoint import check_new_run_dir, check_resumable_run
 
 RESULT = "result.json"  # a single run's record
+LOCK_NAME = ".sweeper.lock"  # held (flock) by the one process that writes in a run dir
+# what marks a dir as one of sweeper's runs: a non-empty dir without either is someone else's
+OWN_MARKS = (LOCK_NAME, ".hydra")
+_HELD: dict[str, int] = {}  # run dir -> the open lock file: the lock lives as the process does
 
 
 def check_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
@@ -29,6 +40,8 @@ def check_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
         raise ConfigError(f"{key}={run_dir} cannot be made: {ancestor} is a file")
     if not os.path.isdir(run_dir) and not can_make_a_dir_in(ancestor):
         raise ConfigError(f"{key}={run_dir} cannot be made: {ancestor} is not writable")
+    if os.path.isdir(run_dir) and not can_make_a_dir_in(run_dir):
+        raise ConfigError(f"{key}={run_dir} is not writable; choose another {key}")
 
 
 def can_make_a_dir_in(parent: str) -> bool:
@@ -113,4 +126,82 @@ def check_multirun_dir(sweep_dir, overrides: list[str]) -> None:
         raise ConfigError(
             f"hydra.sweep.dir={sweep_dir} holds an earlier multirun ({earlier.name}): its "
             "jobs' records would be written over; choose another hydra.sweep.dir"
+        )
+
+
+def check_not_in_use(run_dir: str, key: str = "hydra.run.dir") -> None:
+    """Another process writing in `run_dir` (it holds the dir's lock): refused, naming it."""
+    lock = Path(run_dir) / LOCK_NAME
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: no sweeper process has taken the dir
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # fails while another holds it
+    except BlockingIOError:
+        raise ConfigError(
+            f"{key}={run_dir} is in use by {holder(fd)}; wait for it to end, or choose "
+            f"another {key}"
+        ) from None
+    finally:
+        os.close(fd)  # closing releases a shared lock taken just to test
+
+
+def holder(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    text = " ".join(os.read(fd, 4096).decode(errors="replace").split())  # one line
+    return text or "another process"
+
+
+def take_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
+    """Make `run_dir` and hold its lock until this process ends; a second process on the
+    same dir stops at `check_not_in_use` or here. What a killed writer left half-written
+    there is removed."""
+    run_dir = os.path.abspath(run_dir)
+    if run_dir in _HELD:
+        return
+    os.makedirs(run_dir, exist_ok=True)
+    fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        who = holder(fd)
+        os.close(fd)
+        raise ConfigError(
+            f"{key}={run_dir} is in use by {who}; wait for it to end, or choose another {key}"
+        ) from None
+    os.ftruncate(fd, 0)
+    command = shlex.join([os.path.basename(sys.executable), *sys.orig_argv[1:]])
+    command = " ".join(command.split())[:300]
+    os.write(fd, f"pid {os.getpid()} ({command})\n".encode())
+    _HELD[run_dir] = fd
+    remove_stale_temps(run_dir)
+
+
+def new_default_dir(root: str) -> str:
+    """Hydra's default dir, `root/DATE/HH-MM-SS`, made here and so this command's alone: a
+    command started in the same second gets `HH-MM-SS-2` (mkdir fails where one exists)."""
+    day, second = time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S")
+    os.makedirs(os.path.join(root, day), exist_ok=True)
+    for number in range(1, 10_000):
+        path = os.path.join(root, day, second if number == 1 else f"{second}-{number}")
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        return path
+    raise ConfigError(f"{root}/{day}: no free dir for {second}; set hydra.run.dir")
+
+
+def check_not_foreign(run_dir: str, allowed: bool, key: str = "hydra.run.dir") -> None:
+    """A non-empty dir that is not one of sweeper's runs (a project's folder, a home dir):
+    the run's files would be mixed into it, unless the user says that is what they want."""
+    if allowed or not os.path.isdir(run_dir):
+        return
+    entries = os.listdir(run_dir)
+    if entries and not any(mark in entries for mark in OWN_MARKS):
+        shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ConfigError(
+            f"{key}={run_dir} holds files that are not a sweeper run ({shown}): choose an "
+            f"empty or new dir, or add {NONEMPTY_DIR_KEY}=true to write there anyway"
         )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sweeper.config.errors import ConfigError, fail
 from sweeper.config.schema import RunConfig
+from sweeper.files import write_json_atomic
 from sweeper.report.run_plot import PLOT_NAME, plot_run
 from sweeper.signals import interrupts_held
 from sweeper.sweep.cluster import start_ray
@@ -209,9 +210,7 @@ def write_result(out_dir: str, result: dict) -> None:
     clean = {
         k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in result.items()
     }
-    text = json.dumps(clean, indent=2, default=str)
-    with open(f"{out_dir}/result.json", "w") as f:
-        f.write(text)
+    write_json_atomic(Path(out_dir) / "result.json", clean)
 
 
 def run_ddp(cfg, out_dir: str, checkpointing: bool, logger) -> dict:

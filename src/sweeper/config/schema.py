@@ -331,7 +331,8 @@ class FitSection:
 PLATFORM_SECTIONS = {"ray": RaySection, "mlflow": MlflowSection, "fit": FitSection}
 # every top-level key of a composed config that sweeper's own training reads: anything else
 # is a typo (`+foo=1`). A user's own trainable gets the whole config, its own sections too.
-ROOT_KEYS = (*RUN_SECTIONS, *PLATFORM_SECTIONS, "trainable", "sweep", "hydra")
+NONEMPTY_DIR_KEY = "allow_nonempty_dir"  # true: write into a dir that holds others' files
+ROOT_KEYS = (*RUN_SECTIONS, *PLATFORM_SECTIONS, "trainable", "sweep", "hydra", NONEMPTY_DIR_KEY)
 BUILTIN_TRAINABLE = "sweeper.train.train"
 
 

@@ -6,9 +6,9 @@ import math
 from pathlib import Path
 
 from sweeper.config.schema import BUDGET_KEYS
+from sweeper.files import write_json_atomic
 from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.stages import fit_micro_batch, reproduce_command, reproduce_overrides
-from sweeper.sweep.state import write_json_atomic
 
 
 def fit_sweep(out: Path, reports: list[dict], plan: SweepPlan) -> dict | None:

@@ -20,11 +20,12 @@ import re
 from pathlib import Path
 
 from sweeper.config.sweep import SweepSpec, flatten
+from sweeper.files import write_text_atomic
 from sweeper.report.importance import importance_text
 from sweeper.sweep.confirm import confirmation_lines
 from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.stages import reproduce_command
-from sweeper.sweep.state import SweepState, write_text_atomic
+from sweeper.sweep.state import SweepState
 from sweeper.text import duration_text, flops_text, rounded_text
 
 REPORT_NAME = "report.md"

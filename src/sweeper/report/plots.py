@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from sweeper.files import save_figure_atomic
 from sweeper.sweep.stages import SEED_KEY, finite_number
 
 STATUS_COLORS = {
@@ -103,7 +104,7 @@ def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path |
     if shown:
         axes[0].legend(title="trial ended")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -248,7 +249,7 @@ def plot_stage_lr(
         curves_coloured_by(axes[0][-1], records, reports, keys[0], spec.metric, best)
     fig.suptitle(f"Stage '{records[0]['stage']}': {spec.metric} against its parameters")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
     return path
 

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from sweeper.config.schema import RunConfig
+from sweeper.files import save_figure_atomic
 from sweeper.train.schedule import lr_multiplier
 
 PLOT_NAME = "curves.png"
@@ -79,7 +80,7 @@ def plot_run(result: dict, cfg: RunConfig, path: Path) -> Path | None:
     ax_lr.grid(alpha=0.3)
     for ax in (ax_loss, ax_lr):
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 400k, not 400000
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
     return path
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from sweeper.files import save_figure_atomic
+
 METRIC = "val_bpb"
 MAX_LABEL = 70  # characters of a legend entry: the run's name, its value, what differs
 
@@ -78,5 +80,5 @@ def plot_runs(client, runs: list, varied: dict[str, dict[str, str]], path: Path)
     ax.grid(alpha=0.3)
     if ranked:
         ax.legend(fontsize=8, loc="upper right")
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
     return len(ranked)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from sweeper.config.sweep import SweepSpec
+from sweeper.files import write_json_atomic, write_text_atomic
 from sweeper.report.fit import fit_sweep
 from sweeper.report.importance import importance_text, stage_importance
 from sweeper.report.markdown import gain_text, write_report
@@ -18,7 +20,7 @@ from sweeper.sweep.extend import range_edges, search_ranges, searched_params
 from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.results import REPORT_COLUMNS
 from sweeper.sweep.stages import reproduce_command, reproduce_overrides, unresolved_rivals
-from sweeper.sweep.state import SweepState, write_json_atomic
+from sweeper.sweep.state import SweepState
 from sweeper.sweep.trainable import RUNG_METRIC
 from sweeper.text import rounded_text
 
@@ -104,10 +106,11 @@ def write_reports_csv(path: Path, reports: list[dict], metric: str) -> None:
         columns.append("reused_from")
     # what a user's function reported besides (results.users_figures)
     columns += sorted({k for r in reports for k in r} - set(columns))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(reports)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(reports)
+    write_text_atomic(path, text.getvalue())
 
 
 def seed_note(best: dict, records: list[dict], final: dict) -> dict:

@@ -13,6 +13,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from sweeper.files import save_figure_atomic
+
 from .hparams import LR_RULE_EXPONENTS, budget_groups
 from .laws import compute_optimal
 from .records import average_seeds, to_points
@@ -28,7 +30,7 @@ def _new_figure(ncols: int = 1) -> tuple[Figure, list]:
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI)
+    save_figure_atomic(fig, path, dpi=DPI)
     return path
 
 

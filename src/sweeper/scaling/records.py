@@ -190,6 +190,12 @@ def read_csv_records(
         )
     if not {"C", "N"} & mapping.keys():
         raise InputError(f"{path} has neither a compute nor a parameter-count column")
+    if body and len(body[-1][1]) < len(header):  # a writer stopped mid-row: the file is partial
+        line, last = body[-1]
+        raise InputError(
+            f"{path} line {line} is cut short ({len(last)} of {len(header)} columns): the file "
+            "was not written whole; fit it once its writer has finished"
+        )
     pos = {fld: header.index(col) for fld, col in mapping.items()}
     records = []
     for line, row in body:

@@ -7,7 +7,6 @@ at any moment leaves either the previous state or the new one, never half of one
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,22 +14,9 @@ from typing import Any
 from sweeper.config.errors import ConfigError
 from sweeper.config.schema import RunConfig
 from sweeper.config.sweep import flatten
+from sweeper.files import write_json_atomic
 
 STATE_NAME = "sweep_state.json"
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    write_text_atomic(path, json.dumps(payload, indent=2, default=str))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a file whole or not at all: a temporary file, fsync, then os.replace."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass

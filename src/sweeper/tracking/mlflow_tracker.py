@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 from sweeper.config.errors import ConfigError
 from sweeper.config.paths import PACKAGE_DIR
 from sweeper.config.sweep import flatten, flatten_params
+from sweeper.files import write_json_atomic
 from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.space import to_builtin
-from sweeper.sweep.state import STATE_NAME, write_json_atomic
+from sweeper.sweep.state import STATE_NAME
 from sweeper.sweep.trainable import RUNG_METRIC, UPDATE_RATIO_COLUMNS, trial_config
 from sweeper.tracking.mlflow_queue import OpQueue, finite, is_number, short_error
 from sweeper.tracking.mlflow_store import (

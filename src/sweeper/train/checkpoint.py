@@ -7,8 +7,9 @@ finds the newest checkpoint unreadable falls back to the previous one.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from sweeper.files import write_atomic
 
 STATE_FILE = "training_state.pt"
 
@@ -16,14 +17,7 @@ STATE_FILE = "training_state.pt"
 def save_state(folder: str | Path, state: dict, name: str = STATE_FILE) -> Path:
     import torch
 
-    path = Path(folder) / name
-    tmp = path.with_name(f".{name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return write_atomic(Path(folder) / name, lambda f: torch.save(state, f))
 
 
 def load_state(folder: str | Path, name: str = STATE_FILE) -> dict:
@@ -32,7 +26,7 @@ def load_state(folder: str | Path, name: str = STATE_FILE) -> dict:
     state on cuda:0, and a GPU run's checkpoint would not load on a CPU machine."""
     import torch
 
-    return torch.load(Path(folder) / name, map_location="cpu", weights_only=False)
+    return torch.load(Path(folder) / name, map_location="cpu", weights_only=True)
 
 
 def load_latest_state(checkpoint_dir: str | Path) -> dict | None:

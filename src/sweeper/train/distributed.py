@@ -10,12 +10,13 @@ costs ~20 s of start-up per trial.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import tempfile
 import threading
 from typing import Any
+
+from sweeper.files import write_json_atomic
 
 
 def _worker_loop(config: dict) -> None:
@@ -100,8 +101,7 @@ def _worker_loop(config: dict) -> None:
             "out_of_memory": asked,
         }
     if rank == 0 and config.get("result_path"):
-        with open(config["result_path"], "w") as f:
-            json.dump(result, f, indent=2)
+        write_json_atomic(config["result_path"], result)
 
 
 CONTROLLER_FAILURE_LIMIT = 3

@@ -54,7 +54,7 @@ def save_run_checkpoint(run_dir: str | Path, state: dict, run_config: dict) -> N
     rename and the record's left the record an evaluation behind the state (a resume went
     on from a later step than the interrupted run had printed, and a DDP driver missed the
     evaluations in between)."""
-    from sweeper.sweep.state import write_json_atomic
+    from sweeper.files import write_json_atomic
 
     folder = checkpoint_folder(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
