@@ -436,3 +436,22 @@ def worker_reaches_its_own_clusters_state_api():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == "1"
+
+
+@pytest.mark.parametrize("gpus", ["1", "0.5"])
+def test_a_sweep_that_needs_gpus_on_a_cluster_without_one_is_refused_before_any_trial(
+    three_nodes, tmp_path, gpus
+):
+    import ray
+
+    asks = [f"sweep.gpus_per_trial={gpus}", "trainer.device=cuda"]
+    cfg = compose(
+        [*TINY_SWEEP, *asks, f"ray.address={three_nodes.address}", "mlflow.enabled=false"]
+    )
+    with pytest.raises(ConfigError) as error:
+        run_sweep(build_plan(cfg), str(tmp_path))
+    assert str(error.value) == (
+        f"{asks[0]} but the cluster at ray.address={three_nodes.address} has no GPU; "
+        "join one with GPUs, or train on CPU"
+    )
+    assert not ray.is_initialized() and not (tmp_path / "ray").exists()

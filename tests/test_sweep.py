@@ -1227,7 +1227,7 @@ REFUSED = [
     ),
     (["sweep.budget.tokens_per_trial=0"], "sweep.budget.tokens_per_trial must be > 0, got 0"),
     (["+sweep.budget.tokens_per_trail=1"], "did you mean sweep.budget.tokens_per_trial?"),
-    (["sweep.seed=-1"], "sweep.seed must be >= 0"),
+    (["sweep.seed=-1"], "sweep.seed must be in [0, 2147483647], got -1"),
     (["sweep.confirm_seeds=-1"], "sweep.confirm_seeds must be >= 0, got -1"),
     (["+sweep.stages.0.extend_trials=-2"], "sweep.stages.0.extend_trials must be >= 0, got -2"),
     (["sweep.reports_per_trial=0"], "sweep.reports_per_trial must be >= 1, got 0"),
@@ -1262,6 +1262,23 @@ REFUSED = [
     (
         ["+sweep.stages.0.params.optimizer.matrix_lr.normal=[0.01,0.1]"],
         "'optimizer.matrix_lr': unknown spec kind normal (kinds: log_uniform",
+    ),
+    # the hardening review's list: each started Ray, or was silently accepted
+    (["sweep.seed=4294967296"], "sweep.seed must be in [0, 2147483647], got 4294967296"),
+    (["sweep.max_seconds=inf"], "sweep.max_seconds must be a finite number, got inf"),
+    (["sweep.max_flops=nan"], "sweep.max_flops must be a finite number, got nan"),
+    (["sweep.gpus_per_trial=1"], "sweep.gpus_per_trial=1 needs 1 GPU per trial, but the local"),
+    (["trainer.device=cuda"], "trainer.device=cuda but torch sees no CUDA device here"),
+    (["mlflow.experiment="], "mlflow.experiment is empty; name the experiment the runs are"),
+    (
+        ["sweep.stages.0.params={}"],
+        "sweep.stages.0.params={}: an empty mapping merges into the sweep file's "
+        "sweep.stages.0.params and leaves it as it was; remove one entry with ~sweep.stages.0.",
+    ),
+    (
+        ["sweep.reduction_factor=1.0001"],
+        "sweep.reduction_factor=1.0001 makes 13864 rungs in stage 'lr' (trials are evaluated "
+        "and ranked at each); at most 32: use 1.05 or more",
     ),
     # trials the local cluster can never place: Ray would keep them pending for ever
     (["ray.num_cpus=2", "sweep.cpus_per_trial=3"], "needs 3 CPUs per trial, but the local"),

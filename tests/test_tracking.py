@@ -397,6 +397,25 @@ def test_an_unreachable_server_is_one_line_within_seconds(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+def test_a_port_that_answers_but_not_as_mlflow_does_is_one_line(tmp_path):
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        proc = run_cli(["+sweep=smoke", f"mlflow.tracking_uri={uri}"], cwd=tmp_path, timeout=60)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith(
+        f"error: {uri} answers (HTTP 404), but not as an MLflow tracking server does"
+    )
+    assert proc.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_a_server_dying_mid_sweep_costs_seconds_and_keeps_the_calls(
     ray_cluster, tmp_path, capsys, monkeypatch
@@ -1154,3 +1173,71 @@ def test_compare_runs_lists_the_single_runs_best_first_with_what_differs(tmp_pat
         proc = run_cli(args, tmp_path, module="sweeper.compare")
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: {said}"), proc.stderr
         assert len(proc.stderr.splitlines()) == 1
+
+
+# --- no secrets in outputs -------------------------------------------------------------------
+def every_text(run_dir: Path) -> dict[Path, str]:
+    return {p: p.read_bytes().decode(errors="replace") for p in run_dir.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_password_in_the_tracking_uri_is_in_no_output_line_file_or_mlflow_field(
+    mlflow_server, tmp_path
+):
+    from mlflow import MlflowClient
+
+    secret = "s3cret-pw"
+    uri = mlflow_server.replace("http://", f"http://me:{secret}@")  # the server takes any
+    run_dir = tmp_path / "run"
+    proc = run_cli([*TINY, f"mlflow.tracking_uri={uri}", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert secret not in proc.stdout + proc.stderr
+    assert f"http://me:***@{mlflow_server.removeprefix('http://')}" in proc.stdout
+    texts = every_text(run_dir)
+    assert {"report.md", "report.html", "summary.json", "sweep_state.json"} <= {
+        p.name for p in texts
+    }
+    assert [p for p, text in texts.items() if secret in text] == []
+    assert "***" in texts[run_dir / "report.md"]  # the launch command, masked
+    client = MlflowClient(mlflow_server)
+    _, parents, children = logged(mlflow_server, run_dir)
+    for run in [*parents, *children]:
+        fields = {**run.data.params, **run.data.tags}
+        assert [k for k, v in fields.items() if secret in v] == [], run.info.run_name
+    report = client.download_artifacts(parents[0].info.run_id, "report.md", str(tmp_path))
+    assert secret not in Path(report).read_text()
+
+
+def test_a_postgres_password_is_masked_in_a_runs_files(tmp_path):
+    uri = "postgresql://sweeper:pg-Secret_1@db.internal:5432/mlflow"
+    proc = run_cli(
+        [*SINGLE, "mlflow.enabled=false", f"mlflow.tracking_uri={uri}", "hydra.run.dir=run"],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    texts = every_text(tmp_path / "run")
+    assert [p for p, text in texts.items() if "pg-Secret_1" in text] == []
+    masked = "postgresql://sweeper:***@db.internal:5432/mlflow"
+    assert masked in texts[tmp_path / "run" / ".hydra" / "overrides.yaml"]
+
+
+@pytest.mark.parametrize(
+    "text, masked",
+    [
+        ("postgresql://me:pw@host:5432/db", "postgresql://me:***@host:5432/db"),
+        ("mysql+pymysql://u:p%40ss@h/db", "mysql+pymysql://u:***@h/db"),
+        ("https://:tok@host", "https://:***@host"),
+        ("http://host:5000/path", "http://host:5000/path"),  # a port is no password
+        ("http://me@host", "http://me@host"),
+        ("https://h/db?user=a&password=pw&x=1", "https://h/db?user=a&password=***&x=1"),
+        ("https://h/?token=abc", "https://h/?token=***"),
+        (
+            "mlflow.tracking_uri=postgresql://a:b@c/d x=1",
+            "mlflow.tracking_uri=postgresql://a:***@c/d x=1",
+        ),
+    ],
+)
+def test_mask_secrets(text, masked):
+    from sweeper.text import mask_secrets
+
+    assert mask_secrets(text) == masked

@@ -13,7 +13,7 @@ from sweeper.command import Job, check, check_config, multirun_jobs, print_plans
 from sweeper.config.compose import hydra_setting, other_budgets_cleared
 from sweeper.config.errors import ConfigError, fail
 from sweeper.config.paths import config_dir
-from sweeper.rundir import new_default_dir, take_run_dir
+from sweeper.rundir import mask_hydra_records, new_default_dir, take_run_dir
 from sweeper.signals import (
     end_quietly_when_output_closes,
     skip_the_collection_at_exit,
@@ -34,6 +34,7 @@ def run_job(cfg) -> float | None:
         job = CHECKED.pop("job", None) or check_config(cfg)  # -m: checked as each job starts
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             take_run_dir(out_dir, "hydra.sweep.dir")
+        mask_hydra_records(out_dir)
     except ConfigError as error:
         fail(str(error))
     if job.plan is not None:

@@ -62,6 +62,8 @@ def check(overrides: list[str], multirun: bool = False) -> Job:
         for override in overrides:
             if not override.startswith("~"):  # removing a key sets nothing
                 check_optimizer_reads(optimizer, override.split("=", 1)[0].lstrip("+"), override)
+    if job.plan is not None:
+        check_no_emptied_mapping(overrides)
     if job.plan is not None and job.target is None:
         check_sweep_overrides(overrides)
     check_chdir(overrides)
@@ -190,6 +192,18 @@ def check_sweep_overrides(overrides: list[str]) -> None:
             f"{cadence[0]}: a sweep's trials evaluate (and report) sweep.reports_per_trial "
             "times, or a stage's own sweep.stages.N.reports_per_trial; set that"
         )
+
+
+def check_no_emptied_mapping(overrides: list[str]) -> None:
+    """`sweep.stages.0.params={}`: Hydra merges an empty mapping into the file's, which
+    leaves it as it was, so the stage would still search every param of the file."""
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if key.startswith("sweep.") and value.replace(" ", "") == "{}":
+            raise ConfigError(
+                f"{override}: an empty mapping merges into the sweep file's {key} and leaves "
+                f"it as it was; remove one entry with ~{key}.NAME, or edit the sweep file"
+            )
 
 
 def check_chdir(overrides: list[str]) -> None:

@@ -89,6 +89,14 @@ def compare(sweep: str | None, tracking_uri: str | None, experiment: str | None)
     run_dir = Path(sweep) if sweep and Path(sweep).is_dir() else None
     recorded = _recorded(run_dir) if run_dir else {}
     named_by = None if tracking_uri or not recorded.get("tracking_uri") else run_dir
+    if not tracking_uri and "***" in recorded.get("tracking_uri", ""):
+        # the run dir keeps no password: the user's environment holds it, or they pass it
+        tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not tracking_uri:
+            raise ConfigError(
+                f"{run_dir} was logged to {recorded['tracking_uri']}, whose password is not "
+                "kept: pass --tracking-uri with it, or set MLFLOW_TRACKING_URI"
+            )
     client, uri = _client(tracking_uri or recorded.get("tracking_uri"), named_by)
     experiments = _experiments(client, experiment)
     parent = _find_sweep(client, experiments, sweep, run_dir, recorded.get("run_id"))

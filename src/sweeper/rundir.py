@@ -15,9 +15,10 @@ from pathlib import Path
 
 from sweeper.config.errors import ConfigError
 from sweeper.config.schema import NONEMPTY_DIR_KEY
-from sweeper.files import remove_stale_temps
+from sweeper.files import remove_stale_temps, write_text_atomic
 from sweeper.sweep.preflight import resumable_state
 from sweeper.sweep.state import STATE_NAME
+from sweeper.text import mask_secrets
 from sweeper.train.run_checkpoint import check_new_run_dir, check_resumable_run
 
 RESULT = "result.json"  # a single run's record
@@ -172,10 +173,19 @@ def take_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
         ) from None
     os.ftruncate(fd, 0)
     command = shlex.join([os.path.basename(sys.executable), *sys.orig_argv[1:]])
-    command = " ".join(command.split())[:300]
+    command = mask_secrets(" ".join(command.split()))[:300]
     os.write(fd, f"pid {os.getpid()} ({command})\n".encode())
     _HELD[run_dir] = fd
     remove_stale_temps(run_dir)
+
+
+def mask_hydra_records(run_dir: str) -> None:
+    """Hydra's record of the command in the run dir (.hydra/*.yaml), a URI's password
+    masked like every other file there."""
+    for path in Path(run_dir, ".hydra").glob("*.yaml"):
+        text = path.read_text()
+        if (masked := mask_secrets(text)) != text:
+            write_text_atomic(path, masked)
 
 
 def new_default_dir(root: str) -> str:

@@ -1,9 +1,24 @@
-"""Values as the user writes them: Hydra overrides, FLOPs, durations."""
+"""Values as the user writes them: Hydra overrides, FLOPs, durations; secrets masked."""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
+
+# a URI's password (postgresql://me:PASSWORD@host) and a credential in a query string
+# (?password=..., &token=...): what `mask_secrets` replaces with ***
+SECRETS = re.compile(
+    r"(?P<lead>://[^/\s:@]*:)[^/\s@]+(?=@)"
+    r"|(?P<key>[?&;](?:password|passwd|pwd|token|access_token|secret|api_key|apikey)=)[^&;\s]+",
+    re.IGNORECASE,
+)
+
+
+def mask_secrets(text: str) -> str:
+    """`text` with every password or token in a URI it holds replaced by ***: for what is
+    printed, and every file and MLflow field a run leaves."""
+    return SECRETS.sub(lambda m: (m.group("lead") or m.group("key")) + "***", text)
 
 
 def hydra_value(value: Any) -> str:

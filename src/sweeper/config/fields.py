@@ -36,10 +36,14 @@ def range_text(bounds: dict) -> str:
         ("]", bounds["le"]) if "le" in bounds else (")", bounds["lt"]) if "lt" in bounds else None
     )
     if low and high:
-        return f"in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+        return f"in {low[0]}{number(low[1])}, {number(high[1])}{high[0]}"
     if low:
-        return f"{'>=' if low[0] == '[' else '>'} {low[1]:g}"
-    return f"{'<=' if high[0] == ']' else '<'} {high[1]:g}"
+        return f"{'>=' if low[0] == '[' else '>'} {number(low[1])}"
+    return f"{'<=' if high[0] == ']' else '<'} {number(high[1])}"
+
+
+def number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"  # 2147483647, not 2.1e+09
 
 
 def within(value: float, bounds: dict) -> bool:

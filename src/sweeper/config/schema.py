@@ -321,6 +321,12 @@ class MlflowSection:
     experiment: str = "sweeper"
     enabled: bool = True
 
+    def __post_init__(self) -> None:
+        _require(  # MLflow would log under its Default experiment without a word
+            bool(self.experiment.strip()),
+            "mlflow.experiment is empty; name the experiment the runs are logged under",
+        )
+
 
 @dataclass
 class FitSection:

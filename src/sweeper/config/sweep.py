@@ -91,7 +91,7 @@ class SweepSpec:
     brackets: int | None = bounded(None, ge=1)  # null: all of HyperBand's, ASHA's one
     bohb: BohbSpec = field(default_factory=BohbSpec)
     penalty: float | None = None  # what a diverged trial reports (null: see plan.penalty)
-    seed: int = bounded(0, ge=0)
+    seed: int = bounded(0, ge=0, le=2**31 - 1)  # the searchers seed numpy's generators
     baseline: bool = True
     # after the stages: the best config and the baseline trained again on this many fresh
     # seeds (trainer.seed + 1, + 2, ...), the improvement against seed-to-seed noise

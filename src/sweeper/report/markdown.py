@@ -26,7 +26,7 @@ from sweeper.sweep.confirm import confirmation_lines
 from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.stages import reproduce_command
 from sweeper.sweep.state import SweepState
-from sweeper.text import duration_text, flops_text, rounded_text
+from sweeper.text import duration_text, flops_text, mask_secrets, rounded_text
 
 REPORT_NAME = "report.md"
 HTML_NAME = "report.html"
@@ -45,6 +45,7 @@ def write_report(out: Path, summary: dict, plan: SweepPlan, state: SweepState) -
     sweep started from."""
     path = out / REPORT_NAME
     page = render_report(summary, plan, state, out)
+    page = mask_secrets(page)
     write_text_atomic(path, page)
     write_text_atomic(out / HTML_NAME, as_html(page, out, plan.spec.name))
     return path
@@ -242,4 +243,4 @@ def command_overrides(out: Path) -> list[str] | None:
         return None
     from omegaconf import OmegaConf
 
-    return [str(o) for o in OmegaConf.load(path)]
+    return [mask_secrets(str(o)) for o in OmegaConf.load(path)]

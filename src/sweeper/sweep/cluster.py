@@ -322,9 +322,11 @@ logging.getLogger("ray.tune.tune").addFilter(DropsTimeCapStopNotices())
 logging.getLogger("ray.tune.analysis.experiment_analysis").addFilter(DropsTunesResumeAdvice())
 
 
-def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
+def start_ray(ray_cfg, log_to_driver: bool = False, gpus_for: str | None = None) -> None:
     """Sweeps keep the driver's output to their own progress lines (trial output stays in
-    Ray's logs); a single DDP run shows rank 0's progress (log_to_driver=True)."""
+    Ray's logs); a single DDP run shows rank 0's progress (log_to_driver=True). `gpus_for`:
+    the setting that asks for GPUs, refused on a joined cluster that has none (a local
+    one's GPUs were checked before it started)."""
     import ray
 
     if ray.is_initialized():
@@ -349,6 +351,12 @@ def start_ray(ray_cfg, log_to_driver: bool = False) -> None:
         ) from None
     stop_on_sigterm_as_on_ctrl_c()  # ray.init put its own SIGTERM handler in place
     resources = ray.cluster_resources()
+    if gpus_for and not resources.get("GPU"):  # every trial would fail on CUDA
+        ray.shutdown()
+        raise ConfigError(
+            f"{gpus_for} but the cluster at ray.address={address} has no GPU; "
+            "join one with GPUs, or train on CPU"
+        )
     url = context.dashboard_url
     if address:
         # "auto" joins whichever cluster Ray finds (the latest of several): say which

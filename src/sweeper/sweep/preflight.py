@@ -5,6 +5,7 @@ ConfigError line, with nothing started or written."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -29,6 +30,7 @@ from sweeper.sweep.state import SweepState, check_resumable, sweep_definition
 from sweeper.user_function import PLATFORM_KEYS, load_user_function, trainable_target
 
 NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a name that names files and MLflow runs
+MAX_RUNGS = 32  # where a stage's scheduler ranks its trials (eta=3 from 1/64 of a budget: 4)
 
 
 def build_plan(cfg) -> SweepPlan:
@@ -121,6 +123,20 @@ def check_sweep_keys(spec: SweepSpec, run_values: dict[str, Any], own_training: 
     )
 
 
+def check_rung_count(plan: SweepPlan, stage) -> None:
+    """A reduction factor near 1 ranks trials at thousands of rungs (each one an evaluation)."""
+    count = len(plan.rung_fractions(stage))
+    if count > MAX_RUNGS:
+        spec = plan.spec
+        # the smallest factor with MAX_RUNGS rungs from the grace period to the full budget
+        least = (1 / spec.grace_fraction) ** (1 / MAX_RUNGS)
+        raise ConfigError(
+            f"sweep.reduction_factor={spec.reduction_factor:g} makes {count} rungs in stage "
+            f"'{stage.name}' (trials are evaluated and ranked at each); at most {MAX_RUNGS}: "
+            f"use {math.ceil(least * 100) / 100:g} or more"
+        )
+
+
 def check_stage(plan: SweepPlan, index: int, run_values: dict[str, Any]) -> None:
     """A stage's params, its search with its scheduler and space, and its points."""
     stage = plan.stages[index]
@@ -143,6 +159,7 @@ def check_stage(plan: SweepPlan, index: int, run_values: dict[str, Any]) -> None
         check_reduction_factor(stage.scheduler, plan.spec.reduction_factor)
     except ValueError as error:
         raise ConfigError(f"{where}: {error}") from None
+    check_rung_count(plan, stage)
     if stage.points:
         _check(
             stage.search != "grid" and not any(p.kind == "grid" for p in space.params),

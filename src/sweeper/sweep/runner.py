@@ -133,7 +133,9 @@ def start_tracking_and_ray(plan: SweepPlan, out: Path):
     """MLflow's tracker, made beside Ray's start (each takes seconds, mostly waiting)."""
     tracker_ready = start_tracker(plan, out)
     try:
-        start_ray(plan.ray)
+        # (trainer.device=cuda without sweep.gpus_per_trial is refused by the plan)
+        gpus = plan.spec.gpus_per_trial
+        start_ray(plan.ray, gpus_for=f"sweep.gpus_per_trial={gpus:g}" if gpus else None)
     finally:
         # a tracker's error is the one to report, as when it was made before Ray; it is
         # also never left half made when Ray fails to start

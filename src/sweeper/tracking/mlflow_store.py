@@ -11,6 +11,7 @@ import sys
 from urllib.parse import urlparse
 
 from sweeper.config.errors import ConfigError
+from sweeper.text import mask_secrets
 
 PROBE_TIMEOUT_S = 3.0
 
@@ -49,12 +50,9 @@ def resolve_tracking_uri(uri: str | None) -> str:
 
 
 def shown(uri: str) -> str:
-    """`uri` for the console and logs: a password in it (`postgresql://me:pw@host/db`,
-    `https://me:pw@host`) becomes ***."""
-    parts = urlparse(uri)
-    if parts.password is None:
-        return uri
-    return uri.replace(f":{parts.password}@", ":***@", 1)
+    """`uri` for the console, logs and files: a password in it (`postgresql://me:pw@host/db`,
+    `https://me:pw@host`, `?token=...`) becomes ***."""
+    return mask_secrets(uri)
 
 
 def is_http(uri: str) -> bool:
@@ -78,14 +76,19 @@ SWEEP_HINT = "start it, or set mlflow.tracking_uri to another store, or mlflow.e
 
 
 def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT_S, hint: str = SWEEP_HINT) -> None:
-    """A tracking server that does not answer within `timeout` is a ConfigError (one line).
-    Any HTTP answer counts: an auth error shows up in the first real call instead."""
+    """A tracking server that does not answer within `timeout`, or answers but not as
+    MLflow's REST API does, is a ConfigError (one line). An auth error (401, 403) passes:
+    the first real call names it."""
     if not is_http(uri):
         return
     import requests
 
     try:
-        requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+        answer = requests.get(
+            uri.rstrip("/") + "/api/2.0/mlflow/experiments/get-by-name",
+            params={"experiment_name": "Default"},
+            timeout=timeout,
+        )
     except requests.RequestException as error:
         reason = type(error).__name__
         if isinstance(error, requests.ConnectionError) and "refused" in str(error).lower():
@@ -93,6 +96,20 @@ def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT_S, hint: str = SWEE
         raise ConfigError(
             f"MLflow tracking server {shown(uri)} is unreachable ({reason}): {hint}"
         ) from None
+    if answer.status_code not in (401, 403) and not speaks_mlflow(answer):
+        raise ConfigError(
+            f"{shown(uri)} answers (HTTP {answer.status_code}), but not as an MLflow tracking "
+            f"server does: another service on that port? {hint}"
+        )
+
+
+def speaks_mlflow(answer) -> bool:
+    """An MLflow server answers its REST API in JSON: the experiment, or an error_code."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and ("experiment" in body or "error_code" in body)
 
 
 def check_store(cfg) -> None:

@@ -106,7 +106,8 @@ class QueuedRun:
             raise ConfigError(f"MLflow store {shown(self.uri)}: {short_error(error)}") from None
         self.run_id = self.queue.run_id(key)
         out.mkdir(parents=True, exist_ok=True)
-        where = {"tracking_uri": self.uri, "experiment": self.experiment}
+        # no password in the run dir: sweeper.compare asks for it where one was masked
+        where = {"tracking_uri": shown(self.uri), "experiment": self.experiment}
         write_json_atomic(
             out / RUN_FILE, {**where, "experiment_id": self.experiment_id, "run_id": self.run_id}
         )
