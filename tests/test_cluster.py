@@ -338,14 +338,16 @@ def test_a_local_cluster_is_its_own_and_its_dashboard_takes_the_token_its_line_n
     of one behind (ray.init's default would join that). Ray turns token auth on for a new
     local cluster: the dashboard's page asks for the token. The line that gives the
     dashboard's URL says where it is, that token signs in (without it the dashboard's API
-    answers 401), and Ray's warning about it is not shown."""
+    answers 401), and Ray's warning about it is not shown. Listening on every interface
+    (0.0.0.0), a second line says so once, and what guards it."""
     import urllib.error
     import urllib.request
 
     port = free_port()
     code = (
         "import sys; from sweeper.sweep.cluster import start_ray; "
-        f"start_ray({{'num_cpus': 1, 'dashboard_port': {port}}}); sys.stdout.flush(); "
+        f"start_ray({{'num_cpus': 1, 'dashboard_port': {port}, 'dashboard_host': '0.0.0.0'}}); "
+        "sys.stdout.flush(); "
         "sys.stdin.read()"  # the cluster lives until the test closes stdin
     )
     # Ray's sockets live under its temp dir: it must be short (pytest's tmp_path is not)
@@ -380,8 +382,13 @@ def test_a_local_cluster_is_its_own_and_its_dashboard_takes_the_token_its_line_n
         stderr.seek(0)  # the driver's writes moved the file's shared offset
         assert line.startswith("ray: local cluster with 1 CPUs"), line + stderr.read()[-3000:]
         url, hint = line.split("dashboard: ")[1].split(" ", 1)
-        assert url == f"http://127.0.0.1:{port}"
+        assert re.fullmatch(rf"http://[\d.]+:{port}", url)  # the node's address
         assert hint.strip() == "(sign in with the token in ~/.ray/auth_token)"
+        assert driver.stdout.readline() == (
+            f"ray: the dashboard at {url} is reachable from other machines; Ray's token auth "
+            "guards it: whoever holds the token can run code here, so keep it secret, or set "
+            "ray.dashboard_host=127.0.0.1 (docs/cluster-and-docker.md)\n"
+        )
         token = (tmp_path / ".ray" / "auth_token").read_text().strip()
         api = f"{url}/api/jobs/"
         assert status(api, None) == 401
@@ -394,6 +401,26 @@ def test_a_local_cluster_is_its_own_and_its_dashboard_takes_the_token_its_line_n
         shutil.rmtree(temp, ignore_errors=True)
     stderr.seek(0)
     assert "Token authentication is enabled" not in stderr.read()
+
+
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("10.0.0.5", False),
+        ("::", False),
+        ("myhost", False),
+    ],
+)
+def test_only_a_loopback_dashboard_goes_without_the_exposure_line(host, loopback):
+    from sweeper.sweep.cluster import exposure_note, is_loopback
+
+    assert is_loopback(host) == loopback
+    assert "nothing guards it: anyone who reaches it" in exposure_note("h:1", token_auth=False)
 
 
 STATE_API_FROM_A_WORKER = """

@@ -75,12 +75,27 @@ def test_compose_has_the_head_gpu_workers_mlflow_and_postgres():
     assert worker["depends_on"]["ray-head"]["condition"] == "service_healthy"
 
     mlflow = " ".join(services["mlflow"]["command"])
-    assert re.search(r"--backend-store-uri=postgresql://\S+@postgres:5432/", mlflow)
+    assert re.search(r'--backend-store-uri="?postgresql://mlflow:.+?@postgres:5432/', mlflow)
     assert "--artifacts-destination=/mlartifacts" in mlflow and "--serve-artifacts" in mlflow
     assert "mlflow" in mlflow.split("--allowed-hosts=")[1]  # answers Host: mlflow:5000
     assert any(v.endswith(":/mlartifacts") for v in services["mlflow"]["volumes"])
     assert services["mlflow"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert services["postgres"]["image"].startswith("postgres:")
+
+
+def test_the_database_password_has_no_default_and_is_a_secret_file_kept_out_of_git():
+    compose = load_compose()
+    text = (REPO / "docker" / "compose.yaml").read_text()
+    assert "POSTGRES_PASSWORD:" not in text and ":-mlflow}" not in text  # no default
+    postgres, mlflow = compose["services"]["postgres"], compose["services"]["mlflow"]
+    assert postgres["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/postgres_password"
+    assert postgres["secrets"] == mlflow["secrets"] == ["postgres_password"]
+    assert "$$(cat /run/secrets/postgres_password)" in " ".join(mlflow["command"])
+    secret_file = compose["secrets"]["postgres_password"]["file"]
+    assert default(secret_file) == "./postgres_password"
+    assert "docker/postgres_password" in (REPO / ".gitignore").read_text().splitlines()
+    # the build context leaves docker/ out: the password never goes into an image
+    assert "docker" in (REPO / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
 
 
 def test_every_ray_container_shares_one_storage_path_and_the_cluster_wiring():
@@ -267,6 +282,7 @@ def test_readme_commands_name_files_that_exist():
     paths = set(re.findall(r"\bdocker/[\w.\-/]+", "\n".join(commands)))
     paths |= {f"docker/{link}" for link in re.findall(r"\]\(([\w.\-]+)\)", text)}
     paths |= set(re.findall(r"`(tests/[\w.]+)`", text))
+    paths -= set(re.findall(r">\s*(docker/[\w.\-/]+)", "\n".join(commands)))  # made by them
     assert len(paths) >= 5
     for path in paths:
         assert (REPO / path).exists(), path

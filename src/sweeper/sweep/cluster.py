@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -367,17 +368,44 @@ def start_ray(ray_cfg, log_to_driver: bool = False, gpus_for: str | None = None)
         f"{resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs | dashboard: "
         + (f"http://{url}{dashboard_sign_in()}" if url else "off")
     )
+    if url and not address and not is_loopback(host):
+        print(exposure_note(url, token_auth()))
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def exposure_note(url: str, token_auth: bool) -> str:
+    """The one line a dashboard that listens beyond loopback gets: who can reach it, and
+    what stands between them and running code on this machine."""
+    guard = (
+        "Ray's token auth guards it: whoever holds the token can run code here, so keep it secret"
+        if token_auth
+        else "nothing guards it: anyone who reaches it can run code here (set RAY_AUTH_MODE=token)"
+    )
+    return (
+        f"ray: the dashboard at http://{url} is reachable from other machines; {guard}, or set "
+        "ray.dashboard_host=127.0.0.1 (docs/cluster-and-docker.md)"
+    )
+
+
+def token_auth() -> bool:
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token auth
+        return False
+    return is_token_auth_enabled()
 
 
 def dashboard_sign_in() -> str:
     """Where the token is that the dashboard's page asks for, when the cluster uses Ray's
     token auth; Ray's own lookup order: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, then
     ~/.ray/auth_token (which Ray writes for a new local cluster)."""
-    try:
-        from ray._private.authentication.authentication_utils import is_token_auth_enabled
-    except ImportError:  # a Ray without token auth
-        return ""
-    if not is_token_auth_enabled():
+    if not token_auth():
         return ""
     if os.environ.get("RAY_AUTH_TOKEN"):
         return " (sign in with the token in $RAY_AUTH_TOKEN)"
