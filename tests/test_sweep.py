@@ -938,6 +938,29 @@ def test_a_retried_users_function_keeps_the_reports_of_its_last_attempt(ray_clus
     assert [r["step"] for r in rows if r["stage"] == "lr"] == ["1", "2", "3"]
 
 
+def test_a_users_retried_trial_goes_on_from_the_checkpoint_it_reported(ray_cluster, tmp_path):
+    sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.goes_on_from_its_checkpoint",
+        f"+mine.marker={tmp_path}/failed_once",
+        "sweep.budget.tokens_per_trial=null",
+        "sweep.max_failures=1",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.0.num_samples=1",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    assert (tmp_path / "failed_once").exists()  # the first attempt failed after step 3
+    rows = [r for r in csv.DictReader((tmp_path / "reports.csv").open()) if r["stage"] == "lr"]
+    # the retry was handed step 3's state (its tensor too) and went on at step 4
+    assert [(r["step"], r["resumed_at"]) for r in rows] == [
+        ("1", "0"),
+        ("2", "0"),
+        ("3", "0"),
+        ("4", "3"),
+        ("5", "3"),
+    ]
+
+
 def test_numpy_and_torch_values_in_a_users_reports_are_plain_numbers(ray_cluster, tmp_path):
     summary = sweep(
         tmp_path,

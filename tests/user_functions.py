@@ -154,3 +154,25 @@ def bowl_that_diverges_above_lr_0_1(config: dict, report) -> None:
         report({"val_bpb": value, "step": step, "tokens": step * 100})
         if math.isnan(value):
             return
+
+
+def goes_on_from_its_checkpoint(config: dict, report) -> None:
+    """Five reports with its state as a checkpoint; fails once after the third (a lost
+    node), and the retry goes on from the state it was handed back (`resumed_at`)."""
+    from pathlib import Path
+
+    import torch
+
+    state = report.checkpoint or {"step": 0, "weights": torch.zeros(3)}
+    resumed_at = state["step"]
+    assert torch.equal(state["weights"], torch.full((3,), float(resumed_at)))
+    for step in range(resumed_at + 1, 6):
+        weights = torch.full((3,), float(step))
+        report(
+            {"val_bpb": 2.0 - step / 10, "step": step, "resumed_at": resumed_at},
+            checkpoint={"step": step, "weights": weights},
+        )
+        marker = Path(config["mine"]["marker"])
+        if step == 3 and not marker.exists():
+            marker.touch()
+            raise RuntimeError("the node went away")

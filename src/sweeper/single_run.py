@@ -128,7 +128,8 @@ def run_user_function(cfg, target: str, out_dir: str) -> float | None:
     config = user_function_config(cfg)
     logger = start_run_logger(cfg, config, out_dir, resume=False, trainable=target)
 
-    def report(metrics: dict, state=None) -> None:  # `state`: a checkpoint, not kept here
+    # a checkpoint it hands is not kept: a single run of it is not paused or retried
+    def report(metrics: dict, state=None, checkpoint=None) -> None:
         metrics = plain_numbers(metrics, metric)  # a metric that is no number: BadReportError
         reports.append(metrics)
         shown = " ".join(
@@ -141,6 +142,7 @@ def run_user_function(cfg, target: str, out_dir: str) -> float | None:
         if isinstance(value, float) and not math.isfinite(value):
             raise Diverged  # as a sweep's trial of it ends
 
+    report.checkpoint = None
     try:
         load_user_function(target)(config, report)
     except Diverged:

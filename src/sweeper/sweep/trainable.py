@@ -326,7 +326,10 @@ def run_trial(
     reporter = BackgroundReporter()
     made = 0  # reports so far
 
-    def report(metrics: dict, state=None) -> None:
+    def report(metrics: dict, state=None, checkpoint: dict | None = None) -> None:
+        """One result. `state`: sweeper's own training's state (a function that makes it);
+        `checkpoint`: a user's function's own (tensors and plain values), handed back to it
+        as `report.checkpoint` when its trial is paused and resumed, or retried."""
         nonlocal made
         made += 1
         if ctx.target:
@@ -337,13 +340,14 @@ def run_trial(
         metrics, diverged = penalise(metrics, ctx.metric, ctx.penalty)
         metrics["wall_time"] = time.time()  # orders reports across trials (bench/bench_search.py)
         folder = None
-        if state is not None and not diverged:
+        if (state is not None or checkpoint is not None) and not diverged:
             folder = tempfile.mkdtemp(prefix="sweeper-ckpt-")
-            save_state(folder, state())
+            save_state(folder, state() if state is not None else checkpoint)
         reporter.report(metrics, folder)
         if diverged and ctx.target:
             raise Diverged
 
+    report.checkpoint = None  # a user's function's own, where its trial goes on from one
     try:
         if reused:  # training it again would give the same bits (engine.reusable_run)
             replay(earlier, ctx.metric, report)
@@ -369,7 +373,13 @@ def with_run_settings(run_cfg: dict, ctx: TrialContext) -> None:
 def _run_one_process_trial(run_cfg: dict, ctx: TrialContext, report) -> None:
     from ray import tune
 
+    resume_state = None
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is not None:  # a paused (Hyperband/BOHB) or retried trial
+        with checkpoint.as_directory() as folder:
+            resume_state = load_latest_state(folder)
     if ctx.target:
+        report.checkpoint = resume_state
         with contextlib.suppress(Diverged):  # ended by the report above, as diverged
             load_target(ctx.target)(run_cfg, report)
         return
@@ -380,11 +390,6 @@ def _run_one_process_trial(run_cfg: dict, ctx: TrialContext, report) -> None:
 
     with_run_settings(run_cfg, ctx)
     torch.set_num_threads(ctx.threads)
-    resume_state = None
-    checkpoint = tune.get_checkpoint()
-    if checkpoint is not None:  # a paused (Hyperband/BOHB) or retried trial
-        with checkpoint.as_directory() as folder:
-            resume_state = load_latest_state(folder)
     train(run_cfg, report, resume_state=resume_state, verbose=False)
 
 
