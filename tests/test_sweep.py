@@ -961,6 +961,62 @@ def test_a_users_retried_trial_goes_on_from_the_checkpoint_it_reported(ray_clust
     ]
 
 
+def test_a_trial_that_stops_reporting_is_ended_as_failed_retried_and_the_sweep_goes_on(
+    ray_cluster, tmp_path, capsys
+):
+    attempts = tmp_path / "attempts"
+    attempts.mkdir()
+    summary = sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.hangs_above_lr_0_02",
+        f"+mine.attempts={attempts}",
+        "sweep.budget.tokens_per_trial=null",
+        "sweep.stall_seconds=2",
+        "sweep.max_failures=1",
+        "sweep.stages.0.search=grid",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.0.num_samples=1",
+        "~sweep.stages.0.params.optimizer.matrix_lr.log_uniform",
+        "+sweep.stages.0.params.optimizer.matrix_lr.grid=[0.01,0.04]",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    tried = sorted(p.name.split("-")[0] for p in attempts.iterdir())
+    assert tried.count("0.04") == 2 and tried.count("0.01") >= 1  # the stuck one, retried once
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    stuck = [r for r in state["stages"][0]["records"] if r["params"]["optimizer.matrix_lr"] == 0.04]
+    assert stuck[0]["status"] == "failed"
+    assert re.fullmatch(
+        r"\S*TrialStalledError: no report for \d+ s, more than 10x its slowest gap between reports "
+        r"\([\d.]+ s\) and sweep.stall_seconds=2: stuck\?",
+        stuck[0]["error"],
+    ), stuck[0]["error"]
+    # the sweep went on: the other trial is the best, and the next stage ran
+    assert summary["stages"][0]["best_params"]["optimizer.matrix_lr"] == 0.01
+    assert summary["stages"][1]["trials"] == 1
+
+
+def test_a_trial_stuck_inside_a_c_call_is_ended_with_its_process(ray_cluster, tmp_path):
+    summary = sweep(
+        tmp_path,
+        "trainable._target_=tests.user_functions.blocks_in_c_above_lr_0_02",
+        "sweep.budget.tokens_per_trial=null",
+        "sweep.stall_seconds=1",
+        "sweep.max_failures=0",
+        "sweep.stages.0.search=grid",
+        "sweep.stages.0.scheduler=fifo",
+        "sweep.stages.0.num_samples=1",
+        "~sweep.stages.0.params.optimizer.matrix_lr.log_uniform",
+        "+sweep.stages.0.params.optimizer.matrix_lr.grid=[0.01,0.04]",
+        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+    )
+    state = json.loads((tmp_path / "sweep_state.json").read_text())
+    statuses = {
+        r["params"]["optimizer.matrix_lr"]: r["status"] for r in state["stages"][0]["records"]
+    }
+    assert statuses == {0.01: "completed", 0.04: "failed"}
+    assert summary["stages"][1]["trials"] == 1  # and the sweep went on
+
+
 def test_numpy_and_torch_values_in_a_users_reports_are_plain_numbers(ray_cluster, tmp_path):
     summary = sweep(
         tmp_path,

@@ -176,3 +176,32 @@ def goes_on_from_its_checkpoint(config: dict, report) -> None:
         if step == 3 and not marker.exists():
             marker.touch()
             raise RuntimeError("the node went away")
+
+
+def hangs_above_lr_0_02(config: dict, report) -> None:
+    """Reports once; then, above matrix_lr 0.02, never again (a dead data loader, say).
+    Each attempt leaves a file in `mine.attempts`."""
+    import time
+    import uuid
+    from pathlib import Path
+
+    lr = config["optimizer"]["matrix_lr"]
+    (Path(config["mine"]["attempts"]) / f"{lr}-{uuid.uuid4().hex}").touch()
+    report({"val_bpb": 2.0 + lr, "step": 1})
+    while lr > 0.02:
+        time.sleep(0.1)
+    report({"val_bpb": 1.9 + lr, "step": 2})
+
+
+def blocks_in_c_above_lr_0_02(config: dict, report) -> None:
+    """Reports once; then, above matrix_lr 0.02, waits for ever inside a C call (a lock
+    nobody releases), where no Python exception can reach it."""
+    import threading
+
+    lr = config["optimizer"]["matrix_lr"]
+    report({"val_bpb": 2.0 + lr, "step": 1})
+    if lr > 0.02:
+        held = threading.Lock()
+        held.acquire()
+        held.acquire()  # never returns
+    report({"val_bpb": 1.9 + lr, "step": 2})

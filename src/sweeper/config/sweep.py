@@ -97,6 +97,9 @@ class SweepSpec:
     # seeds (trainer.seed + 1, + 2, ...), the improvement against seed-to-seed noise
     confirm_seeds: int = bounded(0, ge=0)
     max_failures: int = bounded(1, ge=0)
+    # a trial silent for 10x its slowest gap between reports, and this long, is ended as
+    # failed (sweep/stall.py); null: never
+    stall_seconds: float | None = bounded(60.0, gt=0)
     resume: bool = False
     dry_run: bool = False  # print the plan (stages, trials, FLOPs) and start nothing
     lr_keys: list[str] = field(default_factory=list)

@@ -170,6 +170,7 @@ class SweepPlan:
             rungs=() if self.target else self.rung_fractions(stage),
             rung_cooldown=spec.rung_cooldown,
             metric_read_by=metric_reader(stage.search, stage.scheduler),
+            stall_seconds=spec.stall_seconds,
         )
 
 

@@ -8,7 +8,6 @@ No Hydra state crosses into the worker (hydra#1126, #2772).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import math
 import queue
@@ -22,6 +21,7 @@ from typing import Any
 
 from sweeper.sweep.space import to_builtin
 from sweeper.sweep.stages import apply_params, fit_micro_batch, follow_batch_size, get_dotted
+from sweeper.sweep.stall import StallWatch, raise_in_thread
 from sweeper.train.activations import ACTIVATION_COLUMNS
 from sweeper.train.checkpoint import load_latest_state, save_state
 from sweeper.user_function import load_target
@@ -48,6 +48,7 @@ class TrialContext:
     # that Ray refuses a report without it (None: fifo with random or grid, which rank only
     # a trial's last report)
     metric_read_by: str | None = None
+    stall_seconds: float | None = None  # sweep.stall_seconds: see sweep/stall.py
 
     @property
     def ranks_forks(self) -> bool:
@@ -308,9 +309,7 @@ def stop_thread(thread: threading.Thread) -> None:
     the actor for the next trial and fails that trial. An asynchronous exception (CPython's
     PyThreadState_SetAsyncExc) ends it within one torch op."""
     if thread.is_alive() and thread.ident is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(thread.ident), ctypes.py_object(TrialStopped)
-        )
+        raise_in_thread(thread.ident, TrialStopped)
 
 
 def run_trial(
@@ -324,6 +323,7 @@ def run_trial(
         return
 
     reporter = BackgroundReporter()
+    watch = StallWatch(ctx.stall_seconds) if ctx.stall_seconds else None
     made = 0  # reports so far
 
     def report(metrics: dict, state=None, checkpoint: dict | None = None) -> None:
@@ -332,6 +332,8 @@ def run_trial(
         as `report.checkpoint` when its trial is paused and resumed, or retried."""
         nonlocal made
         made += 1
+        if watch is not None:
+            watch.beat()
         if ctx.target:
             metrics = plain_numbers(metrics, ctx.metric)
             if ctx.metric_read_by and ctx.metric not in metrics:
@@ -354,6 +356,8 @@ def run_trial(
         else:
             _run_one_process_trial(run_cfg, ctx, report)
     finally:
+        if watch is not None:
+            watch.stop()
         reporter.close()
     if ctx.target and not made:  # Tune would end the sweep on its empty last result
         raise MissingMetricError.never(ctx.metric)
