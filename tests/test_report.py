@@ -208,11 +208,12 @@ def test_a_page_is_never_half_written(tmp_path, monkeypatch):
     def fails(fd):  # the disk fills up as the page is written out
         raise OSError("No space left on device")
 
-    monkeypatch.setattr("sweeper.sweep.state.os.fsync", fails)
+    monkeypatch.setattr("sweeper.files.os.fsync", fails)
     with pytest.raises(OSError):
         write_report(tmp_path, summary, plan_for(spec, BASE), state)
     monkeypatch.undo()
     assert (tmp_path / "report.md").read_text() == "the earlier page\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.md"]  # no temp file left
 
 
 def test_a_report_that_cannot_be_written_loses_nothing_else(tmp_path, monkeypatch, capsys):

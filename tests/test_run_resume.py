@@ -288,14 +288,14 @@ def test_a_kill_between_a_state_and_its_record_leaves_them_agreeing(
     later one: the record and the state it names are the previous save's, at one step.
     With one state file replaced in place, the record said step 2 and the state held 4:
     a DDP resume went on from step 10 where the interrupted run had printed 5 (CI)."""
-    import sweeper.sweep.state as st
+    import sweeper.files as files
     import sweeper.train.run_checkpoint as rc
 
     class Killed(BaseException):
         pass
 
     saves = []
-    save_state, write_json = rc.save_state, st.write_json_atomic
+    save_state, write_json = rc.save_state, files.write_json_atomic
 
     def state_then_count(folder, state, *name):
         saves.append(save_state(folder, state, *name))
@@ -306,7 +306,7 @@ def test_a_kill_between_a_state_and_its_record_leaves_them_agreeing(
         write_json(path, data)
 
     monkeypatch.setattr(rc, "save_state", state_then_count)
-    monkeypatch.setattr(st, "write_json_atomic", record_unless_the_killed_save)
+    monkeypatch.setattr(files, "write_json_atomic", record_unless_the_killed_save)
     run = load_run_config(
         tiny(trainer={"checkpoint_every_eval": True, "max_steps": 6, "eval_every": 2})
     )

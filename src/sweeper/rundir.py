@@ -19,12 +19,12 @@ from sweeper.files import remove_stale_temps, write_text_atomic
 from sweeper.sweep.preflight import resumable_state
 from sweeper.sweep.state import STATE_NAME
 from sweeper.text import mask_secrets
-from sweeper.train.run_checkpoint import check_new_run_dir, check_resumable_run
+from sweeper.train.run_checkpoint import CHECKPOINT_DIR, check_new_run_dir, check_resumable_run
 
 RESULT = "result.json"  # a single run's record
 LOCK_NAME = ".sweeper.lock"  # held (flock) by the one process that writes in a run dir
-# what marks a dir as one of sweeper's runs: a non-empty dir without either is someone else's
-OWN_MARKS = (LOCK_NAME, ".hydra")
+# what marks a dir as one of sweeper's runs: a non-empty dir with none of them is someone else's
+OWN_MARKS = (LOCK_NAME, ".hydra", STATE_NAME, RESULT, CHECKPOINT_DIR)
 _HELD: dict[str, int] = {}  # run dir -> the open lock file: the lock lives as the process does
 
 

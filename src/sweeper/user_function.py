@@ -8,10 +8,10 @@ import inspect
 from typing import Any
 
 from sweeper.config.errors import ConfigError
-from sweeper.config.schema import BUILTIN_TRAINABLE
+from sweeper.config.schema import BUILTIN_TRAINABLE, NONEMPTY_DIR_KEY
 
-# the sections that configure the platform, not a run: a user's function is not given them
-PLATFORM_KEYS = ("sweep", "ray", "mlflow", "trainable", "hydra", "fit")
+# the keys that configure the platform, not a run: a user's function is not given them
+PLATFORM_KEYS = ("sweep", "ray", "mlflow", "trainable", "hydra", "fit", NONEMPTY_DIR_KEY)
 
 
 def trainable_target(cfg) -> str | None:

@@ -330,8 +330,20 @@ def start_ray(ray_cfg, log_to_driver: bool = False, gpus_for: str | None = None)
     one's GPUs were checked before it started)."""
     import ray
 
-    if ray.is_initialized():
-        return
+    if not ray.is_initialized():
+        connect(ray_cfg, log_to_driver)
+    if gpus_for and not ray.cluster_resources().get("GPU"):  # every trial would fail on CUDA
+        raise ConfigError(
+            f"{gpus_for} but the cluster at ray.address={ray_cfg.get('address')} has no GPU; "
+            "join one with GPUs, or train on CPU"
+        )
+
+
+def connect(ray_cfg, log_to_driver: bool) -> None:
+    """Join ray.address, or start a local cluster; one line says which, and where its
+    dashboard is."""
+    import ray
+
     common = dict(logging_level=logging.WARNING, log_to_driver=log_to_driver)
     address = ray_cfg.get("address")
     host = ray_cfg.get("dashboard_host") or "127.0.0.1"
@@ -352,12 +364,6 @@ def start_ray(ray_cfg, log_to_driver: bool = False, gpus_for: str | None = None)
         ) from None
     stop_on_sigterm_as_on_ctrl_c()  # ray.init put its own SIGTERM handler in place
     resources = ray.cluster_resources()
-    if gpus_for and not resources.get("GPU"):  # every trial would fail on CUDA
-        ray.shutdown()
-        raise ConfigError(
-            f"{gpus_for} but the cluster at ray.address={address} has no GPU; "
-            "join one with GPUs, or train on CPU"
-        )
     url = context.dashboard_url
     if address:
         # "auto" joins whichever cluster Ray finds (the latest of several): say which
