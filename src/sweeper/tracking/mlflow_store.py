@@ -99,7 +99,7 @@ def check_reachable(uri: str, timeout: float = PROBE_TIMEOUT_S, hint: str = SWEE
     if answer.status_code not in (401, 403) and not speaks_mlflow(answer):
         raise ConfigError(
             f"{shown(uri)} answers (HTTP {answer.status_code}), but not as an MLflow tracking "
-            f"server does: another service on that port? {hint}"
+            "server does: another service on that port? check the URI's host and port"
         )
 
 
