@@ -961,6 +961,18 @@ def test_a_users_retried_trial_goes_on_from_the_checkpoint_it_reported(ray_clust
     ]
 
 
+# a grid of two LRs, one trial each, for the functions that get stuck above 0.02
+TWO_LRS_ONE_STUCK = [
+    "sweep.budget.tokens_per_trial=null",
+    "sweep.stages.0.search=grid",
+    "sweep.stages.0.scheduler=fifo",
+    "sweep.stages.0.num_samples=1",
+    "~sweep.stages.0.params.optimizer.matrix_lr.log_uniform",
+    "+sweep.stages.0.params.optimizer.matrix_lr.grid=[0.01,0.04]",
+    "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+]
+
+
 def test_a_trial_that_stops_reporting_is_ended_as_failed_retried_and_the_sweep_goes_on(
     ray_cluster, tmp_path, capsys
 ):
@@ -970,15 +982,9 @@ def test_a_trial_that_stops_reporting_is_ended_as_failed_retried_and_the_sweep_g
         tmp_path,
         "trainable._target_=tests.user_functions.hangs_above_lr_0_02",
         f"+mine.attempts={attempts}",
-        "sweep.budget.tokens_per_trial=null",
+        *TWO_LRS_ONE_STUCK,
         "sweep.stall_seconds=2",
         "sweep.max_failures=1",
-        "sweep.stages.0.search=grid",
-        "sweep.stages.0.scheduler=fifo",
-        "sweep.stages.0.num_samples=1",
-        "~sweep.stages.0.params.optimizer.matrix_lr.log_uniform",
-        "+sweep.stages.0.params.optimizer.matrix_lr.grid=[0.01,0.04]",
-        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
     )
     tried = sorted(p.name.split("-")[0] for p in attempts.iterdir())
     assert tried.count("0.04") == 2 and tried.count("0.01") >= 1  # the stuck one, retried once
@@ -999,15 +1005,9 @@ def test_a_trial_stuck_inside_a_c_call_is_ended_with_its_process(ray_cluster, tm
     summary = sweep(
         tmp_path,
         "trainable._target_=tests.user_functions.blocks_in_c_above_lr_0_02",
-        "sweep.budget.tokens_per_trial=null",
+        *TWO_LRS_ONE_STUCK,
         "sweep.stall_seconds=1",
         "sweep.max_failures=0",
-        "sweep.stages.0.search=grid",
-        "sweep.stages.0.scheduler=fifo",
-        "sweep.stages.0.num_samples=1",
-        "~sweep.stages.0.params.optimizer.matrix_lr.log_uniform",
-        "+sweep.stages.0.params.optimizer.matrix_lr.grid=[0.01,0.04]",
-        "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
     )
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     statuses = {
