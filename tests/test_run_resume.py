@@ -257,6 +257,11 @@ def test_the_saved_config_decides_what_may_change(tmp_path):
             ["trainer.resume=true", "data=shards", "data.path=/d/*.bin"],
             "python -m sweeper data=shards 'data.path=/d/*.bin' 'hydra.run.dir=/tmp/a b' trainer.resume=true",
         ),
+        # a password is not printed: the user types it again
+        (
+            ["mlflow.tracking_uri=postgresql://me:pw@db/mlflow"],
+            "python -m sweeper mlflow.tracking_uri=postgresql://me:***@db/mlflow 'hydra.run.dir=/tmp/a b' trainer.resume=true",
+        ),
     ],
 )
 def test_the_resume_command_is_the_run_s_own_overrides(overrides, expected):

@@ -30,7 +30,7 @@ from sweeper.sweep.estimate import PROBE_MAX_FLOPS, finished, measure_speed, pla
 from sweeper.sweep.feasibility import slots_for
 from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.preflight import build_plan, resumable_state
-from sweeper.text import flops_text
+from sweeper.text import flops_text, mask_secrets
 from sweeper.tracking.mlflow_store import check_config_in_a_process, check_store
 from sweeper.train.budget import check_budget, check_model_fits
 from sweeper.user_function import load_user_function, trainable_target
@@ -223,7 +223,8 @@ def print_plans(jobs: list[list[str]], checked: list[Job], multirun: bool) -> No
     """`sweep.dry_run=true`: each job's plan, with nothing started."""
     for number, (overrides, job) in enumerate(zip(jobs, checked)):
         if multirun:
-            print(f"{'' if number == 0 else chr(10)}job {number}: {' '.join(overrides)}")
+            shown = mask_secrets(" ".join(overrides))
+            print(f"{'' if number == 0 else chr(10)}job {number}: {shown}")
         if job.dry_run:
             print_plan(job.plan, overrides)
         else:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sweeper.config.errors import ConfigError
+from sweeper.text import mask_secrets
 from sweeper.train.checkpoint import STATE_FILE, load_state, save_state
 
 CHECKPOINT_DIR = "checkpoint"
@@ -192,4 +193,4 @@ def resume_command(overrides: Sequence[str], run_dir: str | Path) -> str:
     if nulls and sorted(other_budgets_cleared(typed)) == sorted(nulls):
         kept = typed
     line = ["python", "-m", "sweeper", *kept, f"hydra.run.dir={run_dir}", "trainer.resume=true"]
-    return shlex.join(line)
+    return mask_secrets(shlex.join(line))  # a password is typed again, not printed
