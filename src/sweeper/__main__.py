@@ -27,13 +27,11 @@ CHECKED: dict[str, Job] = {}  # the job checked before Hydra started it (one run
 def run_job(cfg) -> float | None:
     """Hydra's task function: the run (or sweep) in the Hydra run dir."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     out_dir = HydraConfig.get().runtime.output_dir
     try:
         job = CHECKED.pop("job", None) or check_config(cfg)  # -m: checked as each job starts
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            take_run_dir(out_dir, "hydra.sweep.dir")
+        take_run_dir(out_dir)  # held already, unless a -m job or a dir only Hydra resolves
         mask_hydra_records(out_dir)
     except ConfigError as error:
         fail(str(error))
@@ -88,7 +86,7 @@ def take_the_run_dir(overrides: list[str], multirun: bool) -> None:
     if named is None:
         named = new_default_dir(root)
         sys.argv.append(f"{key}={named}")
-    if not multirun:
+    if not multirun and "${" not in str(named):  # `${hydra:...}`: taken as the job starts
         take_run_dir(str(named), key)
 
 
