@@ -153,7 +153,10 @@ def test_atomic_files_keep_the_umasks_permissions(tmp_path):
 def test_a_killed_writers_temp_files_are_removed_by_the_next_run(tmp_path):
     left = tmp_path / f"{TEMP_PREFIX}summary.json.123-abcd"
     left.write_text('{"half')
+    (tmp_path / "checkpoint").mkdir()
+    deeper = tmp_path / "checkpoint" / f"{TEMP_PREFIX}training_state-4.pt.123-abcd"
+    deeper.write_bytes(b"half a state")
     (tmp_path / "summary.json").write_text("{}")
     take_run_dir(str(tmp_path))
-    assert not left.exists() and (tmp_path / "summary.json").exists()
+    assert not left.exists() and not deeper.exists() and (tmp_path / "summary.json").exists()
     assert remove_stale_temps(tmp_path) == []

@@ -65,10 +65,10 @@ def save_figure_atomic(fig, path: str | Path, **savefig: Any) -> Path:
 
 
 def remove_stale_temps(folder: str | Path) -> list[Path]:
-    """The temporary files a killed writer left in `folder` (called by the process that holds
-    the folder's lock, so no writer of its own is running)."""
+    """The temporary files a killed writer left in `folder` and below (called by the process
+    that holds the folder's lock, before it starts a writer of its own)."""
     removed = []
-    for tmp in Path(folder).glob(f"{TEMP_PREFIX}*"):
+    for tmp in Path(folder).rglob(f"{TEMP_PREFIX}*"):
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
             removed.append(tmp)

@@ -191,7 +191,8 @@ def mask_hydra_records(run_dir: str) -> None:
 def new_default_dir(root: str) -> str:
     """Hydra's default dir, `root/DATE/HH-MM-SS`, made here and so this command's alone: a
     command started in the same second gets `HH-MM-SS-2` (mkdir fails where one exists)."""
-    day, second = time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S")
+    now = time.localtime()
+    day, second = time.strftime("%Y-%m-%d", now), time.strftime("%H-%M-%S", now)
     os.makedirs(os.path.join(root, day), exist_ok=True)
     for number in range(1, 10_000):
         path = os.path.join(root, day, second if number == 1 else f"{second}-{number}")
