@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -273,7 +272,7 @@ def lr_grid_records(lr_opt: dict, lrs=(0.01, 0.02, 0.04)) -> list[dict]:
     ]
 
 
-def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_named():
+def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_named(tmp_path):
     records = lr_grid_records
     res = fit_all(records({1e12: 0.04, 1e13: 0.02, 1e14: 0.02}))
     assert "batch_size" not in res["hparams"]  # 1024 in every run: nothing to fit
@@ -287,7 +286,7 @@ def test_a_hyperparameter_never_varied_has_no_law_and_an_end_of_the_grid_is_name
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
         plot_hparams(
-            res, Path("unused.png"), to_points(records({1e12: 0.04, 1e13: 0.02, 1e14: 0.02}))
+            res, tmp_path / "unused.png", to_points(records({1e12: 0.04, 1e13: 0.02, 1e14: 0.02}))
         )
     filled, hollow = drawn[0].axes[1].collections
     assert filled.get_offsets().tolist() == [
@@ -424,7 +423,7 @@ def test_isoflop_points_without_a_budget_label_say_where_a_csv_gives_one():
     ), warnings
 
 
-def test_each_budgets_curve_on_the_hparams_plot_is_that_budgets_runs_alone():
+def test_each_budgets_curve_on_the_hparams_plot_is_that_budgets_runs_alone(tmp_path):
     """Budgets 10% apart were drawn together (runs picked by compute within 20%), and runs
     without a C crashed the plot (an empty pick)."""
     from matplotlib.figure import Figure
@@ -443,7 +442,7 @@ def test_each_budgets_curve_on_the_hparams_plot_is_that_budgets_runs_alone():
         drawn = []
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(Figure, "savefig", lambda fig, *a, seen=drawn, **k: seen.append(fig))
-            plot_hparams(res, Path("unused.png"), to_points(records))
+            plot_hparams(res, tmp_path / "unused.png", to_points(records))
         curves = [line for line in drawn[0].axes[0].lines if len(line.get_xdata()) > 2]
         assert len(curves) == len(optima)
         for line, best in zip(curves, optima.values(), strict=True):
