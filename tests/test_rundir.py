@@ -91,12 +91,13 @@ def test_two_runs_in_the_same_second_with_hydras_default_dir_get_two_dirs(tmp_pa
     assert len(results) == 2, results  # one dir each, each with its own record
 
 
-def test_a_default_dir_taken_in_the_same_second_gets_a_suffix(tmp_path):
-    first = new_default_dir(str(tmp_path))
-    second = new_default_dir(str(tmp_path))
-    if Path(first).name[:8] == Path(second).name[:8]:  # the same second
-        assert Path(second).name == Path(first).name + "-2"
-    assert first != second and Path(first).is_dir() and Path(second).is_dir()
+def test_a_default_dir_taken_in_the_same_second_gets_a_suffix(tmp_path, monkeypatch):
+    second = time.localtime()
+    monkeypatch.setattr("sweeper.rundir.time.localtime", lambda: second)  # one clock reading
+    first, again, third = (Path(new_default_dir(str(tmp_path))) for _ in range(3))
+    assert again.name == first.name + "-2" and third.name == first.name + "-3"
+    assert first.parent == again.parent == tmp_path / time.strftime("%Y-%m-%d", second)
+    assert all(p.is_dir() for p in (first, again, third))
 
 
 def test_a_run_dir_that_is_not_writable_is_one_line(tmp_path):
