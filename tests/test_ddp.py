@@ -25,38 +25,11 @@ def ray_cluster():
         yield
 
 
-def test_two_ranks_match_one_rank_with_the_same_global_batch(ray_cluster, tmp_path):
-    common = {
-        "max_steps": 4,
-        "total_batch_size": 1024,
-        "device_batch_size": 8,
-        "dtype": "float32",
-        "eval_every": 2,
-    }
-    opt = {"name": "adamw", "lr": 3e-3}
-    one = train(tiny(optimizer=opt, trainer=common), verbose=False)  # 2 micro-batches
-    two_cfg = tiny(optimizer=opt, trainer=common | {"workers": 2})  # 1 micro-batch per rank
-    from sweeper.config.schema import load_run_config
-
-    run = load_run_config(two_cfg).to_dict()
-    train_ddp(
-        run,
-        cpus_per_worker=1,
-        storage_path=str(tmp_path),
-        name="ddp",
-        inside_tune=False,
-        result_path=str(tmp_path / "result.json"),
-    )
-    two = json.loads((tmp_path / "result.json").read_text())
-    assert two["workers"] == 2 and one["workers"] == 1
-    assert two["loss_trace"] == pytest.approx(one["loss_trace"], rel=1e-4)
-    assert two["val_bpb"] == pytest.approx(one["val_bpb"], rel=1e-4)
-
-
-def test_a_two_rank_checkpoint_resumes_on_one_rank(ray_cluster, tmp_path):
-    """Rank 0 saves the unwrapped model: a 2-rank run's checkpoint at step 4 continues on
-    1 rank exactly as an uninterrupted 1-rank run (constant LR: the schedule does not
-    depend on the run length)."""
+def test_two_ranks_match_one_rank_and_their_checkpoint_resumes_on_one_rank(ray_cluster, tmp_path):
+    """Two ranks of one micro-batch each train as one rank of two micro-batches; rank 0
+    saves the unwrapped model, so the 2-rank run's checkpoint at step 4 goes on on 1 rank
+    exactly as an uninterrupted 1-rank run (constant LR: the schedule does not depend on
+    the run length)."""
     from sweeper.config.schema import load_run_config
     from sweeper.train.checkpoint import load_latest_state
 
@@ -73,14 +46,25 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(ray_cluster, tmp_path):
     }
     two = load_run_config(tiny(**sections, trainer=common | {"max_steps": 4, "workers": 2}))
     result = train_ddp(
-        two.to_dict(), cpus_per_worker=1, storage_path=str(tmp_path), name="two", inside_tune=False
+        two.to_dict(),
+        cpus_per_worker=1,
+        storage_path=str(tmp_path),
+        name="two",
+        inside_tune=False,
+        result_path=str(tmp_path / "result.json"),
     )
+    one = tiny(**sections, trainer=common | {"max_steps": 8})  # 2 micro-batches a step
+    straight = train(one, verbose=False)
+    two_ranks = json.loads((tmp_path / "result.json").read_text())
+    assert (two_ranks["workers"], straight["workers"]) == (2, 1)
+    assert two_ranks["loss_trace"] == pytest.approx(straight["loss_trace"][:4], rel=1e-4)
+    at_4 = next(h["val_bpb"] for h in straight["history"] if h["step"] == 4)
+    assert two_ranks["val_bpb"] == pytest.approx(at_4, rel=1e-4)
+
     with result.checkpoint.as_directory() as folder:
         state = load_latest_state(folder)
     assert state["step"] == 4
-    one = tiny(**sections, trainer=common | {"max_steps": 8})
     resumed = train(one, resume_state=state, verbose=False)
-    straight = train(one, verbose=False)
     assert resumed["steps"] == 8 and len(resumed["loss_trace"]) == 8
     assert resumed["loss_trace"] == pytest.approx(straight["loss_trace"], rel=1e-4)
     assert resumed["val_bpb"] == pytest.approx(straight["val_bpb"], rel=1e-4)
@@ -195,37 +179,6 @@ def test_a_save_longer_than_the_timeout_does_not_fail_a_two_rank_run(ray_cluster
     assert json.loads((tmp_path / "checkpoint" / "checkpoint.json").read_text())["step"] == 2
 
 
-def test_a_two_rank_run_from_the_command_line_shows_its_progress_once(tmp_path):
-    args = ["model=tiny", "trainer.workers=2", "trainer.threads=1", "trainer.budget_tokens=null"]
-    args += ["trainer.max_steps=3", "trainer.eval_tokens=1024", "hydra.run.dir=run"]
-    proc = run_cli(args, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    both = proc.stdout + proc.stderr
-    # rank 0's lines reach the terminal once: Ray Train's print patch also logged each
-    # one to stderr, and it logged every report's metrics dict there too
-    for line in ("run: 3 steps x 8192 tokens (accum 4, workers 2)", "step     3/3 | val bpb"):
-        assert both.count(line) == 1, both[-3000:]
-    assert "Reporting training result" not in both and "Requesting resources" not in both
-    # nor Ray's core worker's error about the preemption watcher a local cluster has no use for
-    assert "core_worker.cc" not in both and "PreemptionWatcher" not in both, both[-3000:]
-    result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert result["status"] == "completed" and (result["steps"], result["workers"]) == (3, 2)
-    # the larger rank's peak (an all-reduce at each report): a process with torch and a model
-    peak, at_last_report = result["peak_memory_gib"], result["history"][-1]["peak_memory_gib"]
-    assert 0.1 < at_last_report <= peak < 8  # the run's peak is read after its last report
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("completed: val_bpb ") and ", peak memory " in last, last
-    assert last.endswith(", curves.png") and (tmp_path / "run" / "curves.png").is_file()
-    # rank 0's evaluations reach the driver's one MLflow run
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    run_id = json.loads((tmp_path / "run" / "mlflow_run.json").read_text())["run_id"]
-    assert client.get_run(run_id).info.status == "FINISHED"
-    logged = [(m.step, m.value) for m in client.get_metric_history(run_id, "val_bpb")]
-    assert logged == [(3, pytest.approx(result["val_bpb"]))]
-
-
 def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_path):
     # the command a user types (no cluster of the tests': it starts its own). Each rank's
     # embedding output is 73 GiB, over the 64 GiB of address space given to the command
@@ -248,7 +201,8 @@ def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_pa
 def test_an_interrupted_two_rank_run_goes_on_from_rank_0s_checkpoint(tmp_path):
     """Rank 0 keeps a single run's checkpoint in its run dir (not in Ray's storage), and
     `trainer.resume=true` starts both ranks from it: the run's losses are those of one
-    rank training the same global batch straight through."""
+    rank training the same global batch straight through. The resumed command's output is
+    a two-rank run's as a user sees it: rank 0's lines once, none of Ray's noise."""
     from sweeper.config.schema import load_run_config
 
     from .test_run_resume import _interrupt_after_first_checkpoint
@@ -282,8 +236,22 @@ def test_an_interrupted_two_rank_run_goes_on_from_rank_0s_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout + proc.stderr
     assert f"resumed at step {step}/{steps} from a checkpoint" in said, said[-3000:]
+    # rank 0's lines reach the terminal once: Ray Train's print patch also logged each
+    # one to stderr, and it logged every report's metrics dict there too
+    run_line = f"run: {steps} steps x 2048 tokens (accum 1, workers 2)"
+    for line in (run_line, f"step {steps:5d}/{steps} | val bpb"):
+        assert said.count(line) == 1, said[-3000:]
+    assert "Reporting training result" not in said and "Requesting resources" not in said
+    # nor Ray's core worker's error about the preemption watcher a local cluster has no use for
+    assert "core_worker.cc" not in said and "PreemptionWatcher" not in said, said[-3000:]
     resumed = json.loads((tmp_path / "run" / "result.json").read_text())
     assert resumed["status"] == "completed" and resumed["workers"] == 2
+    # the larger rank's peak (an all-reduce at each report): a process with torch and a model
+    peak, at_last_report = resumed["peak_memory_gib"], resumed["history"][-1]["peak_memory_gib"]
+    assert 0.1 < at_last_report <= peak < 8  # the run's peak is read after its last report
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("completed: val_bpb ") and ", peak memory " in last, last
+    assert last.endswith(", curves.png") and (tmp_path / "run" / "curves.png").is_file()
     one_rank = compose([*args, "trainer.workers=1", "trainer.budget_tokens=null"])
     straight = train(load_run_config(one_rank), verbose=False)
     assert resumed["loss_trace"] == pytest.approx(straight["loss_trace"], rel=1e-4)
