@@ -32,12 +32,12 @@ def sweep(tmp_path: Path, *overrides: str) -> dict:
     return json.loads((tmp_path / "summary.json").read_text())
 
 
-# Every searcher and every scheduler once, and HyperBand with one bracket and with two;
-# every allowed pair runs through Tune in test_algorithms.py::test_tuner_end_to_end.
+# Every searcher and every scheduler once (FIFO: each sweep's batch-size grid stage), and
+# HyperBand with one bracket and with two; every allowed pair runs through Tune in
+# test_algorithms.py::test_tuner_end_to_end.
 PAIRS = [
     ("random", "asha"),
     ("tpe", "hyperband"),
-    ("gp", "fifo"),
     ("gp", "hyperband"),
     ("bohb", "bohb"),
 ]
@@ -63,12 +63,12 @@ def test_every_searcher_and_scheduler_runs_the_real_trainable(
     assert 0 < lr_stage["best_value"] < 8.0
     assert summary["best"]["overrides"]
     # the default grace of a quarter: ASHA's rungs, or HyperBand's rounded to a third
-    header = next(line for line in capsys.readouterr().out.splitlines() if "[lr] " in line)
-    if scheduler == "fifo":
-        assert "rungs" not in header, header
-    else:
-        stops = "25%, 75%" if scheduler == "asha" else "33%"
-        assert f"rungs at {stops} of it" in header, header
+    out = capsys.readouterr().out.splitlines()
+    header = next(line for line in out if "[lr] " in line)
+    stops = "25%, 75%" if scheduler == "asha" else "33%"
+    assert f"rungs at {stops} of it" in header, header
+    fifo_header = next(line for line in out if line.startswith("[batch_size] grid search, fifo"))
+    assert "rungs" not in fifo_header, fifo_header
     assert ("1 of its 2 brackets" in header) == one_bracket, header
     # 16 steps, reports every 4: HyperBand's rung at a third (5.3 steps) is evaluated at
     # step 6, in place of 8, so a trial it pauses there has trained nothing past it
@@ -1110,37 +1110,33 @@ def test_a_users_function_that_reports_nan_ends_as_diverged(ray_cluster, tmp_pat
     assert "baseline (the unmodified config) diverged under the same budget" in out
 
 
-@pytest.mark.parametrize(
-    ("scheduler", "every"),
-    [
-        ("fifo", ""),  # ranks a trial's last report: the trial runs on, reports and all
-        # ranks every report, which Ray refuses without the metric: the trial ends there
-        ("asha", " in every report, which the asha scheduler ranks"),
-    ],
-)
-def test_a_users_function_that_never_reports_the_metric_stops_the_sweep(
-    ray_cluster, tmp_path, scheduler, every
-):
+# under ASHA, which ranks every report: test_the_command_names_a_missing_metric_in_one_line...
+def test_a_users_function_that_never_reports_the_metric_stops_the_sweep(ray_cluster, tmp_path):
+    """FIFO ranks a trial's last report: the trials run on, reports and all, and the stage
+    ends with the error naming what they did report."""
     from sweeper.sweep.runner import MetricNotReported
 
     message = (
-        f"no trial of stage 'lr' reported val_bpb (sweep.metric){every}; their reports held "
-        "loss, step: report val_bpb from tests.user_functions.reports_its_own_loss"
-        f"{' each time' if every else ''}, or rank by one of these with sweep.metric=NAME"
+        "no trial of stage 'lr' reported val_bpb (sweep.metric); their reports held "
+        "loss, step: report val_bpb from tests.user_functions.reports_its_own_loss, "
+        "or rank by one of these with sweep.metric=NAME"
     )
     with pytest.raises(MetricNotReported, match=re.escape(message)):
         sweep(
             tmp_path,
             "trainable._target_=tests.user_functions.reports_its_own_loss",
             "sweep.stages.0.num_samples=2",
-            f"sweep.stages.0.scheduler={scheduler}",
+            "sweep.stages.0.scheduler=fifo",
             "sweep.stages.1.params.trainer.total_batch_size.grid=[512,1024]",
         )
     state = json.loads((tmp_path / "sweep_state.json").read_text())
     assert [s["name"] for s in state["stages"]] == []  # stopped before the next stage
-    # ranked by what it does report, the same function sweeps
+
+
+def test_a_users_function_is_ranked_by_the_metric_it_reports(ray_cluster, tmp_path):
+    """The function of the test above sweeps once sweep.metric names what it reports."""
     summary = sweep(
-        tmp_path / "by_loss",
+        tmp_path,
         "trainable._target_=tests.user_functions.reports_its_own_loss",
         "sweep.metric=loss",
         "sweep.stages.0.num_samples=2",
@@ -1210,6 +1206,8 @@ def test_the_command_names_a_missing_metric_in_one_line_under_the_default_schedu
         "tests.user_functions.reports_its_own_loss each time, or rank by one of these with "
         "sweep.metric=NAME"
     )
+    state = json.loads((tmp_path / "run" / "sweep_state.json").read_text())
+    assert state["stages"] == []  # stopped before the next stage
 
 
 REFUSED = [
