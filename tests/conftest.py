@@ -55,8 +55,11 @@ def run_cli(
 ):
     """`python -m <module> args` in `cwd`, like a user would; returns CompletedProcess.
     `memory_limit` (bytes of address space) makes the process a machine with that much;
-    `env`: variables set on top of this one's."""
-    env = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO / "src"))
+    `env`: variables set on top of this one's. The tests' own functions
+    (`trainable._target_=tests.X.fn`) import from any `cwd`."""
+    env = dict(
+        os.environ, **(env or {}), PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src")])
+    )
     env["RAY_USAGE_STATS_ENABLED"] = "0"
 
     def limit_memory():

@@ -1172,8 +1172,7 @@ def test_a_stage_worse_than_its_start_freezes_nothing(ray_cluster, tmp_path, cap
     assert "trainer.total_batch_size=512, stage 'lr'): that config is kept" in out
     # the reproduce line runs the function once on the best config: the same value
     again = tmp_path / "again"
-    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}  # not the checkout's
-    proc = run_cli([*overrides, f"hydra.run.dir={again}"], cwd=REPO, env=store)
+    proc = run_cli([*overrides, f"hydra.run.dir={again}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "report 4: val_bpb=" in proc.stdout
     assert "[mlflow] run " in proc.stdout  # it is tracked, as the sweep's trials were
@@ -1184,7 +1183,6 @@ def test_a_stage_worse_than_its_start_freezes_nothing(ray_cluster, tmp_path, cap
 def test_the_command_names_a_missing_metric_in_one_line_under_the_default_scheduler(tmp_path):
     """Under ASHA (+sweep=lr's default), Ray's own check of the first report without the
     metric ended the command with its traceback (exit 1, 74 lines)."""
-    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}  # not the checkout's
     args = [
         "+sweep=lr",
         "trainable._target_=tests.user_functions.reports_its_own_loss",
@@ -1192,7 +1190,7 @@ def test_the_command_names_a_missing_metric_in_one_line_under_the_default_schedu
         "sweep.baseline=false",
         f"hydra.run.dir={tmp_path}/run",
     ]
-    proc = run_cli(args, cwd=REPO, env=store, timeout=300)
+    proc = run_cli(args, cwd=tmp_path, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "Trials did not complete" not in proc.stderr  # each trial's own FAILED line said it
@@ -1760,7 +1758,6 @@ def test_the_time_cap_stops_a_baseline_that_would_not_end(tmp_path):
     """The baseline trains in a slot a stage leaves idle; the cap stops it too (a sweep of a
     function that hangs waited on it for ever: run as a command, so that the test fails
     with a timeout rather than hang)."""
-    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
     args = [
         *TINY,
         "trainable._target_=tests.user_functions.hangs_after_a_report",
@@ -1771,7 +1768,7 @@ def test_the_time_cap_stops_a_baseline_that_would_not_end(tmp_path):
         "sweep.stages.0.num_samples=1",
         f"hydra.run.dir={tmp_path}/run",
     ]
-    proc = run_cli(args, cwd=REPO, env=store, timeout=240)
+    proc = run_cli(args, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["baseline"] is None
     assert "baseline: sweep.max_seconds=10 ran out before it finished" in proc.stdout
