@@ -100,43 +100,43 @@ def three_nodes():
                 marker.write_text(saved)
 
 
-def test_trials_run_on_several_nodes_and_write_to_one_run_dir(three_nodes, tmp_path, capsys):
-    import ray
-
-    cfg = compose(
-        [
-            *TINY_SWEEP,
-            "sweep.baseline=false",
-            "sweep.stages.0.num_samples=4",
-            "sweep.stages.0.scheduler=fifo",  # every trial runs its whole budget
-            "sweep.concurrency=3",
-            # not the LR stage's batch (512), whose point would replay that run, untrained
-            "sweep.stages.1.params.trainer.total_batch_size.grid=[2048]",
-            f"ray.address={three_nodes.address}",
-            "mlflow.enabled=false",
-        ]
-    )
-    run_sweep(build_plan(cfg), str(tmp_path))  # start_ray joins the cluster: no ray.init here
-    assert f"ray: joined {three_nodes.address} with 3 CPUs" in capsys.readouterr().out
-    nodes = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
-    assert len(nodes) == 3 and set(WORKER_IPS) <= nodes
-
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [stage["trials"] for stage in summary["stages"]] == [4, 1]
-    results = trial_results(tmp_path)
-    assert len(results) == 5  # every trial of both stages, wherever it ran, in this run dir
-    where = {trial: reports[-1]["node_ip"] for trial, reports in results.items()}
-    lr_nodes = {ip for trial, ip in where.items() if trial.startswith("stage0_lr/")}
-    print(f"trial -> node: {where}")
-    assert set(where.values()) <= nodes
-    assert len(lr_nodes) >= 2 and lr_nodes & set(WORKER_IPS), where
-    for trial, reports in results.items():
-        assert reports[-1]["status"] == "completed", trial
-        # the checkpoints a trial wrote on its node are in the shared run dir as well
-        assert list((tmp_path / "ray" / trial).glob("checkpoint_*")), trial
+def start_node(temp: str, log: Path, *args: str) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [
+                RAY,
+                "start",
+                "--num-cpus=1",
+                "--disable-usage-stats",
+                f"--temp-dir={temp}",
+                # every port of this cluster its own, beside other Ray clusters of the machine
+                f"--dashboard-agent-listen-port={free_port()}",
+                *args,
+                "--block",  # ends, with every process it started, at SIGTERM
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
-def test_a_sweep_joins_a_cluster_started_with_ray_start(tmp_path, monkeypatch):
+def stop_node(node: subprocess.Popen) -> None:
+    node.send_signal(signal.SIGTERM)
+    try:
+        node.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+
+
+# one sweep proves both: it joins a cluster started with `ray start` (a head and two worker
+# nodes, one CPU each: three trials at once need all three), and its trials run on several
+# nodes and write to one run dir
+def test_a_sweep_joins_a_ray_start_cluster_and_its_trials_run_on_several_nodes_into_one_run_dir(
+    tmp_path, monkeypatch
+):
+    if not sys.platform.startswith("linux"):
+        pytest.skip("worker nodes on 127.0.0.2/3 need Linux's loopback")
     port = free_port()
     # Ray's unix sockets live under the temp dir: it must be short (pytest's tmp_path is not)
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
@@ -144,35 +144,39 @@ def test_a_sweep_joins_a_cluster_started_with_ray_start(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    head_log = tmp_path / "ray_start.log"
-    with head_log.open("w") as log:
-        head = subprocess.Popen(
-            [
-                RAY,
-                "start",
-                "--head",
-                f"--port={port}",
-                "--num-cpus=2",
-                "--include-dashboard=false",
-                "--disable-usage-stats",
-                f"--temp-dir={temp}",
-                # every port of this cluster its own, beside other Ray clusters of the machine
-                f"--dashboard-port={free_port()}",
-                f"--dashboard-agent-listen-port={free_port()}",
-                f"--ray-client-server-port={free_port()}",
-                "--block",  # ends, with every process it started, at SIGTERM
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    nodes = [
+        start_node(
+            temp,
+            tmp_path / "ray_start.log",
+            "--head",
+            f"--port={port}",
+            "--include-dashboard=false",
+            f"--dashboard-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
         )
+    ]
     try:
-        wait_for_port(port, 60, head)
+        wait_for_port(port, 60, nodes[0])
+        for ip in WORKER_IPS:  # one at a time: a node not up in 30 s fails (a loaded machine)
+            log = tmp_path / f"ray_start_{ip}.log"
+            nodes.append(
+                start_node(temp, log, f"--address=127.0.0.1:{port}", f"--node-ip-address={ip}")
+            )
+            deadline = time.monotonic() + 60
+            while "Ray runtime started" not in log.read_text():
+                up = nodes[-1].poll() is None and time.monotonic() < deadline
+                assert up, log.read_text()[-3000:]
+                time.sleep(0.2)
         run_dir = tmp_path / "run"
         proc = run_cli(
             [
                 *TINY_SWEEP,
-                "sweep.stages.1.params.trainer.total_batch_size.grid=[512]",
+                "sweep.baseline=false",
+                "sweep.stages.0.num_samples=4",
+                "sweep.stages.0.scheduler=fifo",  # every trial runs its whole budget
+                "sweep.concurrency=3",
+                # not the LR stage's batch (512), whose point would replay that run, untrained
+                "sweep.stages.1.params.trainer.total_batch_size.grid=[2048]",
                 "ray.address=auto",  # found through RAY_ADDRESS, as `ray start` says
                 "mlflow.enabled=false",
                 f"hydra.run.dir={run_dir}",
@@ -182,27 +186,32 @@ def test_a_sweep_joins_a_cluster_started_with_ray_start(tmp_path, monkeypatch):
             env={"RAY_ADDRESS": f"127.0.0.1:{port}"},
         )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        # auto joins whichever cluster Ray finds: the line names it
+        # auto joins whichever cluster Ray finds: the line names it, with all three nodes' CPUs
         # (at the node's own IP, which Ray's GCS listens on)
-        assert re.search(rf"ray: joined auto \(at [\d.]+:{port}\) with 2 CPUs", proc.stdout)
+        joined = re.search(rf"ray: joined auto \(at ([\d.]+):{port}\) with 3 CPUs", proc.stdout)
+        assert joined, proc.stdout[-2000:]
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert [stage["trials"] for stage in summary["stages"]] == [2, 1]
+        assert [stage["trials"] for stage in summary["stages"]] == [4, 1]
         results = trial_results(run_dir)
-        assert len(results) == 3
+        assert len(results) == 5  # every trial of both stages, wherever it ran, in this run dir
+        where = {trial: reports[-1]["node_ip"] for trial, reports in results.items()}
+        lr_nodes = {ip for trial, ip in where.items() if trial.startswith("stage0_lr/")}
+        print(f"trial -> node: {where}")
+        assert set(where.values()) <= {joined.group(1), *WORKER_IPS}, where
+        assert len(lr_nodes) >= 2 and lr_nodes & set(WORKER_IPS), where
         # the trials' processes were workers of that cluster: their logs are in its temp dir
         logs = {p.name for p in Path(temp).glob("session_*/logs/worker-*")}
         for trial, reports in results.items():
+            assert reports[-1]["status"] == "completed", trial
+            # the checkpoints a trial wrote on its node are in the shared run dir as well
+            assert list((run_dir / "ray" / trial).glob("checkpoint_*")), trial
             pid = reports[-1]["pid"]
             assert any(name.endswith(f"-{pid}.out") for name in logs), (trial, pid)
         # and the driver did not start a cluster of its own
         assert len(list(Path(temp).glob("session_2*"))) == 1
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+        for node in reversed(nodes):
+            stop_node(node)
         shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -120,34 +120,45 @@ def _one_mlflow_run_per_trial_none_running(tmp_path: Path, records: list[dict]) 
     assert sum(r.data.tags.get("role") == "sweep" for r in runs) == 1
 
 
-def _ray_processes() -> int:
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return sum(1 for line in ps.splitlines() if "raylet" in line or "gcs_server" in line)
-
-
-def test_driver_killed_mid_sweep_resumes_without_rerunning_finished_trials(tmp_path):
-    before = _ray_processes()
-    proc = _start(tmp_path)
-    _wait_for_finished_trials(tmp_path, proc, 3)
-    # trials finished by now have had 2 s for the driver to record them (it saves its state
-    # once a second); one that finishes in the last seconds may be lost with the driver
-    finished = _finished(_executions(tmp_path))
-    time.sleep(2.0)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 30  # Ray's processes share the driver's fate
-    while _ray_processes() > before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _ray_processes() <= before
-    _resume_and_check(tmp_path, finished)
+def _ray_processes(driver: int) -> int:
+    """The driver's own cluster's: its session dir ends in the driver's pid (other sweeps
+    may run on this machine)."""
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    return sum(
+        1
+        for line in ps.splitlines()
+        if ("raylet" in line or "gcs_server" in line) and f"_{driver}/" in line
+    )
 
 
 # SIGTERM is `kill`'s and `docker stop`'s signal: before it was handled like Ctrl+C, the
 # driver died at once with Ray's dump of its native stack and no word on how to resume.
-# Ctrl+C's own run is the interrupted ASHA and BOHB stages' below.
-def test_sigterm_stops_cleanly_as_ctrl_c_does_and_resume_loses_nothing(tmp_path):
-    finished = _interrupt_after_finished_trials(tmp_path, sig=signal.SIGTERM)
-    _resume_and_check(tmp_path, finished)
+# Ctrl+C's own run is the interrupted ASHA and BOHB stages' below. One sweep takes both
+# interruptions (one interrupt and resume fewer): SIGTERM, then its resume is SIGKILLed, and
+# the last resume must lose and repeat nothing of either.
+def test_sigterm_stops_cleanly_as_ctrl_c_does_and_a_killed_driver_resumes_losing_and_rerunning_nothing(
+    tmp_path,
+):
+    stopped = _interrupt_after_finished_trials(tmp_path, sig=signal.SIGTERM)
+    started = {trial for trial, _ in _executions(tmp_path)}  # cut short ones start over
+    proc = _start(tmp_path, "sweep.resume=true")
+    _wait_for_finished_trials(tmp_path, proc, 6)
+    # trials finished by now have had 2 s for the driver to record them (it saves its state
+    # once a second); one that finishes in the last seconds may be lost with the driver
+    finished = _finished(_executions(tmp_path))
+    time.sleep(2.0)
+    assert _ray_processes(proc.pid) >= 2  # its GCS and raylet
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30  # Ray's processes share the driver's fate
+    while _ray_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _ray_processes(proc.pid) == 0
+    at_kill = _executions(tmp_path)
+    _resume_and_check(tmp_path, stopped | (finished - started))
+    # and not one step of a trial finished before the kill ran after it
+    after = _executions(tmp_path) - at_kill
+    assert not [key for key in after if key[0] in finished], after
 
 
 def test_a_failing_trial_is_retried_from_checkpoint_and_a_buggy_one_is_not_retried_forever(
