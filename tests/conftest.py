@@ -96,7 +96,8 @@ def run_cli_into_closed_pipe(args: list[str], cwd: Path, module: str = "sweeper"
         os.close(write_end)
 
 
-# a sweep of a few seconds per trial: tiny model, tiny budget, tiny eval
+# a sweep of a few seconds per trial: tiny model, tiny budget, tiny eval; the fit's
+# bootstrap is left to the one sweep that checks it (test_compare.py's smoke sweep)
 TINY_SWEEP = [
     "+sweep=smoke",
     "sweep.budget.tokens_per_trial=8192",
@@ -104,6 +105,7 @@ TINY_SWEEP = [
     "trainer.eval_tokens=1024",
     "trainer.total_batch_size=512",
     "sweep.baseline=false",
+    "fit.bootstrap=0",
 ]
 
 

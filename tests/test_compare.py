@@ -233,6 +233,10 @@ def test_a_smoke_sweep_then_compare_in_the_same_directory(tmp_path):
     for noise in (*noises, "Creating initial MLflow database tables", "INFO mlflow", "[INFO]"):
         assert noise not in proc.stdout + proc.stderr, noise
     assert (tmp_path / "mlflow.db").is_file()
+    # the fit's frontier with conf/config.yaml's bootstrap refits and their 95% band
+    (fit,) = tmp_path.glob("outputs/*/*/fit.json")  # Hydra's default run dir
+    frontier = json.loads(fit.read_text())["frontier"]
+    assert frontier["bootstrap"]["n_boot"] == 200 and frontier["bootstrap"]["band"]["lo"]
     proc = run_cli([], cwd=tmp_path, timeout=60, module="sweeper.compare")
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
