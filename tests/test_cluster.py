@@ -476,9 +476,11 @@ def worker_reaches_its_own_clusters_state_api():
 
 @pytest.mark.parametrize("gpus", ["1", "0.5"])
 def test_a_sweep_that_needs_gpus_on_a_cluster_without_one_is_refused_before_any_trial(
-    three_nodes, tmp_path, gpus
+    three_nodes, tmp_path, capsys, gpus
 ):
+    import ray
 
+    ray.shutdown()  # the sweep joins the cluster itself, as a new driver does
     asks = [f"sweep.gpus_per_trial={gpus}", "trainer.device=cuda"]
     cfg = compose(
         [*TINY_SWEEP, *asks, f"ray.address={three_nodes.address}", "mlflow.enabled=false"]
@@ -490,3 +492,7 @@ def test_a_sweep_that_needs_gpus_on_a_cluster_without_one_is_refused_before_any_
         "join one with GPUs, or train on CPU"
     )
     assert not (tmp_path / "ray").exists()  # no trial started
+    # it had joined the cluster at the address given, all three nodes of it
+    assert f"ray: joined {three_nodes.address} with 3 CPUs" in capsys.readouterr().out
+    nodes = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
+    assert len(nodes) == 3 and set(WORKER_IPS) <= nodes
