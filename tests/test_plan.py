@@ -29,7 +29,7 @@ from sweeper.sweep.state import SweepState
 from sweeper.text import flops_text
 from sweeper.train.budget import model_counts, planned_flops
 
-from .conftest import REPO, run_cli
+from .conftest import REPO, run_cli, run_main
 
 PLAN = ["sweep.dry_run=true", "mlflow.enabled=false"]
 
@@ -39,7 +39,7 @@ def files_under(path: Path) -> list[str]:
 
 
 def test_the_plan_of_lr_bs_counts_its_trials_and_flops_and_nothing_is_written(tmp_path):
-    proc = run_cli(["+sweep=lr_bs", "ray.num_cpus=4", *PLAN], cwd=tmp_path, timeout=60)
+    proc = run_main(["+sweep=lr_bs", "ray.num_cpus=4", *PLAN], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     # what the trials would train, from the model's shape and the budget
@@ -108,7 +108,7 @@ def test_a_resumed_sweep_plans_only_what_is_left_from_the_config_its_stages_left
     state.finish_stage("lr", [], {}, None, left, 10.0)
     before = {p: p.read_bytes() for p in run_dir.iterdir()}
     args = ["+sweep=lr_bs", f"hydra.run.dir={run_dir}", "sweep.resume=true", *PLAN]
-    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    proc = run_main(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "stage lr          finished in the run dir: skipped (sweep.resume=true)" in out
@@ -129,7 +129,7 @@ def test_a_resumed_sweep_plans_only_what_is_left_from_the_config_its_stages_left
 
 
 def test_the_plan_says_how_asha_decides_at_its_rungs(tmp_path):
-    proc = run_cli(["+sweep=lr", *PLAN], cwd=tmp_path, timeout=60)
+    proc = run_main(["+sweep=lr", *PLAN], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "of its budget (keeps the best 1/3 at each)" in proc.stdout, proc.stdout
 
@@ -148,7 +148,7 @@ def test_a_users_function_has_its_trials_planned_and_no_flops(tmp_path):
 
 def test_a_stages_given_points_are_in_its_plan(tmp_path):
     points = "+sweep.stages.0.points=[base,{optimizer.matrix_lr:0.03}]"
-    proc = run_cli(["+sweep=smoke", points, *PLAN], cwd=tmp_path, timeout=60)
+    proc = run_main(["+sweep=smoke", points, *PLAN], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("  stage lr "))
@@ -161,7 +161,7 @@ def test_a_stages_given_points_are_in_its_plan(tmp_path):
 
 
 def test_a_multirun_plans_each_of_its_sweeps(tmp_path):
-    proc = run_cli(["-m", "+sweep=smoke,lr", *PLAN], cwd=tmp_path, timeout=60)
+    proc = run_main(["-m", "+sweep=smoke,lr", *PLAN], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("the plan (sweep.dry_run=true") == 2
     assert "sweep 'smoke'" in proc.stdout and "sweep 'lr'" in proc.stdout
@@ -169,7 +169,7 @@ def test_a_multirun_plans_each_of_its_sweeps(tmp_path):
 
 
 def test_a_bad_dry_run_value_is_one_line(tmp_path):
-    proc = run_cli(["+sweep=smoke", "sweep.dry_run=maybe"], cwd=tmp_path, timeout=60)
+    proc = run_main(["+sweep=smoke", "sweep.dry_run=maybe"], tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: sweep.dry_run: Value 'maybe' is not a valid bool (type str)"
@@ -259,7 +259,7 @@ def test_the_readmes_example_sweep_file_plans_as_its_comments_say(tmp_path):
     (tmp_path / "mine" / "sweep").mkdir(parents=True)
     (tmp_path / "mine" / "sweep" / "my_sweep.yaml").write_text(example)
     args = [f"hydra.searchpath=[file://{tmp_path}/mine]", "+sweep=my_sweep", *PLAN]
-    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    proc = run_main(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "sweep 'my_sweep': the plan" in out
@@ -273,7 +273,7 @@ def test_the_readmes_example_sweep_file_plans_as_its_comments_say(tmp_path):
 def test_the_dry_run_says_when_it_does_not_time_and_times_nothing_for_a_finished_sweep(tmp_path):
     # a model whose few probe steps would cost more than a dry run spends
     args = ["+sweep=lr_bs", "model.depth=8", *PLAN]
-    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    proc = run_main(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "(not timed: a few steps of this model train over 2e12 FLOPs" in proc.stdout
     assert "time: ~" not in proc.stdout and "training FLOPs" in proc.stdout
@@ -287,7 +287,7 @@ def test_the_dry_run_says_when_it_does_not_time_and_times_nothing_for_a_finished
         state.finish_stage(stage.name, [], {}, None, base, 10.0)
     state.set_baseline({"value": 3.0, "status": "completed"})
     args = ["+sweep=lr_bs", f"hydra.run.dir={run_dir}", "sweep.resume=true", *PLAN]
-    proc = run_cli(args, cwd=tmp_path, timeout=60)
+    proc = run_main(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "timing" not in proc.stdout and "time: ~" not in proc.stdout
     assert "in all: at most 0 runs, 0 training FLOPs" in proc.stdout
