@@ -163,7 +163,9 @@ def test_a_save_longer_than_the_timeout_does_not_fail_a_two_rank_run(ray_cluster
     trainer.dist_timeout_s (there for hung ranks) must not end the run."""
     from sweeper.config.schema import load_run_config
 
-    trainer = {"workers": 2, "dist_timeout_s": 5, "total_batch_size": 1024, "max_steps": 2}
+    # 15 s, not less: on a loaded machine the two ranks reach DDP's first collective (the
+    # check of the model's shapes) seconds apart, and a shorter timeout failed the run there
+    trainer = {"workers": 2, "dist_timeout_s": 15, "total_batch_size": 1024, "max_steps": 2}
     run = load_run_config(tiny(trainer=trainer | {"eval_every": 2, "checkpoint_every_eval": True}))
     train_ddp(
         run.to_dict(),
