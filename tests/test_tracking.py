@@ -846,9 +846,9 @@ SINGLE = ["model=tiny", "trainer.max_steps=6", "trainer.eval_every=2", "trainer.
 SINGLE += ["trainer.total_batch_size=512", "trainer.device_batch_size=8"]
 
 
-def single_run(client, run_dir: Path):
+def single_run(client, run_dir: Path, experiment: str = "sweeper"):
     """The MLflow run of the single run in `run_dir` (there must be exactly one)."""
-    experiment = client.get_experiment_by_name("sweeper")
+    experiment = client.get_experiment_by_name(experiment)
     runs = client.search_runs(
         [experiment.experiment_id], f"tags.run_dir = '{run_dir.resolve()}' and tags.role = 'run'"
     )
@@ -1096,19 +1096,21 @@ def test_a_single_run_on_a_server_is_one_mlflow_run_and_compare_runs_lists_them_
 
     from sweeper.report.runs_plot import run_curves
 
-    at = ["--tracking-uri", mlflow_server]  # the compare commands' store
+    # an experiment of their own on the module's server: other tests' runs are not listed
+    at = ["--tracking-uri", mlflow_server, "--experiment", "compared"]
     runs = {
         "low": ["optimizer.matrix_lr=0.005", "trainer.checkpoint_every_eval=true"],
         "run": [],  # the default LR (0.02), run last
     }
     for name, extra in runs.items():
         proc = run_cli(
-            [*SINGLE, *extra, f"mlflow.tracking_uri={mlflow_server}", f"hydra.run.dir={name}"],
+            [*SINGLE, *extra, f"mlflow.tracking_uri={mlflow_server}", "mlflow.experiment=compared"]
+            + [f"hydra.run.dir={name}"],
             tmp_path,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
     client = MlflowClient(mlflow_server)
-    run = single_run(client, tmp_path / "run")
+    run = single_run(client, tmp_path / "run", "compared")
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert run.info.status == "FINISHED" and run.data.tags["status"] == "completed"
     assert run.data.tags["git_commit"] and run.info.run_name == "run-run"
@@ -1176,7 +1178,7 @@ def test_a_single_run_on_a_server_is_one_mlflow_run_and_compare_runs_lists_them_
     assert plotted.returncode == 0, plotted.stderr
     assert plotted.stdout.strip().splitlines()[-1] == "val_bpb curves of 2 of them -> runs.png"
     assert (tmp_path / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    logged = {name: single_run(client, tmp_path / name) for name in runs}
+    logged = {name: single_run(client, tmp_path / name, "compared") for name in runs}
     axis, curves = run_curves(client, list(logged.values()))
     assert axis == "tokens"
     for name in runs:
