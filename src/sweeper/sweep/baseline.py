@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import tempfile
 import time
 
 from sweeper.sweep.plan import SweepPlan
@@ -40,9 +42,6 @@ def _train_once(base: dict, metric: str, target: str | None, threads: int, gpus:
 
     base = placed(base, threads, gpus)  # as a trial is: the comparison is like for like
     if base["trainer"]["workers"] > 1:
-        import json
-        import tempfile
-
         from sweeper.train.distributed import train_ddp
 
         with tempfile.TemporaryDirectory() as folder:

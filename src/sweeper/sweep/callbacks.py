@@ -10,6 +10,12 @@ from pathlib import Path
 
 from ray import tune
 
+from sweeper.config.schema import load_run_config
+from sweeper.sweep.results import error_summary
+from sweeper.sweep.space import to_builtin
+from sweeper.sweep.stages import sweep_run
+from sweeper.train.budget import planned_flops
+
 # seconds without a progress line, while trials run, after which one is printed anyway: a
 # stage's first trial can take minutes on a slow CPU, and silence reads as a hang
 HEARTBEAT_S = 60.0
@@ -18,12 +24,11 @@ HEARTBEAT_S = 60.0
 class ProgressCallback(tune.Callback):
     """One line per finished trial, and one after `heartbeat` seconds without a line while
     trials run: done (pruned, diverged, failed), running, paused, best so far, ETA. The ETA
-    is the training left at the rate trained since the stage's first trial started. It
-    counts trials, or, given `costs` (`GridCosts`), compute: a grid over budgets or model
-    sizes has trials 10x apart in cost. Counting trials, the ones still running count by
-    how far along their budget they are (`clock`: the time axis and one trial's budget on
-    it): the first line of a stage that starts trials two at a time would otherwise take 1
-    trial in its elapsed time where nearly 2 were trained."""
+    is the training left at the rate trained since the stage's first trial started, counted
+    in trials, or given `costs` (`GridCosts`) in compute, as a grid over budgets or model
+    sizes has trials 10x apart in cost. A running trial counts by how far along its budget
+    it is (`clock`: the time axis and a trial's budget on it), or two trials started at
+    once would count as none trained."""
 
     def __init__(
         self,
@@ -105,8 +110,7 @@ class ProgressCallback(tune.Callback):
     def on_trial_complete(self, iteration, trials, trial, **info):
         if trial.trial_id in self.counted:  # Tune ends some restored trials a second time
             return
-        result = trial.last_result or {}
-        if source := result.get("reused_from"):
+        if source := (trial.last_result or {}).get("reused_from"):
             self.replayed += 1
             print(
                 f"[{self.stage}] trial {trial.trial_id} repeats the run {source} trained "
@@ -122,10 +126,11 @@ class ProgressCallback(tune.Callback):
         status = result.get("status")
         if status == "diverged":
             self.values.pop(trial.trial_id, None)
-        if status not in ("completed", "diverged"):
+            return status
+        if status != "completed":
             status = "completed" if status is None and result.get("done") else "pruned"
         value = result.get(self.metric)
-        if status != "diverged" and self._keep(trial.trial_id, value) and status == "completed":
+        if self._keep(trial.trial_id, value) and status == "completed":
             self.finished[trial.trial_id] = value
         return status
 
@@ -145,13 +150,10 @@ class ProgressCallback(tune.Callback):
         if self.look_back:
             self.look_back = False
             for trial in trials:
-                if trial.trial_id not in self.counted and trial.status in (
-                    trial.TERMINATED,
-                    trial.ERROR,
-                ):
+                ended = trial.status in (trial.TERMINATED, trial.ERROR)
+                if ended and trial.trial_id not in self.counted:
                     ending = "failed" if trial.status == trial.ERROR else self._ending(trial)
-                    self.counts[ending] += 1
-                    self.counted.add(trial.trial_id)
+                    self._count(trial, ending)
                     self.replayed += 1
         # Tune calls this after each step of its loop (many a second): a clock check only
         if time.time() - self.last_line >= self.heartbeat and any(
@@ -159,9 +161,12 @@ class ProgressCallback(tune.Callback):
         ):
             self._line(trials, finished=None)
 
-    def _finish(self, trial, trials, status: str) -> None:
+    def _count(self, trial, status: str) -> None:
         self.counts[status] += 1
         self.counted.add(trial.trial_id)
+
+    def _finish(self, trial, trials, status: str) -> None:
+        self._count(trial, status)
         self._line(trials, finished=trial)
 
     def _line(self, trials, finished) -> None:
@@ -219,13 +224,11 @@ IDLE_WORK: dict[str, Callable[[str], None]] = {}
 
 class MarksStopped(tune.Callback):
     """Writes status "pruned" into the result on which a scheduler or a stopper ended a
-    user's function before its budget (`clock`: the stage's time attribute and budget).
-    sweeper's own training says in every report whether it is running or done; a user's
-    function says nothing, and Ray sets the same `done` on the result a scheduler stops
-    as on one that ended the function's own run. Tune calls callbacks with a stopped
-    trial's result (which they may change; it becomes the trial's last result) but not
-    with the copy it makes when a function returns by itself, so a `done` seen here is
-    a stop. One at the budget (ASHA's stop at max_t) is a run that trained it all."""
+    user's function before its budget (`clock`: the stage's time attribute and budget),
+    as a user's function, unlike sweeper's training, reports no status. Tune calls
+    callbacks with a stopped trial's result (which becomes its last result) but not with
+    the one it makes when a function returns, so a `done` seen here is a stop; one at the
+    budget (ASHA's stop at max_t) is a run that trained it all."""
 
     def __init__(self, clock: tuple[str, float]):
         self.clock = clock
@@ -239,10 +242,9 @@ class MarksStopped(tune.Callback):
 class IdleSlot(tune.Callback):
     """Starts the sweep's work outside Tune (`IDLE_WORK`: the baseline) the first time the
     stage leaves a slot idle that it will not fill: fewer trials run than the cluster has
-    slots for, and every trial the stage plans has started with none waiting (pending, or
-    paused between rungs) or sweep.concurrency keeps it from starting more (lr_bs: beside
-    the LR stage's last trial). Any earlier, it would hold a slot the stage's trials could
-    use; any later, a slot stays idle and the baseline takes one from the next stage."""
+    slots for, and no trial waits to start (pending, paused between rungs, not yet made)
+    or sweep.concurrency holds them back. Any earlier, it would take a slot from the stage's
+    trials; any later, a slot stays idle and the baseline takes one from the next stage."""
 
     def __init__(self, run_dir: str, stage: str, planned: int, slots: int, concurrency=None):
         self.run_dir, self.stage, self.planned, self.slots = run_dir, stage, planned, slots
@@ -274,11 +276,6 @@ class GridCosts:
         )
 
     def of(self, params: dict) -> float:
-        from sweeper.config.schema import load_run_config
-        from sweeper.sweep.space import to_builtin
-        from sweeper.sweep.stages import sweep_run
-        from sweeper.train.budget import planned_flops
-
         return planned_flops(load_run_config(sweep_run(self.base, to_builtin(dict(params)))))
 
     def eta(self, trials, finished, elapsed: float) -> float | None:
@@ -322,8 +319,6 @@ class FlopCap(tune.Stopper):
 
 def _error_line(path: Path) -> str:
     """The error of a failed trial in one line (results.error_summary of its error.txt)."""
-    from sweeper.sweep.results import error_summary
-
     try:
         return error_summary(path.read_text())
     except OSError:

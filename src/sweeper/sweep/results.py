@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from sweeper.sweep.space import to_builtin
+from sweeper.sweep.stages import finite_number
 from sweeper.sweep.trainable import (
     REPORT_COLUMNS,
     RUNG_METRIC,
@@ -77,35 +78,33 @@ def collect_results(
     records, reports = [], []
     for result in results:
         metrics = to_builtin(dict(result.metrics or {}))
-        params = to_builtin({k: v for k, v in (result.config or {}).items()})
+        params = to_builtin(dict(result.config or {}))
         trial_id = metrics.get("trial_id") or str(result.path).rsplit("/", 1)[-1]
         status = trial_status(metrics, result.error, can_prune)
         effective = trial_config(params, base, ctx)
+        trainer_cfg = effective.get("trainer", {})
         value = metrics.get(metric)
         if result.error:  # a report without the metric where every report is ranked, or none
             instead = MissingMetricError.keys_in(str(result.error))
-        else:
-            instead = reported_keys(metrics) if metric not in metrics else []
-            instead = instead or None  # only the keys Tune adds: stopped before a report
+        else:  # only keys Tune adds (reported_keys: []): stopped before a report
+            instead = None if metric in metrics else reported_keys(metrics) or None
         records.append(
             {
                 "trial_id": trial_id,
                 "stage": stage,
                 "status": status,
                 "params": params,
-                "metric": value
-                if isinstance(value, int | float) and math.isfinite(value)
-                else None,
+                "metric": value if finite_number(value) else None,
                 "tokens": metrics.get("tokens"),
                 "flops": metrics.get("flops"),
                 "fork_flops": metrics.get("fork_flops"),  # rung cooldown forks' training
-                "batch_size": effective.get("trainer", {}).get("total_batch_size"),
+                "batch_size": trainer_cfg.get("total_batch_size"),
                 "lr": metrics.get("lr"),
                 "error": error_summary(str(result.error)) if result.error else None,
                 "reason": metrics.get("reason") if status == "diverged" else None,
                 "path": str(result.path),
                 # "stage/trial_id" of the run it repeats, replayed rather than trained
-                # (engine.reusable_run): its FLOPs were spent once, there
+                # (runner.reusable_run): its FLOPs were spent once, there
                 **({"reused_from": metrics["reused_from"]} if "reused_from" in metrics else {}),
                 # a trial that reported, but never the metric (or, where every report is
                 # ranked, once without it): what it did report (one a cap stopped before
@@ -113,7 +112,6 @@ def collect_results(
                 **({"reported": instead} if instead is not None else {}),
             }
         )
-        trainer_cfg = effective.get("trainer", {})
         optimizer_cfg = effective.get("optimizer", {})
         peak_lr = optimizer_cfg.get("lr" if optimizer_cfg.get("name") == "adamw" else "matrix_lr")
         frame = result.metrics_dataframe

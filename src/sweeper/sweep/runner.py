@@ -13,6 +13,8 @@ import math
 import time
 from pathlib import Path
 
+import ray
+
 from sweeper.config.sweep import StageSpec
 from sweeper.report.markdown import command_overrides
 from sweeper.report.summary import (
@@ -140,8 +142,6 @@ def start_tracking_and_ray(plan: SweepPlan, out: Path):
         # a tracker's error is the one to report, as when it was made before Ray; it is
         # also never left half made when Ray fails to start
         tracker = tracker_ready()
-    import ray
-
     if hint := idle_gpus_hint(plan, ray.cluster_resources().get("GPU", 0)):
         print(hint)
     return tracker
@@ -181,8 +181,7 @@ def train_everything(plan: SweepPlan, out: Path, state: SweepState, tracker) -> 
         with reaper:
             run_stages(plan, out, state, started, tracker)
         if baseline is not None:
-            left = spec.max_seconds - (time.time() - started) if spec.max_seconds else None
-            result = baseline.collect(timeout=left)
+            result = baseline.collect(timeout=seconds_left(spec, started))
             if result is None:
                 print(
                     f"baseline: sweep.max_seconds={spec.max_seconds:g} ran out before it "
@@ -213,10 +212,10 @@ def run_stages(plan: SweepPlan, out: Path, state: SweepState, started: float, tr
         remaining_trials = (
             None if spec.max_trials is None else spec.max_trials - state.trial_count()
         )
-        elapsed = time.time() - started
+        remaining_seconds = seconds_left(spec, started)
         if remaining_trials is not None and remaining_trials <= 0:
             reached = f"sweep.max_trials={spec.max_trials}"
-        elif spec.max_seconds is not None and elapsed >= spec.max_seconds:
+        elif remaining_seconds is not None and remaining_seconds <= 0:
             reached = f"sweep.max_seconds={spec.max_seconds:g}"
         else:
             reached = None
@@ -226,7 +225,6 @@ def run_stages(plan: SweepPlan, out: Path, state: SweepState, started: float, tr
                 f"on, raise it and add sweep.resume=true hydra.run.dir={out}"
             )
             return
-        remaining_seconds = None if spec.max_seconds is None else spec.max_seconds - elapsed
         capped = False
         try:
             records, reports = run_stage(
@@ -280,10 +278,9 @@ def finish_stage(plan, index, start, records, reports, capped, out, state, start
         best = None  # a value at fewer tokens than the budget: not one to freeze
     incumbent = state.carried()
     keeps_start = keeps_its_start(incumbent, best, spec.mode)
-    after = start
-    if best is not None and not keeps_start:
-        after = frozen_config(plan, stage, best, start)
-    carried = best if best is not None and not keeps_start else incumbent
+    freezes = best is not None and not keeps_start
+    after = frozen_config(plan, stage, best, start) if freezes else start
+    carried = best if freezes else incumbent
     elapsed = time.time() - started
     state.finish_stage(
         stage.name, records, reports, best, after, elapsed, extended, carried, capped
@@ -334,6 +331,11 @@ def reported_instead(records: list[dict]) -> list[str] | None:
     return sorted({key for r in ran for key in r["reported"]})
 
 
+def seconds_left(spec, started: float) -> float | None:
+    """What sweep.max_seconds leaves of a sweep that started at `started`; None without it."""
+    return None if spec.max_seconds is None else spec.max_seconds - (time.time() - started)
+
+
 def time_cap_reached(stage: str, out: Path) -> str:
     return (
         f"the sweep's time cap is reached: no further stages. A resume goes on with stage "
@@ -360,16 +362,13 @@ def extend(plan, index, start, records, reports, best, edges, out, state, starte
     """The stage's round past the ends where its best sat (sweep/extend.py): both rounds'
     records and reports, and what it searched ({param: [low, high]} of a range, the new
     values of a list; empty when no round ran)."""
-    spec, stage = plan.spec, plan.stages[index]
+    stage = plan.stages[index]
     after = trial_config(best["params"], start, plan.trial_context(stage, start))
     round_two, spent = extension.plan_round(
         plan, stage, start, after, edges, records, state, started
     )
     if round_two is None:
         return records, reports, {}
-    remaining_seconds = None
-    if spec.max_seconds is not None:
-        remaining_seconds = spec.max_seconds - (time.time() - started)
     try:
         extra_records, extra_reports = run_stage(
             plan,
@@ -378,7 +377,7 @@ def extend(plan, index, start, records, reports, best, edges, out, state, starte
             out,
             state,
             plan.planned_trials(round_two, after),
-            remaining_seconds,
+            seconds_left(plan.spec, started),
             tracker,
             stage=round_two,
             suffix=extension.EXPERIMENT_SUFFIX,

@@ -13,6 +13,10 @@ import signal
 import threading
 from pathlib import Path
 
+import ray
+from ray import tune
+from ray.tune.logger import JsonLoggerCallback
+
 from sweeper.config.errors import ConfigError
 from sweeper.config.sweep import StageSpec, flatten
 from sweeper.sweep.algorithms import build_scheduler, build_searcher, random_start
@@ -27,6 +31,7 @@ from sweeper.sweep.callbacks import (
 from sweeper.sweep.cluster import TIME_CAP_STOP
 from sweeper.sweep.feasibility import slots_for
 from sweeper.sweep.plan import SweepPlan
+from sweeper.sweep.ray_patches import BracketState, record_earlier_trials, replay_restored_rungs
 from sweeper.sweep.results import collect_results
 from sweeper.sweep.space import Space, grid_size, is_pure_grid
 from sweeper.sweep.stages import fitted_micro_batches
@@ -34,8 +39,7 @@ from sweeper.sweep.state import SweepState
 from sweeper.sweep.trainable import RUNG_METRIC, EarlierRun, TrialContext, run_trial
 from sweeper.text import flops_text
 
-# a grid's trials are costed one by one (a run config each) for a compute-weighted ETA up
-# to this many
+# the largest grid whose trials are costed one by one (a run config each) for the ETA
 MAX_COSTED_GRID = 1000
 
 
@@ -161,15 +165,11 @@ def prepare(
 def make_tuner(run: StageRun, state, tracker, spent_flops, earlier_reports, reusable):
     """The stage's Tuner, restored where a resume finds its experiment; and how many of the
     first round's trials ASHA's rungs were given (an extension round)."""
-    from ray import tune
-
     spec, stage = run.plan.spec, run.stage
     searcher, param_space = make_searcher(run)
     scheduler = make_scheduler(run)
     earlier = 0
     if earlier_reports and stage.scheduler == "asha":
-        from sweeper.sweep.ray_patches import record_earlier_trials
-
         time_attr, _ = run.plan.time_axis(stage)
         earlier = record_earlier_trials(scheduler, earlier_reports, time_attr, run.rank_metric)
     # a DDP trial only launches its TorchTrainer, whose workers hold the CPUs/GPUs
@@ -187,14 +187,13 @@ def make_tuner(run: StageRun, state, tracker, spent_flops, earlier_reports, reus
     restored = restore(run, trainable, param_space)
     if restored is not None:
         return restored, earlier
-    per_sample = 1 if run.grid else grid_size(run.space)
     tuner = tune.Tuner(
         trainable,
         param_space=param_space,
         tune_config=tune.TuneConfig(
             search_alg=searcher,
             scheduler=scheduler,
-            num_samples=1 if run.grid else run.planned // per_sample,
+            num_samples=1 if run.grid else run.planned // grid_size(run.space),
             # no max_concurrent_trials: the searcher enforces sweep.concurrency itself, and
             # Tune, given both, only warns. No time_budget_s: sweep.max_seconds is time_cap's
             reuse_actors=True,
@@ -251,10 +250,6 @@ def make_scheduler(run: StageRun):
 def callbacks(run: StageRun, scheduler, tracker) -> list:
     """The stage's Tune callbacks: progress lines, Tune's own result.json, MLflow, the
     baseline's idle slot, and HyperBand's brackets saved with Tune's state."""
-    from ray.tune.logger import JsonLoggerCallback
-
-    from sweeper.sweep.ray_patches import BracketState
-
     plan, stage = run.plan, run.stage
     clock = plan.time_axis(stage)
     costs = None
@@ -289,8 +284,6 @@ def callbacks(run: StageRun, scheduler, tracker) -> list:
 
 def cluster_slots(plan: SweepPlan) -> int:
     """Trials the cluster has resources for at once, whatever sweep.concurrency allows."""
-    import ray
-
     resources = ray.cluster_resources()
     return slots_for(plan, resources.get("CPU", 0), resources.get("GPU", 0), capped=False)
 
@@ -335,19 +328,14 @@ def budget_text(time_attr: str, max_t: float) -> str:
 
 def restore(run: StageRun, trainable, param_space):
     """The interrupted stage's Tuner, where a resume finds its experiment; else None."""
-    from ray import tune
-
-    from sweeper.sweep.ray_patches import BracketState, replay_restored_rungs
-
     stage = run.stage
     experiment = run.out / "ray" / run.name
     hyperband = stage.scheduler in ("hyperband", "bohb")
     if not (run.plan.spec.resume and tune.Tuner.can_restore(str(experiment))):
         return None
     if hyperband and not BracketState.saved(experiment):
-        # Ray restores no scheduler's state (ray-project/ray#30838); a stage cut before
-        # BracketState's first save has no brackets to give back, and a HyperBand made
-        # anew never fills its brackets with restored trials: the stage starts over
+        # Ray restores no scheduler's state (ray-project/ray#30838), and a HyperBand made anew
+        # never fills its brackets with restored trials: without BracketState's save, start over
         print(
             f"[{stage.name}] the interrupted {stage.scheduler} stage starts over: it was "
             "stopped before Tune saved its brackets, so its trials so far are trained again"
@@ -410,11 +398,10 @@ def cut_short(run: StageRun, results, records: list[dict], reports: list[dict]) 
 
 @contextlib.contextmanager
 def time_cap(seconds: float | None):
-    """Stops Tune's run after `seconds` as a Ctrl+C would: Tune keeps the trials still
-    training resumable (their checkpoints, the searcher's state), where its own
-    time_budget_s ends them for good. The stop is Tune's SIGUSR1, which it handles as it
-    does SIGINT, sent once Tune's handler is in place; yields whether it fired. Without a
-    cap, or off the main thread (no signals there), it never fires."""
+    """Stops Tune's run after `seconds` as a Ctrl+C would, so its trials stay resumable (Tune's
+    own time_budget_s ends them for good): Tune handles SIGUSR1 as SIGINT, so it is sent once
+    Tune's handler is in place. Yields whether it fired; never without a cap, or off the main
+    thread (no signals there)."""
     fired, done = threading.Event(), threading.Event()
     if seconds is None or threading.current_thread() is not threading.main_thread():
         yield fired.is_set

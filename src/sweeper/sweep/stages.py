@@ -45,12 +45,10 @@ def apply_params(base: dict, params: dict[str, Any]) -> dict:
 
 def fit_micro_batch(config: dict) -> dict:
     """`config` with its micro-batch (trainer.device_batch_size, in sequences) lowered to
-    the largest that divides its batch, where the one it has does not: lr_bs's 16 x 256
-    tokens divide no batch below 4096, and 8 x 256 make 2048. Gradient accumulation makes
-    the same update from smaller pieces, so in a sweep the micro-batch is a ceiling (what
-    fits in memory), not a bound on the batch sizes a stage can try. Unchanged where it
-    divides, or where no whole number of sequences makes the batch (the run's check then
-    says why). A plain run keeps its contract: such a batch is an error, with the fix."""
+    the largest that divides its batch (lr_bs: 16 x 256 tokens divide no batch below 4096).
+    Gradient accumulation makes the same update from smaller pieces, so in a sweep the
+    micro-batch is a ceiling (what fits in memory), not a bound on the batches a stage tries.
+    Unchanged where none divides (the run's check says why); a plain run refuses such a batch."""
     trainer, model = config.get("trainer"), config.get("model")
     try:
         total, device_batch = int(trainer["total_batch_size"]), int(trainer["device_batch_size"])
@@ -119,22 +117,30 @@ def follow_batch_size(
     return config
 
 
-def rankable(trials: list[dict]) -> list[dict]:
-    """Trials whose metric says how good their configuration is: not a diverged trial's
-    penalty (that is for the searcher), not a failed trial's."""
-    return [
+def ranking_pool(trials: list[dict]) -> list[dict]:
+    """The trials a stage's best is picked from: those whose metric says how good their
+    configuration is (not a diverged trial's penalty, not a failed trial's), and of these
+    the ones that ran their whole budget when any did (a pruned trial's last value is at
+    fewer tokens, not comparable)."""
+    usable = [
         t
         for t in trials
         if finite_number(t.get("metric")) and t.get("status") not in ("diverged", "failed")
     ]
+    return [t for t in usable if t.get("status") == "completed"] or usable
+
+
+def without_seed(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k != SEED_KEY}
+
+
+def mean_metric(group: list[dict]) -> float:
+    return sum(t["metric"] for t in group) / len(group)
 
 
 def pick_best(trials: list[dict], metric: str, mode: str) -> dict | None:
-    """The best finished trial: among those that ran their whole budget when any did
-    (a pruned trial's last value is at fewer tokens, not comparable), by `metric`."""
-    usable = rankable(trials)
-    complete = [t for t in usable if t.get("status") == "completed"]
-    pool = complete or usable
+    """The best trial of `ranking_pool`, by `metric`."""
+    pool = ranking_pool(trials)
     if not pool:
         return None
     sign = 1 if mode == "min" else -1
@@ -145,23 +151,18 @@ def pick_best(trials: list[dict], metric: str, mode: str) -> dict | None:
     # its mean: its best single seed is a lucky draw. One that lost a seed (diverged,
     # failed) ranks after those that finished on every seed.
     most = max(len(group) for group in repeats)
-    group = min(
-        repeats,
-        key=lambda g: (len(g) < most, sign * sum(t["metric"] for t in g) / len(g)),
-    )
+    group = min(repeats, key=lambda g: (len(g) < most, sign * mean_metric(g)))
     first = min(group, key=lambda t: sign * t["metric"])
-    return {
+    best = {
         **first,
-        "params": {k: v for k, v in first["params"].items() if k != SEED_KEY},
-        **(
-            {"round_params": {k: v for k, v in first["round_params"].items() if k != SEED_KEY}}
-            if "round_params" in first
-            else {}
-        ),
-        "metric": sum(t["metric"] for t in group) / len(group),
+        "params": without_seed(first["params"]),
+        "metric": mean_metric(group),
         "seeds": sorted(t["params"][SEED_KEY] for t in group),
         "trial_ids": [t["trial_id"] for t in group],
     }
+    if "round_params" in first:
+        best["round_params"] = without_seed(first["round_params"])
+    return best
 
 
 def keeps_its_start(incumbent: dict | None, best: dict | None, mode: str) -> bool:
@@ -194,8 +195,7 @@ def unresolved_rivals(trials: list[dict], best: dict | None, mode: str) -> list[
     equally good values."""
     if not best or "seeds" not in best:
         return []
-    usable = rankable(trials)
-    pool = [t for t in usable if t.get("status") == "completed"] or usable
+    pool = ranking_pool(trials)
     sign = 1 if mode == "min" else -1
     ids = set(best["trial_ids"])
     mine = {t["params"][SEED_KEY]: t["metric"] for t in pool if t["trial_id"] in ids}
@@ -207,12 +207,9 @@ def unresolved_rivals(trials: list[dict], best: dict | None, mode: str) -> list[
         if lead is None or lead.resolved:
             continue
         params = {
-            k: v
-            for k, v in group[0]["params"].items()
-            if k != SEED_KEY and best["params"].get(k) != v
+            k: v for k, v in without_seed(group[0]["params"]).items() if best["params"].get(k) != v
         }
-        mean = sum(t["metric"] for t in group) / len(group)
-        rivals.append({"params": params, "mean": mean, "note": lead.short()})
+        rivals.append({"params": params, "mean": mean_metric(group), "note": lead.short()})
     return sorted(rivals, key=lambda r: sign * r["mean"])
 
 

@@ -1,14 +1,13 @@
-"""Ending a trial that has stopped reporting, so that no sweep waits for ever.
+"""Ending a trial that has stopped reporting, so that no sweep waits for ever: Ray Tune has
+no per-trial inactivity timeout (its stoppers only see reports, which a stuck trial no longer
+makes).
 
-A trial's pace is the longest gap between its reports so far (the first one counted from the
-trial's start). Once it has reported, a silence of STALL_FACTOR times that pace, and at
-least `sweep.stall_seconds`, ends it: TrialStalledError is raised in the thread that runs it
-(a user's function stuck in a loop, a data loader that died), Tune records the trial as
-failed with that one line, and `sweep.max_failures` retries it. A thread stuck where Python
-cannot raise (a C call that waits for ever) is ended with its process after as long again.
-
-Why by hand: Ray Tune has no per-trial inactivity timeout (its stoppers only see reports,
-which a stuck trial no longer makes).
+A trial's pace is the longest gap between its reports so far (the first counted from its
+start). Once it has reported, a silence of STALL_FACTOR times that pace, and at least
+`sweep.stall_seconds`, raises TrialStalledError in the thread that runs it: Tune records the
+trial as failed with that one line, and `sweep.max_failures` retries it. A thread stuck where
+Python cannot raise (a C call that waits for ever) is ended with its process after as long
+again.
 """
 
 from __future__ import annotations

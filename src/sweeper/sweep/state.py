@@ -116,8 +116,7 @@ class SweepState:
     def reopens_capped_stage(self, max_seconds: float | None) -> bool:
         """Whether the last stage is one the time cap ran out in, and a run with
         `max_seconds` (a higher cap, or none) has more time for it."""
-        last = self.stages[-1] if self.stages else None
-        if last is None or not last.get("capped"):
+        if not self.stages or not self.stages[-1].get("capped"):
             return False
         return max_seconds is None or self.elapsed < max_seconds
 
@@ -194,17 +193,13 @@ ABSENT = "(absent)"  # a key one of two trees lacks, as `differences` shows it
 def differences(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted path, old, new) for every leaf where two JSON-like trees differ."""
     if isinstance(old, dict) and isinstance(new, dict):
-        found = []
-        for key in list(old) + [k for k in new if k not in old]:
-            sub = f"{path}.{key}" if path else str(key)
-            found += differences(old.get(key, ABSENT), new.get(key, ABSENT), sub)
-        return found
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        found = []
-        for i, (a, b) in enumerate(zip(old, new, strict=True)):
-            found += differences(a, b, f"{path}.{i}" if path else str(i))
-        return found
-    return [] if old == new else [(path, old, new)]
+        keys = [*old, *(k for k in new if k not in old)]
+        pairs = [(k, old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys]
+    elif isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        pairs = [(i, a, b) for i, (a, b) in enumerate(zip(old, new))]
+    else:
+        return [] if old == new else [(path, old, new)]
+    return [d for k, a, b in pairs for d in differences(a, b, f"{path}.{k}" if path else str(k))]
 
 
 def at_schema_default(key: str, value: Any) -> bool:

@@ -1,9 +1,6 @@
-"""The Ray Tune function trainable: one trial of a sweep, inside a Ray worker.
-
-It receives only plain values: the sampled parameters (the Tune config) and, through
-`tune.with_parameters`, the stage's base config as a nested dict composed on the driver.
-No Hydra state crosses into the worker (hydra#1126, #2772).
-"""
+"""The Ray Tune function trainable: one trial of a sweep, inside a Ray worker. It receives
+only plain values (the sampled parameters, and the stage's base config composed on the
+driver): no Hydra state crosses into the worker (hydra#1126, #2772)."""
 
 from __future__ import annotations
 
@@ -63,7 +60,7 @@ RUNG_METRIC = "rung_val_bpb"
 @dataclass(frozen=True)
 class EarlierRun:
     """A run the sweep finished in an earlier stage, whose config a trial of this stage may
-    repeat: the config the stage starts from is its incumbent's (engine.reusable_run)."""
+    repeat: the config the stage starts from is its incumbent's (runner.reusable_run)."""
 
     config: dict  # the run config it trained (its evaluation count aside)
     source: str  # "stage/trial_id", as records and MLflow name it
@@ -137,8 +134,8 @@ class Diverged(Exception):
 class MissingMetricError(Exception):
     """A user's function reported without the sweep's metric in a stage whose scheduler or
     search reads it from every report (`of`), or returned without a report (`never`).
-    Ray's own check would end the whole sweep with a traceback; this ends the trial, and
-    its message is how the driver learns what the function did report (`keys_in`)."""
+    Ray's own check would end the whole sweep; this ends the trial, and its message tells the
+    driver what the function did report (`keys_in`)."""
 
     NO_REPORT = "the function returned without a report"
 
@@ -170,10 +167,10 @@ class BadReportError(Exception):
 
 def plain_numbers(metrics: dict, metric: str) -> dict:
     """A user's report with numpy scalars and one-element arrays or tensors as Python
-    numbers (Tune refuses tensors, JSON refuses numpy); a metric that is not a number
-    (a string, a bool) is refused in one line, where Ray's ASHA would fail on it deep
-    in its own code. A `status` of its own other than completed or diverged (the
-    platform's words) is kept as `user_status`."""
+    numbers (Tune refuses tensors, JSON refuses numpy); a metric that is not a number (a
+    string, a bool) is refused in one line, where Ray's ASHA would fail deep in its own
+    code. A `status` other than completed or diverged (the platform's words) is kept as
+    `user_status`."""
     plain = {}
     for key, value in metrics.items():
         item = getattr(value, "item", None)
@@ -204,11 +201,10 @@ def trial_config(params: dict[str, Any], base: dict, ctx: TrialContext) -> dict:
 
 def placed(config: dict, threads: int, gpus: float) -> dict:
     """A run of sweeper's training with a trial's resources: `threads` torch threads (its
-    CPU share; float sums, so results, depend on the count), the largest micro-batch up to
-    its own that divides its batch (fit_micro_batch), and, for one process, the device its
-    GPU share allows. Ray (2.60) no longer hides the GPUs from a worker given
-    none, so `auto` would put every such trial on cuda:0, unaccounted. A DDP trial's ranks
-    ask Ray Train for their GPUs themselves (distributed.train_ddp)."""
+    CPU share; float sums, so results, depend on the count), its micro-batch fitted to its
+    batch (fit_micro_batch), and, for one process, the device its GPU share allows: Ray 2.60
+    no longer hides the GPUs from a worker given none, so `auto` would put every such trial
+    on cuda:0, unaccounted. A DDP trial's ranks ask Ray Train for their GPUs themselves."""
     trainer = {**fit_micro_batch(config)["trainer"], "threads": threads}
     if trainer.get("workers", 1) == 1 and trainer.get("device") == "auto":
         trainer["device"] = "cuda" if gpus else "cpu"
@@ -232,16 +228,11 @@ def penalise(metrics: dict, metric: str, penalty: float) -> tuple[dict, bool]:
 
 
 class BackgroundReporter:
-    """Hands a trial's results to Tune from a helper thread, so training never waits on it.
-
-    Why: a Tune function trainable's report() blocks until the driver has taken the result,
-    run its callbacks (scheduler, searcher, MLflow, state) and asked for the next one
-    (`synchronous_result_reporting` in ray.train._internal.session), with the training
-    thread idle. Results reach Tune in order; at most `backlog` wait.
-    When Tune stops or pauses the trial, the training thread is ended at once (stop_thread):
-    what is lost is the training done since the result Tune decided on, and the checkpoint
-    Tune keeps is the one reported with that result.
-    """
+    """Hands a trial's results to Tune, in order, from a helper thread (at most `backlog`
+    wait): Tune's report() blocks until the driver has run its callbacks and asks for the
+    next (`synchronous_result_reporting` in ray.train._internal.session), with training idle.
+    When Tune stops or pauses the trial, training ends at once (stop_thread), losing only
+    what it trained after the result Tune decided on, whose checkpoint Tune keeps."""
 
     def __init__(self, backlog: int = 4):
         self._queue: queue.Queue = queue.Queue(maxsize=backlog)
@@ -301,13 +292,10 @@ class TrialStopped(SystemExit):
 
 
 def stop_thread(thread: threading.Thread) -> None:
-    """Raises TrialStopped in `thread` at its next Python instruction.
-
-    Why: when Tune stops or pauses a trial, a synchronous report() is where the training
-    thread learns it (sys.exit inside report). With the BackgroundReporter the training
-    thread is busy training instead, and Tune gives it 2 s to end before it refuses to reuse
-    the actor for the next trial and fails that trial. An asynchronous exception (CPython's
-    PyThreadState_SetAsyncExc) ends it within one torch op."""
+    """Raises TrialStopped in `thread` at its next Python instruction (within one torch op).
+    Tune's own report() would sys.exit the training thread; with the BackgroundReporter it
+    is busy training, and Tune gives it 2 s to end before it refuses to reuse the actor
+    and fails the next trial."""
     if thread.is_alive() and thread.ident is not None:
         raise_in_thread(thread.ident, TrialStopped)
 
@@ -351,7 +339,7 @@ def run_trial(
 
     report.checkpoint = None  # a user's function's own, where its trial goes on from one
     try:
-        if reused:  # training it again would give the same bits (engine.reusable_run)
+        if reused:  # training it again would give the same bits (runner.reusable_run)
             replay(earlier, ctx.metric, report)
         else:
             _run_one_process_trial(run_cfg, ctx, report)
