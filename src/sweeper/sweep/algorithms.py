@@ -1,8 +1,5 @@
-"""Build Ray Tune searchers and trial schedulers from a parsed :class:`Space`.
-
-``check_compatible`` refuses bad (search, scheduler, space) combinations before Ray starts.
-``build_searcher`` returns ``(search_alg, param_space)`` for ``tune.TuneConfig(search_alg=...)``
-and ``tune.Tuner(param_space=...)``; ``build_scheduler`` returns the trial scheduler.
+"""Ray Tune searchers and trial schedulers built from a parsed :class:`Space`, and the check
+(``check_compatible``) that refuses a bad (search, scheduler, space) before Ray starts.
 
 Metric and mode go to the searcher and the scheduler here, so leave them out of
 ``tune.TuneConfig``: Ray refuses an ASHA/HyperBand scheduler that already has a metric when
@@ -72,11 +69,8 @@ def metric_reader(search: str, scheduler: str) -> str | None:
 
 
 def startup_trials(num_samples: int) -> int:
-    """Random trials before TPE/GP start modelling.
-
-    Optuna's default of 10 would leave a small sweep entirely random; a third of the budget,
-    capped at that default, leaves room for model-guided trials.
-    """
+    """Random trials before TPE/GP start modelling: a third of the budget, capped at Optuna's
+    default of 10, which alone would leave a small sweep entirely random."""
     return max(1, min(10, num_samples // 3))
 
 
@@ -107,37 +101,9 @@ def _optuna_sampler(search: str, seed: int | None, num_samples: int) -> Any:
 
     # its INFO line per stage ("A new study created in memory") is not the user's business
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    n_startup = startup_trials(num_samples)
-    if search == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup)
     # GPSampler handles float, int and categorical params; it needs torch and scipy.
-    return optuna.samplers.GPSampler(seed=seed, n_startup_trials=n_startup)
-
-
-def _model_based_searcher(
-    search: str,
-    space: Space,
-    *,
-    metric: str,
-    mode: str,
-    seed: int | None,
-    num_samples: int,
-    bohb: dict[str, Any] | None,
-    points: list[dict[str, Any]],
-    worst_on_divergence: bool,
-) -> Any:
-    shared = {"metric": metric, "mode": mode, "points_to_evaluate": points}
-    if search == "bohb":
-        from ray.tune.search.bohb import TuneBOHB
-
-        return TuneBOHB(space=to_configspace(space), seed=seed, bohb_config=bohb, **shared)
-    from ray.tune.search.optuna import OptunaSearch
-
-    from sweeper.sweep.optuna_search import WorstOnDivergenceOptunaSearch
-
-    sampler = _optuna_sampler(search, seed, num_samples)
-    searcher = WorstOnDivergenceOptunaSearch if worst_on_divergence else OptunaSearch
-    return searcher(space=to_optuna(space), sampler=sampler, **shared)
+    sampler = optuna.samplers.TPESampler if search == "tpe" else optuna.samplers.GPSampler
+    return sampler(seed=seed, n_startup_trials=startup_trials(num_samples))
 
 
 def build_searcher(
@@ -183,17 +149,19 @@ def build_searcher(
             max_concurrent=max_concurrent or 0, random_state=seed, points_to_evaluate=points
         )
         return generator, {**space.fixed, **to_tune(space)}
-    searcher = _model_based_searcher(
-        search,
-        space,
-        metric=metric,
-        mode=mode,
-        seed=seed,
-        num_samples=num_samples,
-        bohb=bohb,
-        points=points,
-        worst_on_divergence=worst_on_divergence,
-    )
+    shared = {"metric": metric, "mode": mode, "points_to_evaluate": points}
+    if search == "bohb":
+        from ray.tune.search.bohb import TuneBOHB
+
+        searcher = TuneBOHB(space=to_configspace(space), seed=seed, bohb_config=bohb, **shared)
+    else:
+        from ray.tune.search.optuna import OptunaSearch
+
+        from sweeper.sweep.optuna_search import WorstOnDivergenceOptunaSearch
+
+        sampler = _optuna_sampler(search, seed, num_samples)
+        optuna_search = WorstOnDivergenceOptunaSearch if worst_on_divergence else OptunaSearch
+        searcher = optuna_search(space=to_optuna(space), sampler=sampler, **shared)
     if max_concurrent is not None:
         from sweeper.sweep.ray_patches import RunningLimiter
 
@@ -237,18 +205,18 @@ def build_scheduler(
     if scheduler == "fifo":
         return schedulers.FIFOScheduler()
     if scheduler == "asha":
-        asha = dict(
+        return schedulers.ASHAScheduler(
             time_attr=time_attr,
             metric=metric,
             mode=mode,
             max_t=max_t,
             grace_period=grace_period,
             reduction_factor=reduction_factor,
+            brackets=brackets or 1,
             # a user's function's budget is its own: counted in reports (no compute budget),
             # max_t only places the rungs, and the trial is not cut at its max_t-th report
             stop_last_trials=time_attr != "training_iteration",
         )
-        return schedulers.ASHAScheduler(brackets=brackets or 1, **asha)
     from sweeper.sweep.ray_patches import grace_unit_scheduler
 
     base = schedulers.HyperBandForBOHB if scheduler == "bohb" else schedulers.HyperBandScheduler

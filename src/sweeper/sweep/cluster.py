@@ -18,14 +18,12 @@ os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # with a checkpoint per report, Tune warns at every forced state snapshot: that is by design
 os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-# Tune's default per-trial loggers write every result three times (result.json, progress.csv,
-# TensorBoard events): MLflow is the sweep's tracker, and the JSON log alone feeds Tune's
-# results (stage.py adds it back); TensorBoard's logger costs driver CPU at every result,
-# and its import (tensorboardX imports torch) seconds of start-up.
+# Tune's default per-trial loggers write every result three times (JSON, CSV, TensorBoard):
+# MLflow is the sweep's tracker and stage.py adds back the JSON log Tune's results need;
+# TensorBoard's costs driver CPU per result and seconds of start-up (it imports torch).
 os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
-# Tune's new output engine prints a box per stage (its searcher's and scheduler's class names,
-# the trial count) even at verbose=0; the engine's own stage line says the same in the
-# sweep's words. The legacy engine honours verbose=0, and Tune still runs the same way.
+# Tune's new output engine prints a box per stage even at verbose=0, which the engine's own
+# stage line already says in the sweep's words; the legacy engine honours verbose=0.
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
 
 # how long a "host:port" address may take to accept a TCP connection before Ray is asked:
@@ -253,12 +251,10 @@ logging.getLogger("ray._private.authentication.authentication_token_setup").addF
 
 
 class DropsSupersededStateUpload(logging.Filter):
-    """Tune's forced save of a stage's experiment state (on Ctrl+C, at a stage's end) writes
-    the searcher's state as a temp file renamed into place, while its previous background
-    upload of that folder may still be copying it. That upload then fails on the vanished
-    temp file and Tune logs a traceback, although the save goes on to upload the whole
-    state again, which Tune's next line reports ("the most recent state was saved"). Seen
-    as a rare traceback on Ctrl+C; this drops only an upload that failed on a temp file."""
+    """Tune's forced save of a stage's state (on Ctrl+C, at a stage's end) renames a temp
+    file into place while its previous background upload may still be copying it; that
+    upload's traceback on the vanished temp file is noise, since the save uploads the whole
+    state again ("the most recent state was saved"). Drops only an upload failed on a temp file."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
@@ -269,11 +265,9 @@ logging.getLogger("ray.tune.execution.experiment_state").addFilter(DropsSupersed
 
 
 class DropsTunesResumeAdvice(logging.Filter):
-    """On Ctrl+C, Tune advises `Tuner.restore(path=<stage dir>, trainable=...)`, Python a
-    sweeper user never writes; the sweep then prints its own way on (the same command plus
-    sweep.resume=true and the run dir), which this leaves as the only advice. Tune also
-    warns that it found no results for the trials the interrupt stopped before their first
-    report; sweeper keeps every report itself (reports.csv), so those are dropped too."""
+    """On Ctrl+C, Tune advises `Tuner.restore(...)`, Python a sweeper user never writes; the
+    sweep prints its own resume command instead. Also drops Tune's warning of no results for
+    trials stopped before their first report: sweeper keeps every report (reports.csv)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -289,10 +283,8 @@ logging.getLogger("ray.tune.tune").addFilter(DropsTunesResumeAdvice())
 
 
 class DropsMissingMetricTraceback(logging.Filter):
-    """A user's function that reports without the metric where every report is ranked
-    ends its trial with trainable.MissingMetricError; the stage then stops the sweep with one
-    line naming what the function did report. Tune's traceback of each such trial, from
-    Ray's internals down to the report() call, would only bury that line."""
+    """A trial ended by trainable.MissingMetricError: the stage stops the sweep with one line
+    naming what the function did report, which Tune's traceback of each trial would bury."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
@@ -306,11 +298,9 @@ TIME_CAP_STOP = threading.Event()
 
 
 class DropsTimeCapStopNotices(logging.Filter):
-    """The time cap stops Tune by the signal it takes for Ctrl+C: Tune then warns of a
-    "Stop signal (e.g. via SIGINT/Ctrl+C)". The stage prints its own line on the cap, which
-    this leaves as the only one. Tune's "Trials did not complete: [run_trial_1b2c, ...]"
-    goes always: each failed trial has had its own line (callbacks.ProgressCallback), with
-    its reason, and a stopped stage says how to resume."""
+    """The time cap stops Tune by its Ctrl+C signal, and the stage prints its own line on it:
+    drops Tune's "Stop signal received" then. Drops "Trials did not complete: [...]" always:
+    each failed trial had its own line with its reason (callbacks.ProgressCallback)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()

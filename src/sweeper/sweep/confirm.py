@@ -89,10 +89,7 @@ def run_confirmation(plan: SweepPlan, state: SweepState) -> None:
             result = ray.get(done)
         except Exception as error:  # a failed run must not lose the sweep's results
             result = {"value": None, "status": "failed", "error": str(error).splitlines()[0]}
-        runs.setdefault(str(seed), {})[which] = {
-            "value": result["value"],
-            "status": result["status"],
-        }
+        runs.setdefault(str(seed), {})[which] = {k: result[k] for k in ("value", "status")}
         elapsed = time.time() - started
         state.set_confirmation({"best_config": best, "runs": runs, "elapsed_s": before + elapsed})
         value = result["value"]
@@ -123,11 +120,8 @@ def confirmation_summary(plan: SweepPlan, state: SweepState) -> dict | None:
         return None
 
     def values(which: str) -> list[float | None]:
-        out = []
-        for seed in seeds:
-            run = runs[seed].get(which) or {}
-            out.append(run.get("value") if run.get("status") == "completed" else None)
-        return out
+        of_seeds = [runs[seed].get(which) or {} for seed in seeds]
+        return [run.get("value") if run.get("status") == "completed" else None for run in of_seeds]
 
     best, baseline = values("best"), values("baseline")
     sign = 1.0 if plan.spec.mode == "min" else -1.0

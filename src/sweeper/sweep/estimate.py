@@ -9,18 +9,22 @@ best, which only the sweep can know: they are estimated from the base config.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sweeper.config.schema import load_run_config
 from sweeper.config.sweep import SweepSpec, flatten
 from sweeper.sweep.confirm import missing_runs
 from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.space import bounding_values, is_pure_grid
 from sweeper.sweep.stages import apply_params, sweep_run
 from sweeper.sweep.state import SweepState
-from sweeper.text import hydra_value
+from sweeper.text import duration_text, flops_text, hydra_value
+from sweeper.train.budget import model_counts, planned_flops, resolve_total_steps
 
 # value combinations of a stage whose FLOPs are computed one by one; past this, each
 # param's values are taken alone (the extremes then bound the trial's FLOPs all the same
@@ -90,9 +94,6 @@ def measure_speed(base: dict, threads: int) -> Speed | None:
     big to time in seconds. Why measure: FLOPs alone say nothing of minutes, and a CPU's
     speed differs 2x between machines with and without bf16 units. A stage's other model
     sizes are taken at the same FLOP rate (a smaller model runs a little below it)."""
-    import time
-
-    from sweeper.config.schema import load_run_config
     from sweeper.sweep.trainable import placed
     from sweeper.train.cpu_fast import ops_for
     from sweeper.train.data import load_data
@@ -150,8 +151,6 @@ STAGE_START_S = 6.0
 def makespan(seconds: list[float], slots: int) -> float:
     """Wall time of jobs run `slots` at a time, longest first, each on the slot free
     first (what Tune's queue does with trials of known length)."""
-    import heapq
-
     free = [0.0] * max(1, slots)
     for job in sorted(seconds, reverse=True):
         heapq.heappush(free, heapq.heappop(free) + job)
@@ -167,8 +166,6 @@ def param_text(param) -> str:
 def run_cost(config: dict, rungs: tuple[float, ...] = ()) -> TrialCost:
     """The cost of the run `config` makes (a sweep run: its micro-batch fitted), which
     evaluates on its grid and at `rungs` (its scheduler's, as a trial is given them)."""
-    from sweeper.config.schema import load_run_config
-    from sweeper.train.budget import model_counts, planned_flops, resolve_total_steps
     from sweeper.train.evaluation import evaluation_count, evaluation_steps
 
     run = load_run_config(sweep_run(config, {"trainer.rungs": list(rungs)}))
@@ -284,16 +281,11 @@ def plan_text(
     """The plan as printed: a block per stage, then the sweep's totals. `state`: the sweep
     state a resume continues (its finished stages are skipped, and the rest start from the
     config they left)."""
-    from sweeper.text import duration_text, flops_text
-
     spec, base, target = plan.spec, plan.base, plan.target
     plans = estimates_left(plan, state)
     unit = _unit(spec)
     lines = [f"sweep '{spec.name}': the plan (sweep.dry_run=true: nothing is trained or written)"]
     if not target:
-        from sweeper.config.schema import load_run_config
-        from sweeper.train.budget import model_counts
-
         params, per_token = model_counts(load_run_config(sweep_run(base, {})))
         lines.append(
             f"  model: {params / 1e6:.3g}M params, {flops_text(per_token)} training FLOPs a "
@@ -384,8 +376,6 @@ class Totals:
         if self.extras:
             text += f" (with {', '.join(self.extras)})"
         if self.most_flops is not None:
-            from sweeper.text import flops_text
-
             text += f", {flops_text(self.most_flops)} training FLOPs if no trial is stopped early"
         return text
 
@@ -403,9 +393,6 @@ def sweep_totals(plan: SweepPlan, plans: list[StageEstimate], state: SweepState 
         extras.append(f"{2 * spec.confirm_seeds} confirmation runs")
     most = None
     if not target:
-        from sweeper.config.schema import load_run_config
-        from sweeper.train.budget import planned_flops
-
         left = [p for p in plans if not p.finished]
         # a round past a range's end trains trials like the stage's own, forks included
         most = sum(p.most_flops + p.extend_trials * p.trial_flops[1] * p.fork_factor for p in left)
@@ -472,8 +459,6 @@ def _unit(spec: SweepSpec) -> str:
     if spec.budget.tokens_per_trial is not None:
         return f"trains {spec.budget.tokens_per_trial:,.0f} tokens"
     if spec.budget.flops_per_trial is not None:
-        from sweeper.text import flops_text
-
         return f"trains {flops_text(spec.budget.flops_per_trial)} FLOPs (or a stage's own budget)"
     return "trains its config's budget"
 

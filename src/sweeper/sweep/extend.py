@@ -71,10 +71,7 @@ def plan_round(
     points = math.prod(len(ranges[n].values) for n in grids)
     round_two = extension_stage(stage, ranges, max(trials // points, 1))
     shown = ", ".join(
-        f"{n} at {list(p.values)}"
-        if p.kind in LIST_KINDS
-        else f"{n} in [{p.low:.4g}, {p.high:.4g}]"
-        for n, p in ranges.items()
+        f"{n} {'at' if p.kind in LIST_KINDS else 'in'} {_span_text(p)}" for n, p in ranges.items()
     )
     planned = plan.planned_trials(round_two, after)
     print(
@@ -117,24 +114,29 @@ def extension_ranges(
             skipped.append(f"cannot search past the {side} end of {name}: {problem}")
             continue
         if problem:  # part of it makes runs: a list's first values, a range up to a bound
-            part = (
-                list(wider.values)
-                if wider.kind in LIST_KINDS
-                else f"[{wider.low:.4g}, {wider.high:.4g}]"
-            )
-            skipped.append(f"past the {side} end of {name}, only {part}: {problem}")
+            skipped.append(f"past the {side} end of {name}, only {_span_text(wider)}: {problem}")
         ranges[name] = wider
     return ranges, skipped
 
 
+def _span_text(param: ParamSpec) -> str:
+    """[1, 2] of a list, [0.001, 0.01] of a range (4 digits)."""
+    if param.kind in LIST_KINDS:
+        return str(list(param.values))
+    return f"[{param.low:.4g}, {param.high:.4g}]"
+
+
+def _spec_args(param: ParamSpec) -> list:
+    """A list's values, or a range's [low, high], as a sweep file writes them."""
+    return list(param.values) if param.kind in LIST_KINDS else [param.low, param.high]
+
+
 def valid_part(base: dict, param: ParamSpec) -> tuple[ParamSpec | None, str | None]:
-    """`param` where its values make valid runs from `base` (an LR at 0, a batch of no whole
-    number of sequences do not), as preflight checks a stage's declared ranges before Ray
-    starts, with why the rest do not: a list's values up to the first that makes no run
-    (they go away from the end, nearest first); a float range with one end a run and the
-    other not, cut where runs end (`_last_run`: a warm-down past 0.8 stops at 1); an integer
-    range only whole (batch sizes are no interval: 2049 is no run, 3072 is). None and why
-    when no value past the end does."""
+    """The part of `param` whose values make valid runs from `base` (an LR at 0 does not), as
+    preflight checks declared ranges, and why the rest do not; None and why where none does.
+    A list keeps its values up to the first that fails (nearest the end first); a float range
+    with one good end is cut where runs end (`_last_run`: a warm-down past 0.8 stops at 1);
+    an integer range is kept only whole (batch sizes are no interval: 2049 is no run, 3072 is)."""
     if param.kind in LIST_KINDS:
         for i, value in enumerate(param.values):
             if problem := invalid_run(base, param.name, value):
@@ -247,23 +249,18 @@ def _nested(params: dict, parts: list[str]) -> bool:
 def extension_stage(stage: StageSpec, ranges: dict[str, ParamSpec], num_samples: int) -> StageSpec:
     """The round as a stage of its own: the same search, scheduler and LR rule, only the
     extended params (a list its new values), no given points, and no further round."""
-    params = {
-        name: {p.kind: list(p.values) if p.kind in LIST_KINDS else [p.low, p.high]}
-        for name, p in ranges.items()
-    }
+    params = {name: {p.kind: _spec_args(p)} for name, p in ranges.items()}
     return dataclasses.replace(
         stage, params=params, num_samples=num_samples, points=[], extend_trials=0
     )
 
 
 def merge_round(records: list[dict], best: dict, extra: list[dict]) -> list[dict]:
-    """Both rounds' trial records, the second round's each with the stage's other params
-    at the first round's best (the values the round held fixed): every record of the stage
-    names a whole point of its space. A second-round record also keeps what it trained
-    from (`extended_from`, the first round's best params) and its own params
-    (`round_params`): under an LR rule its LRs were scaled twice, from the stage's start to
-    the first best's batch and on to its own, which in floats is not the one scaling from
-    the start that its merged params would give (engine.frozen_config)."""
+    """Both rounds' records, each second-round one completed with the first round's best for
+    the params it held fixed, so that every record names a whole point of the space. It also
+    keeps `extended_from` (that best) and `round_params` (its own): under an LR rule its LRs
+    were scaled twice (start -> the best's batch -> its own), which in floats differs from
+    the one scaling its merged params would give (engine.frozen_config)."""
     return records + [
         {
             **r,
@@ -278,10 +275,7 @@ def merge_round(records: list[dict], best: dict, extra: list[dict]) -> list[dict
 def extended_ranges(round_two: StageSpec) -> dict[str, list]:
     """{param: [low, high]} of the ranges a round searched, {param: [values]} of its lists
     (kept in sweep_state.json)."""
-    return {
-        p.name: list(p.values) if p.kind in LIST_KINDS else [p.low, p.high]
-        for p in parse_space(round_two.params).params
-    }
+    return {p.name: _spec_args(p) for p in parse_space(round_two.params).params}
 
 
 # --- best values at the edge of their range --------------------------------------------
@@ -292,13 +286,11 @@ def range_edges(
     best: dict | None,
     extended: dict[str, list] | None = None,
 ) -> list[dict]:
-    """The stage's best values that sit at an end of their search range (`range_edge`)
-    with values past it (not `nothing_past`): the optimum may lie outside it. `start` is
-    the config the stage started from (its lr_rule=retune bands are centred on that
-    config's LRs); `extended`, the ranges an extend_trials round searched past the stage's
-    own. Each edge names the override that searches past it in the next sweep (`widen`,
-    None where the range just past it makes no run or no override reaches it), and its
-    note says it."""
+    """The stage's best values at an end of their range (`range_edge`) with values past it
+    (not `nothing_past`), where the optimum may lie outside. `start`: the config the stage
+    started from (its retune bands centre on its LRs); `extended`: what an extend_trials
+    round added. Each edge's `widen` is the override that searches past it in the next
+    sweep (None where none reaches it or the range past it makes no run); its `note` says so."""
     if best is None:
         return []
     own_trainable = not plan.target
@@ -313,10 +305,8 @@ def range_edges(
         if side is None or nothing_past(param, side, start, own_trainable):
             continue
         if param.low is not None:
-            scope, hint = (
-                f"range [{rounded_text(param.low)}, {rounded_text(param.high)}]",
-                "widen the range",
-            )
+            scope = f"range [{rounded_text(param.low)}, {rounded_text(param.high)}]"
+            hint = "widen the range"
         else:
             scope, hint = f"values {list(param.values)}", "add values beyond it"
         widen = None
@@ -361,10 +351,11 @@ def searched_params(
     _, stage = _stage_spec(plan, stage_name)
     params = list(plan.space(stage, flatten(start)).params)
     for i, p in enumerate(params):
-        if extended and p.name in extended and p.kind in LIST_KINDS:
-            params[i] = dataclasses.replace(p, values=tuple(sorted({*p.values, *extended[p.name]})))
-        elif extended and p.name in extended:
-            low, high = extended[p.name]
+        added = (extended or {}).get(p.name)
+        if added is not None and p.kind in LIST_KINDS:
+            params[i] = dataclasses.replace(p, values=tuple(sorted({*p.values, *added})))
+        elif added is not None:
+            low, high = added
             params[i] = dataclasses.replace(p, low=min(p.low, low), high=max(p.high, high))
     return params
 

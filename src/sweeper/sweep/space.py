@@ -286,14 +286,11 @@ def extended_range(
         return None
     if param.log:
         ratio = (param.high / param.low) ** fraction
-        low, high = (
-            (param.high, param.high * ratio) if side == "high" else (param.low / ratio, param.low)
-        )
+        below, above = param.low / ratio, param.high * ratio
     else:
         width = (param.high - param.low) * fraction
-        low, high = (
-            (param.high, param.high + width) if side == "high" else (param.low - width, param.low)
-        )
+        below, above = param.low - width, param.high + width
+    low, high = (param.high, above) if side == "high" else (below, param.low)
     if param.integer:  # two values at least (a range needs low < high)
         if side == "high":
             low, high = param.high + 1, max(math.floor(high), param.high + 2)
@@ -362,16 +359,13 @@ def to_tune(space: Space) -> dict[str, Any]:
     from ray import tune
 
     def domain(p: ParamSpec) -> Any:
-        # Tune's randint/lograndint exclude their upper bound; the DSL includes it.
-        builders = {
-            "log_uniform": lambda: tune.loguniform(p.low, p.high),
-            "uniform": lambda: tune.uniform(p.low, p.high),
-            "int": lambda: tune.randint(p.low, p.high + 1),
-            "log_int": lambda: tune.lograndint(p.low, p.high + 1),
-            "choice": lambda: tune.choice(list(p.values)),
-            "grid": lambda: tune.grid_search(list(p.values)),
-        }
-        return builders[p.kind]()
+        if p.kind == "choice":
+            return tune.choice(list(p.values))
+        if p.kind == "grid":
+            return tune.grid_search(list(p.values))
+        if p.integer:  # Tune's randint/lograndint exclude their upper bound; the DSL includes it
+            return (tune.lograndint if p.log else tune.randint)(p.low, p.high + 1)
+        return (tune.loguniform if p.log else tune.uniform)(p.low, p.high)
 
     return {p.name: domain(p) for p in space.params}
 
@@ -396,11 +390,8 @@ def to_optuna(space: Space) -> dict[str, Any]:
 
 
 def to_configspace(space: Space, seed: int | None = None) -> Any:
-    """A ``ConfigSpace.ConfigurationSpace`` with the same (inclusive) bounds.
-
-    ConfigSpace accepts '.' in hyperparameter names and hands them back unchanged, so the
-    dotted keys need no encoding (tests/test_space.py pins this down).
-    """
+    """A ``ConfigSpace.ConfigurationSpace`` with the same (inclusive) bounds. ConfigSpace
+    hands '.' in names back unchanged, so dotted keys need no encoding (tests/test_space.py)."""
     import ConfigSpace as CS
 
     def hyperparameter(p: ParamSpec) -> Any:
@@ -417,11 +408,8 @@ def to_configspace(space: Space, seed: int | None = None) -> Any:
 
 
 def to_builtin(value: Any) -> Any:
-    """Replace numpy scalars (``np.int64``, ``np.str_``, ``np.bool_``) with Python builtins.
-
-    Tune's domains and BOHB hand back numpy scalars, which OmegaConf refuses; dicts, lists
-    and tuples are converted recursively.
-    """
+    """Numpy scalars (``np.int64``, ``np.str_``, ...) as Python builtins, recursively through
+    dicts, lists and tuples: Tune's domains and BOHB hand them back, and OmegaConf refuses them."""
     if isinstance(value, Mapping):
         return {k: to_builtin(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
