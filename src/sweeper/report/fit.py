@@ -75,12 +75,11 @@ def fit_sweep(out: Path, reports: list[dict], plan: SweepPlan) -> dict | None:
 def predicted_run(result: dict, base: dict, points: list[dict]) -> list[str] | None:
     """fit.target_flops's run as overrides of `python -m sweeper`: the sweep's config with
     its budget at the target and the LR and batch size the laws predict there. A varied
-    hyperparameter without a law (its optima were all grid ends) takes its best value at
-    the largest budget instead: the laws were measured there, not at the base config's
-    value. The batch is rounded to a whole number of sequences (`whole_sequences`), which a
-    run requires, and trains in the largest micro-batch up to the sweep's that divides it
-    (fit_micro_batch), as the sweep's own trials did. None where no law predicts (or the
-    config is a user function's, not a sweeper run)."""
+    hyperparameter without a law (its optima all grid ends) takes its best value at the
+    largest budget, where the laws were measured, not the base config's. The batch is
+    rounded to whole sequences, which a run requires, and trains in the largest micro-batch
+    up to the sweep's that divides it, as the sweep's trials did. None where no law
+    predicts, or the config is a user function's."""
     predictions, target = result.get("predictions") or {}, result.get("target_flops")
     if target is None or not {"lr_opt", "batch_size_opt"} & predictions.keys():
         return None
@@ -164,13 +163,11 @@ def applicable_fits(points: list[dict]) -> tuple[tuple[str, ...], dict[str, str]
         fits.append("parametric")
     else:
         not_fitted["parametric"] = "L(N, D) needs several model sizes"
-    budgets = any(p["budget"] is not None for p in points)
-    if budgets and "parametric" in fits:
-        fits.append("isoflop")
-    elif budgets:
-        not_fitted["isoflop"] = "IsoFLOP optima need several model sizes at each budget"
-    if budgets:
-        fits.append("hparams")
-    else:
+    if not any(p["budget"] is not None for p in points):
         not_fitted["isoflop"] = "IsoFLOP optima and LR-vs-compute need budget-labelled runs"
+    elif "parametric" in fits:
+        fits += ["isoflop", "hparams"]
+    else:
+        not_fitted["isoflop"] = "IsoFLOP optima need several model sizes at each budget"
+        fits.append("hparams")
     return tuple(fits), not_fitted

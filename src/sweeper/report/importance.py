@@ -1,14 +1,12 @@
 """Which of a stage's parameters mattered: Optuna's fANOVA over the stage's finished trials.
 
-A stage that tunes two or more parameters (the `lr` stage's matrix and embedding LRs, a
-user's stage of several) ends with each parameter's share of the metric's variance, as W&B
-Sweeps and Optuna's dashboard show it. Trials count at one budget only, as in Optuna's own
-`get_param_importances` (which takes finished trials): a pruned trial's value was taken
-earlier in training, and mixing budgets would credit the parameters with the difference.
-Where too few trials finished (ASHA stops most), the budget is the most tokens enough of
-them reached, where the scheduler compared them. A stage's
-5-20 such trials give a forest little to split on, so each share comes with a bootstrap
-interval over the trials: a wide one says the stage cannot tell.
+A stage that tunes two or more parameters ends with each one's share of the metric's
+variance, as W&B Sweeps and Optuna's dashboard show it. Trials count at one budget only, as
+in Optuna's `get_param_importances`: a pruned trial's value was taken earlier in training,
+and mixing budgets would credit the parameters with the difference. Where too few trials
+finished (ASHA stops most), the budget is the most tokens enough of them reached. A stage's
+5-20 trials give a forest little to split on, so each share comes with a bootstrap interval
+over the trials: a wide one says the stage cannot tell.
 """
 
 from __future__ import annotations
@@ -19,18 +17,18 @@ from typing import Any
 
 import numpy as np
 
+from sweeper.config.schema import BUDGET_KEYS
 from sweeper.sweep.space import LIST_KINDS, ParamSpec
+from sweeper.sweep.stages import finite_number
 from sweeper.sweep.trainable import RUNG_METRIC
 
 # fewer finished trials than this say too little for a forest to split on
 MIN_TRIALS = 5
 # resamples of the trials behind each interval: ~60 ms each for a stage's 5-20 trials
 BOOTSTRAPS = 40
-# Optuna's forest (64 trees) costs in proportion to trees x trials: 0.43 s for 100 trials
-# here, so a 100-trial stage's 40 resamples took 12 s of the sweep's end. Past
-# FULL_FORESTS_UP_TO trials a resample's forest has fewer trees, at least MIN_TREES
-# (its shares a little noisier, the interval a little wider); the shares themselves
-# always come from the full forest.
+# Optuna's forest costs trees x trials (0.43 s for 64 trees and 100 trials): past
+# FULL_FORESTS_UP_TO trials a resample's forest has fewer trees, at least MIN_TREES (the
+# interval a little wider); the shares themselves always come from the full forest.
 TREES = 64
 FULL_FORESTS_UP_TO = 20
 MIN_TREES = 16
@@ -65,11 +63,9 @@ def _inside(param: ParamSpec, value: Any) -> bool:
     """A value the param's distribution holds (a record made elsewhere may not)."""
     if param.kind in LIST_KINDS:
         return value in param.values
-    return _finite(value) and param.low <= value <= param.high and (value > 0 or not param.log)
-
-
-def _finite(value) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
+    return (
+        finite_number(value) and param.low <= value <= param.high and (value > 0 or not param.log)
+    )
 
 
 def _whole_budget_values(records: list[dict]) -> dict[str, float]:
@@ -77,7 +73,7 @@ def _whole_budget_values(records: list[dict]) -> dict[str, float]:
     return {
         r["trial_id"]: r["metric"]
         for r in records
-        if r["status"] == "completed" and _finite(r.get("metric"))
+        if r["status"] == "completed" and finite_number(r.get("metric"))
     }
 
 
@@ -97,7 +93,7 @@ def _common_budget_values(reports: list[dict], metric: str) -> tuple[dict[str, f
         value = row.get(RUNG_METRIC, row.get(metric))
         if penalised.get(row["trial_id"]) == row.get("tokens"):
             continue
-        if _finite(value) and row.get("tokens"):
+        if finite_number(value) and row.get("tokens"):
             at.setdefault(int(row["tokens"]), {})[row["trial_id"]] = value
     reached = [tokens for tokens, values in at.items() if len(values) >= MIN_TRIALS]
     return (at[max(reached)], max(reached)) if reached else ({}, 0)
@@ -105,9 +101,7 @@ def _common_budget_values(reports: list[dict], metric: str) -> tuple[dict[str, f
 
 # run config keys that set how much a trial trains: a stage that searches one is a
 # scaling grid, not a search for the best value of the others
-BUDGET_KEYS = frozenset(
-    f"trainer.{key}" for key in ("budget_flops", "budget_tokens", "tokens_per_param", "max_steps")
-)
+BUDGET_PARAMS = frozenset(f"trainer.{key}" for key in BUDGET_KEYS)
 
 
 def stage_importance(
@@ -122,7 +116,7 @@ def stage_importance(
     compared on equal terms. "params" is None, with a "note", when neither has enough."""
     if len(params) < 2:
         return None
-    if budget := next((p.name for p in params if p.name in BUDGET_KEYS), None):
+    if budget := next((p.name for p in params if p.name in BUDGET_PARAMS), None):
         # a scaling grid: more compute always wins, so the budget would take nearly every
         # share (0.97 on lr_scaling) and the rest would mix values from unequal budgets
         note = (

@@ -41,11 +41,9 @@ img { max-width: 100%; }
 
 
 def write_report(out: Path, summary: dict, plan: SweepPlan, state: SweepState) -> Path:
-    """Write report.md into the run dir `out`, whole or not at all; `base`: the config the
-    sweep started from."""
+    """Write report.md (and report.html) into the run dir `out`, whole or not at all."""
     path = out / REPORT_NAME
-    page = render_report(summary, plan, state, out)
-    page = mask_secrets(page)
+    page = mask_secrets(render_report(summary, plan, state, out))
     write_text_atomic(path, page)
     write_text_atomic(out / HTML_NAME, as_html(page, out, plan.spec.name))
     return path
@@ -136,7 +134,7 @@ def _stage_section(
 ) -> list[str]:
     stage_spec = next(s for s in spec.stages if s.name == stage["name"])
     search, scheduler = stage_spec.search, stage_spec.scheduler
-    statuses = ", ".join(f"{n} {status}" for status, n in sorted(stage["statuses"].items()))
+    statuses = counts_text(stage["statuses"])
     lines = [f"## Stage {number}: `{stage['name']}`", ""]
     lines.append(f"{search} search, {scheduler} scheduler; {stage['trials']} trials ({statuses}).")
     if stage["best_value"] is not None:
@@ -163,24 +161,32 @@ def _stage_section(
     return lines
 
 
+def counts_text(statuses: dict[str, int]) -> str:
+    """'2 diverged, 1 pruned': how a set of trials ended (`summary.status_tally`'s tally)."""
+    return ", ".join(f"{n} {status}" for status, n in sorted(statuses.items()))
+
+
+def ranked(record: dict) -> bool:
+    """False where the value is the searcher's penalty (diverged, failed), not a measurement."""
+    return record["metric"] is not None and record["status"] not in ("diverged", "failed")
+
+
 def trial_table(records: list[dict], best: dict | None, spec: SweepSpec) -> list[str]:
-    """The stage's trials as a Markdown table, best first; a diverged or failed trial's
-    value is the searcher's penalty, not a measurement, so it shows none."""
+    """The stage's trials as a Markdown table, best first; an unranked trial shows no value."""
     keys = sorted({k for r in records for k in r["params"]})
     best_ids = set(best.get("trial_ids", [best["trial_id"]])) if best else set()
 
-    def rank(record: dict) -> tuple:
-        value = record["metric"]
-        ranked = value is not None and record["status"] not in ("diverged", "failed")
-        return (not ranked, 0.0 if not ranked else (value if spec.mode == "min" else -value))
+    def rank(record: dict) -> tuple:  # unranked trials last, in their order
+        if not ranked(record):
+            return (True, 0.0)
+        return (False, record["metric"] if spec.mode == "min" else -record["metric"])
 
     rows = [
         f"| {spec.metric} | status | tokens | " + " | ".join(f"`{k}`" for k in keys) + " |",
         "| ---: | --- | ---: |" + " ---: |" * len(keys),
     ]
     for record in sorted(records, key=rank):
-        ranked = not rank(record)[0]
-        value = f"{record['metric']:.4f}" if ranked else "-"
+        value = f"{record['metric']:.4f}" if ranked(record) else "-"
         if record["trial_id"] in best_ids:
             value = f"**{value}**"
         status = record["status"]

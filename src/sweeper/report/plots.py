@@ -16,6 +16,29 @@ STATUS_COLORS = {
 }
 
 
+# (report key, y label, title) of the learning curves' optional panels: the largest gradient
+# norm between reports (a loss spike often shows there first), how far a step moves the
+# hidden matrices relative to their size, and the residual stream's RMS at the last block,
+# which grows without bound in a run going unstable
+DIAGNOSTICS = (
+    (
+        "grad_norm_max",
+        "gradient norm before clipping",
+        "Largest gradient norm since the last report",
+    ),
+    (
+        "update_ratio_matrix",
+        "||update|| / ||weights||, one step",
+        "How far a step moves the hidden matrices",
+    ),
+    (
+        "residual_rms",
+        "RMS of the residual stream",
+        "Residual stream at the last block (grows in unstable runs)",
+    ),
+)
+
+
 def _pyplot():
     import matplotlib
 
@@ -27,44 +50,16 @@ def _pyplot():
 
 def plot_learning_curves(path: Path, reports: list[dict], metric: str) -> Path | None:
     """metric vs tokens for every trial, coloured by how the trial ended; beside it, where
-    the trials report them (sweeper's own training does), the largest gradient norm between
-    reports: a trial heading for a loss spike often shows it there first; and how far the
-    step before each report moved the hidden matrices, relative to their size; and the RMS of
-    the residual stream at the last block, which grows without bound in a run going
-    unstable. A trial that
-    replayed an earlier run (`reused_from`) is left out: its curve is that run's, drawn already."""
+    the trials report them (sweeper's own training does), the DIAGNOSTICS a run going
+    unstable shows first. A trial that replayed an earlier run (`reused_from`) is left out:
+    its curve is that run's, drawn already."""
     reports = [r for r in reports if not r.get("reused_from")]
     if not reports:
         return None
     plt = _pyplot()
-    by_trial: dict[str, list[dict]] = {}
-    for row in reports:
-        by_trial.setdefault(row["trial_id"], []).append(row)
+    by_trial = _by_trial(reports)
     panels = [(metric, metric, "Learning curves of all trials")]
-    if any(_positive(r.get("grad_norm_max")) for r in reports):
-        panels.append(
-            (
-                "grad_norm_max",
-                "gradient norm before clipping",
-                "Largest gradient norm since the last report",
-            )
-        )
-    if any(_positive(r.get("update_ratio_matrix")) for r in reports):
-        panels.append(
-            (
-                "update_ratio_matrix",
-                "||update|| / ||weights||, one step",
-                "How far a step moves the hidden matrices",
-            )
-        )
-    if any(_positive(r.get("residual_rms")) for r in reports):
-        panels.append(
-            (
-                "residual_rms",
-                "RMS of the residual stream",
-                "Residual stream at the last block (grows in unstable runs)",
-            )
-        )
+    panels += [p for p in DIAGNOSTICS if any(_positive(r.get(p[0])) for r in reports)]
     rows_of_panels = 1 if len(panels) <= 3 else 2  # four panels: two rows of two
     columns = math.ceil(len(panels) / rows_of_panels)
     fig, axes = plt.subplots(
@@ -123,6 +118,13 @@ def measured(rows: list[dict], metric: str) -> list[dict]:
     return [r for r in rows if finite_number(r.get(metric))]
 
 
+def _by_trial(reports: list[dict]) -> dict[str, list[dict]]:
+    by_trial: dict[str, list[dict]] = {}
+    for row in reports:
+        by_trial.setdefault(row["trial_id"], []).append(row)
+    return by_trial
+
+
 def _positive(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
@@ -163,22 +165,19 @@ def plot_stage_lr(
     extended: dict[str, list[float]] | None = None,
     reports: list[dict] | None = None,
 ) -> Path | None:
-    """The metric against each numeric parameter the stage tuned, LRs first (in the order
-    of sweep.lr_keys: the matrix LR leads). Pruned trials are hollow: their last report
-    came before the full budget, so their values sit higher than they would have ended.
-    The best trial is a star, and dashed lines mark each param's search range (`ranges`:
-    name -> (low, high)), so a best value at an end of it shows; a shaded band, the part
-    an extend_trials round searched past the end (`extended`: name -> [low, high], or a
-    list's new values, shaded from the old end).
+    """The metric against each numeric parameter the stage tuned, LRs first (sweep.lr_keys'
+    order). Pruned trials are hollow: their last report came before the full budget. The
+    best is a star; dashed lines mark each param's search range (`ranges`: name -> (low,
+    high)), so a best at an end of it shows; a band shades what an extend_trials round
+    searched past the end (`extended`: name -> [low, high], or a list's new values).
     Given the stage's `reports`, a last panel draws each trial's learning curve coloured by
     the first of those parameters, so an LR too high or too low shows in how it trained."""
     ranges = ranges or {}
     # trainer.seed as a grid axis repeats the points; it is not a value to plot against
     tuned = sorted({k for r in records for k in r["params"]} - {SEED_KEY})
     order = [k for k in spec.lr_keys if k in tuned] + [k for k in tuned if k not in spec.lr_keys]
-    keys = [k for k in order if all(isinstance(r["params"].get(k), int | float) for r in records)][
-        :3
-    ]
+    keys = [k for k in order if all(isinstance(r["params"].get(k), int | float) for r in records)]
+    keys = keys[:3]
     points = [r for r in records if r["metric"] is not None]
     if not keys or not points:
         return None
@@ -290,9 +289,7 @@ def curves_coloured_by(ax, records: list[dict], reports: list[dict], key: str, m
     else:
         norm = Normalize(low, high if high > low else low + 1)
     colours = ScalarMappable(norm=norm, cmap="viridis")
-    by_trial: dict[str, list[dict]] = {}
-    for row in reports:
-        by_trial.setdefault(row["trial_id"], []).append(row)
+    by_trial = _by_trial(reports)
     best_id = best.get("trial_id") if best else None
     endings = set()
     by_tokens = all(r.get("tokens") for r in reports)
@@ -333,10 +330,9 @@ def curves_coloured_by(ax, records: list[dict], reports: list[dict], key: str, m
     bar = ax.figure.colorbar(colours, ax=ax, label=key)
     if isinstance(norm, LogNorm):
         log_axis_labelled(bar.ax.yaxis, values)
-    ax.xaxis.set_major_formatter(EngFormatter())  # 40 k, 1 M and few of them: a narrow
-    ax.xaxis.set_major_locator(
-        MaxNLocator(6, integer=not by_tokens)
-    )  # panel's labels must not run together
+    # 40 k, 1 M and few of them: a narrow panel's labels must not run together
+    ax.xaxis.set_major_formatter(EngFormatter())
+    ax.xaxis.set_major_locator(MaxNLocator(6, integer=not by_tokens))
     ax.set_xlabel("training tokens" if by_tokens else CLOCKLESS)
     ax.set_ylabel(metric)
     ax.set_title(f"Learning curves, coloured by {key.rsplit('.', 1)[-1]}")

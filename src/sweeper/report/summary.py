@@ -5,24 +5,32 @@ from __future__ import annotations
 import csv
 import io
 import math
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from sweeper.config.sweep import SweepSpec
+from sweeper.config.schema import RUN_SECTIONS, RunConfig
+from sweeper.config.sweep import SweepSpec, flatten
 from sweeper.files import write_json_atomic, write_text_atomic
 from sweeper.report.fit import fit_sweep
 from sweeper.report.importance import importance_text, stage_importance
-from sweeper.report.markdown import gain_text, write_report
+from sweeper.report.markdown import counts_text, gain_text, ranked, write_report
 from sweeper.report.plots import plot_learning_curves, plot_stage_lr
 from sweeper.sweep.baseline import RUN_TIMES
 from sweeper.sweep.confirm import confirmation_lines, confirmation_summary
 from sweeper.sweep.extend import range_edges, search_ranges, searched_params
 from sweeper.sweep.plan import SweepPlan
 from sweeper.sweep.results import REPORT_COLUMNS
-from sweeper.sweep.stages import reproduce_command, reproduce_overrides, unresolved_rivals
+from sweeper.sweep.stages import (
+    SEED_KEY,
+    get_dotted,
+    reproduce_command,
+    reproduce_overrides,
+    unresolved_rivals,
+)
 from sweeper.sweep.state import SweepState
 from sweeper.sweep.trainable import RUNG_METRIC
-from sweeper.text import rounded_text
+from sweeper.text import hydra_value, rounded_text
 
 
 def stage_starts(state: SweepState, base: dict) -> list[dict]:
@@ -40,10 +48,6 @@ def print_stage_table(
     edges: Sequence[dict] = (),
 ) -> None:
     keys = sorted({k for r in records for k in r["params"]})
-
-    def ranked(r: dict) -> bool:  # a diverged trial's value is the searcher's penalty
-        return r["metric"] is not None and r["status"] not in ("diverged", "failed")
-
     order = sorted(records, key=lambda r: (not ranked(r), _signed(r["metric"], spec.mode)))
     count = f"{len(records)} trial{'s' * (len(records) != 1)}"
     print(f"\n[{stage}] {count}, sorted by {spec.metric}:")
@@ -117,8 +121,6 @@ def seed_note(best: dict, records: list[dict], final: dict) -> dict:
     """For a best ranked by its mean over seeds (a grid with trainer.seed as an axis): the
     seeds, and what its overrides give. They freeze no seed, so they train the one the
     config holds: its own value, not the mean summary.json's `value` is."""
-    from sweeper.sweep.stages import SEED_KEY
-
     seed = final.get("trainer", {}).get("seed")
     own = next(
         (
@@ -141,8 +143,8 @@ def write_all(out: Path, plan: SweepPlan, state: SweepState) -> dict:
     spec, base, target = plan.spec, plan.base, plan.target
     records, reports = state.all_records(), state.all_reports()
     write_reports_csv(out / "reports.csv", reports, spec.metric)
-    stages = []
-    for stage, start in zip(state.stages, stage_starts(state, base), strict=True):
+    stages, starts = [], stage_starts(state, base)
+    for stage, start in zip(state.stages, starts, strict=True):
         best = stage["best"]
         stages.append(
             {
@@ -201,13 +203,12 @@ def write_all(out: Path, plan: SweepPlan, state: SweepState) -> dict:
     if carried and "seeds" in carried:
         summary["best"].update(seed_note(carried, records, final))
     plots = [plot_learning_curves(out / "learning_curves.png", reports, spec.metric)]
-    for stage, start in zip(state.stages, stage_starts(state, base), strict=True):
+    for stage, start in zip(state.stages, starts, strict=True):
         name = stage["name"]
         ranges = search_ranges(plan, name, start, stage.get("extended"))
-        path = out / f"stage_{name}.png"
         plots.append(
             plot_stage_lr(
-                path,
+                out / f"stage_{name}.png",
                 stage["records"],
                 spec,
                 stage["best"],
@@ -243,8 +244,6 @@ def finite_or_null(tree):
 def kept_note(spec: SweepSpec, incumbent: dict, best: dict, start: dict) -> str:
     """Why a stage froze nothing (stages.keeps_its_start), in one line; `start`: the config
     the stage started from."""
-    from sweeper.sweep.stages import get_dotted
-
     started = {k: get_dotted(start, k) for k in best["params"]}
     return (
         f"its best {spec.metric} {best['metric']:.4f} ({_params_text(best['params'])}) is "
@@ -256,14 +255,8 @@ def kept_note(spec: SweepSpec, incumbent: dict, best: dict, start: dict) -> str:
 def _overrides(final: dict, reproduce, target: str | None = None) -> list[str]:
     """The overrides that give `python -m sweeper` the config `final`; for a user's
     function, that runs it once (`trainable._target_` first), its own sections added."""
-    from sweeper.config.schema import RUN_SECTIONS
-    from sweeper.config.sweep import flatten
-    from sweeper.text import hydra_value
-
     if not target:
         return reproduce(final)
-    from sweeper.config.schema import RunConfig
-
     own = {k: v for k, v in final.items() if k not in RUN_SECTIONS}
     added = [f"+{k}={hydra_value(v)}" for k, v in sorted(flatten(own).items())]
     sections = {k: v for k, v in final.items() if k in RUN_SECTIONS}
@@ -281,16 +274,9 @@ def _overrides(final: dict, reproduce, target: str | None = None) -> list[str]:
     return [f"trainable._target_={target}", *overrides, *added]
 
 
-def counts_text(statuses: dict[str, int]) -> str:
-    """'2 diverged, 1 pruned': how a set of trials ended (`status_tally`'s tally)."""
-    return ", ".join(f"{n} {status}" for status, n in sorted(statuses.items()))
-
-
 def status_tally(records: list[dict]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for r in records:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    return counts
+    """status -> how many of `records` ended so (counts_text words it)."""
+    return dict(Counter(r["status"] for r in records))
 
 
 def _print_summary(summary: dict, spec: SweepSpec, out: Path) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 from .bootstrap import bootstrap_chinchilla, bootstrap_frontier
 from .frontier import fit_frontier, lower_envelope
 from .hparams import fit_each_seed_alone, fit_hparams, fit_lr_vs_batch, with_budget
-from .isoflop import fit_isoflop
+from .isoflop import fit_isoflop, lowest_of_each
 from .laws import compute_optimal, fit_chinchilla
 from .records import Points, average_seeds, to_points
 
@@ -91,11 +91,7 @@ def fit_all(
         )
     runs = pts  # each seed's own runs, for the per-seed laws below
     pts, result["seeds"] = average_seeds(pts)
-    opts = {
-        "target": target_flops,
-        "boot": int(bootstrap or 0),
-        "seed": seed,
-    }
+    opts = {"target": target_flops, "boot": int(bootstrap or 0), "seed": seed}
     steps = (  # (section of the result, the fit in FITS it belongs to, the step)
         ("frontier", "frontier", _frontier),
         ("parametric", "parametric", lambda p, o, w: _parametric(p, o, w, grid, n_refine)),
@@ -223,12 +219,8 @@ def _parametric(pts: Points, opts: dict, warnings: list, grid, n_refine) -> tupl
 def _best_per_pair(pts: Points, idx: np.ndarray) -> np.ndarray:
     """The lowest-loss run of each (N, D): runs differing only in hyperparameters (an LR
     sweep at one size) are one measurement of the law, at its best hyperparameters."""
-    best: dict[tuple, int] = {}
-    for i in idx:
-        key = (pts.N[i], pts.D[i])
-        if key not in best or pts.loss[i] < pts.loss[best[key]]:
-            best[key] = i
-    return np.array(sorted(best.values()), dtype=int)
+    keep = lowest_of_each([(pts.N[i], pts.D[i]) for i in idx], pts.loss[idx])
+    return np.array(sorted(idx[keep]), dtype=int)
 
 
 def _isoflop(pts: Points, opts: dict, warnings: list) -> tuple:

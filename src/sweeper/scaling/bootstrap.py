@@ -71,13 +71,12 @@ def bootstrap_chinchilla(
             values.update(_parametric_derived(**values, target_flops=target_flops))
             for key, v in values.items():
                 samples.setdefault(key, []).append(v)
-    return {
-        "n_boot": n_boot,
-        "seed": seed,
-        "n_failed": n_failed,
-        "level": CI_LEVEL,
-        "ci95": {key: percentile_ci(v) for key, v in samples.items()},
-    }
+    return _intervals(n_boot, seed, n_failed, samples)
+
+
+def _intervals(n_boot: int, seed: int, n_failed: int, samples: dict[str, list]) -> dict:
+    ci95 = {key: percentile_ci(v) for key, v in samples.items()}
+    return {"n_boot": n_boot, "seed": seed, "n_failed": n_failed, "level": CI_LEVEL, "ci95": ci95}
 
 
 def bootstrap_frontier(
@@ -103,20 +102,13 @@ def bootstrap_frontier(
             except (ValueError, RuntimeError, np.linalg.LinAlgError):
                 n_failed += 1
                 continue
-            samples["E"].append(rep.E)
-            samples["A"].append(rep.A)
-            samples["alpha"].append(rep.alpha)
+            for key in ("E", "A", "alpha"):
+                samples[key].append(getattr(rep, key))
             if target_flops is not None:
                 samples["loss_at_target"].append(float(rep.predict(target_flops)))
             if band_c is not None:
                 curves.append(rep.predict(band_c))
-    out = {
-        "n_boot": n_boot,
-        "seed": seed,
-        "n_failed": n_failed,
-        "level": CI_LEVEL,
-        "ci95": {key: percentile_ci(v) for key, v in samples.items()},
-    }
+    out = _intervals(n_boot, seed, n_failed, samples)
     if band_c is not None and curves:
         lo, hi = np.percentile(np.array(curves), [2.5, 97.5], axis=0)
         out["band"] = {"flops": band_c.tolist(), "lo": lo.tolist(), "hi": hi.tolist()}

@@ -141,7 +141,7 @@ def fit_lr_vs_batch(pts: Points, opts: dict, warnings: list) -> tuple:
     ok = with_budget(pts, pts.final & pts.has("lr") & pts.has("batch_size"))
     if len(ok) == 0:
         return None, {}
-    groups = group_by_budget(pts.C[ok], [pts.budget[i] for i in ok])
+    groups = _hparam_groups(pts, ok)
     per_budget, xs, ys, budget_of = [], [], [], []
     for budget, idx, _ in groups:
         lr, batch, loss = pts.lr[ok][idx], pts.batch_size[ok][idx], pts.loss[ok][idx]
@@ -190,12 +190,9 @@ def fit_lr_vs_batch(pts: Points, opts: dict, warnings: list) -> tuple:
 
 def fit_each_seed_alone(runs: Points, result: dict, opts: dict) -> None:
     """Where seeds were averaged: each hyperparameter law and the pooled LR-vs-batch slope
-    fitted again on each seed's runs alone, next to the fit of the means (`per_seed`). The
-    spread of those exponents and predictions is what a reader would otherwise guess from
-    the seed-to-seed sd: on lr_bs_scaling's three seeds, say, how far apart the seeds put
-    the law. A seed whose optima give no law (all at an end of the values tried, say) is
-    listed with p = None. Its fits' warnings would repeat those of the means, so they are
-    dropped."""
+    fitted again on each seed's runs alone, next to the fit of the means (`per_seed`): how
+    far apart the seeds put the law. A seed whose optima give no law is listed with p = None;
+    its fits' warnings would repeat those of the means, so they are dropped."""
     seeds = sorted(set(runs.seed[np.isfinite(runs.seed)]))
     for seed in seeds:
         own = runs.take(np.flatnonzero(runs.seed == seed))

@@ -68,12 +68,12 @@ def _budget_value(label, flops: np.ndarray) -> float:
 
 
 def group_by_budget(flops, budget=None, bins_per_decade: int = 10) -> list[tuple]:
-    """Group point indices by compute budget, sorted by budget.
+    """[(budget_flops, indices, label), ...] sorted by budget; groups whose compute is
+    unknown (no finite positive label or C) are left out.
 
     With labels, points sharing a label form a group. Without, log10 C is rounded to
     1/bins_per_decade of a decade: points in one bin (~26% wide by default) share a budget,
-    and two a few percent apart can still fall either side of a bin's edge. Returns [(budget_flops, indices, label), ...]; groups whose compute is unknown
-    (no finite positive label or C) are left out.
+    and two a few percent apart can still fall either side of a bin's edge.
     """
     c = np.asarray(flops, dtype=float)
     if budget is None:
@@ -118,14 +118,18 @@ class IsoFlopProfile:
         return dict(self.__dict__)
 
 
+def lowest_of_each(keys, loss) -> list[int]:
+    """The index of the lowest loss among the points of each key (the first of equals)."""
+    best: dict = {}
+    for i, key in enumerate(keys):
+        if key not in best or loss[i] < loss[best[key]]:
+            best[key] = i
+    return list(best.values())
+
+
 def _best_per_size(n: np.ndarray, loss: np.ndarray) -> np.ndarray:
     """Indices of the lowest-loss point at each distinct N (several LRs per size, say)."""
-    best: dict[float, int] = {}
-    for i in range(len(n)):
-        j = best.get(n[i])
-        if j is None or loss[i] < loss[j]:
-            best[n[i]] = i
-    return np.array(sorted(best.values(), key=lambda i: n[i]), dtype=int)
+    return np.array(sorted(lowest_of_each(n, loss), key=lambda i: n[i]), dtype=int)
 
 
 def fit_profile(

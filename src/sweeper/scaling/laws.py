@@ -176,13 +176,6 @@ def compute_optimal(E, A, B, alpha, beta, flops):
         return n_opt, d_opt, E + A / n_opt**alpha + B / d_opt**beta
 
 
-def _lbfgs(x0, args, delta, weights):
-    def fun(th):
-        return huber_objective(th, *args, delta=delta, weights=weights)
-
-    return minimize(fun, x0, jac=True, method="L-BFGS-B", options=LBFGS_OPTIONS)
-
-
 def _log_data(n, d, loss):
     with np.errstate(divide="ignore", invalid="ignore"):  # bad values are rejected below
         log_n, log_d, log_l = (np.log(np.asarray(v, dtype=float)) for v in (n, d, loss))
@@ -230,10 +223,14 @@ def fit_chinchilla(
         )
         f0 = np.where(np.isfinite(f0), f0, np.inf)
         starts = starts[np.argsort(f0, kind="stable")[:n_refine]]
+
+    def objective(th):
+        return huber_objective(th, *args, delta=delta, weights=w)
+
     best = None
     with single_blas_thread():
         for start in starts:
-            res = _lbfgs(start, args, delta, w)
+            res = minimize(objective, start, jac=True, method="L-BFGS-B", options=LBFGS_OPTIONS)
             if np.isfinite(res.fun) and (best is None or res.fun < best.fun):
                 best = res
     if best is None:

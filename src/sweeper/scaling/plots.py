@@ -171,7 +171,9 @@ def plot_optima(result: dict, path: Path) -> Path:
             c_line, law["k"] * c_line ** law["p"], c="C1", label=f"fit: {key} ∝ C^{law['p']:.3f}"
         )
         if par:
-            y = _parametric_optimum(par, c_line)[0 if key == "n_opt" else 1]
+            # (N_opt, D_opt) of the parametric law along C = 6 N D
+            optima = compute_optimal(*(par[k] for k in ("E", "A", "B", "alpha", "beta")), c_line)
+            y = optima[0 if key == "n_opt" else 1]
             ax.plot(c_line, y, c="C2", ls="--", label=f"parametric law: ∝ C^{par[exp_name]:.3f}")
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -180,14 +182,6 @@ def plot_optima(result: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle("Compute-optimal model size and data vs compute")
     return _save(fig, path)
-
-
-def _parametric_optimum(par: dict, flops):
-    """(N_opt, D_opt) of the fitted parametric law along C = 6 N D (Chinchilla's closed form)."""
-    n_opt, d_opt, _ = compute_optimal(
-        par["E"], par["A"], par["B"], par["alpha"], par["beta"], flops
-    )
-    return n_opt, d_opt
 
 
 def plot_hparams(result: dict, path: Path, pts) -> Path:

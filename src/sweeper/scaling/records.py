@@ -278,9 +278,8 @@ def _budget_label(value):
 
 def to_points(records: list[dict]) -> Points:
     """Columns from records; completes C = 6ND / D = C/(6N) and drops unusable losses."""
-    col = {k: np.array([_to_float(r.get(k)) for r in records]) for k in ("N", "D", "C", "loss")}
-    for k in ("lr", "batch_size", "seed"):
-        col[k] = np.array([_to_float(r.get(k)) for r in records])
+    keys = ("N", "D", "C", "loss", "lr", "batch_size", "seed")
+    col = {k: np.array([_to_float(r.get(k)) for r in records]) for k in keys}
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         n, d, c = col["N"], col["D"], col["C"]
         c = np.where(np.isfinite(c), c, 6.0 * n * d)

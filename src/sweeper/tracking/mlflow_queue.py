@@ -156,7 +156,8 @@ class OpQueue:
         with self.cond:
             self.ops.append(op)
             if self.mirroring:  # a driver killed now still leaves every unsent call
-                self._append_pending(op)
+                with open(self.pending_path, "a") as f:
+                    f.write(json.dumps(op) + "\n")
             self.cond.notify_all()
 
     def close(self, timeout: float = 120.0) -> int:
@@ -288,10 +289,6 @@ class OpQueue:
             for op in self.ops:
                 f.write(json.dumps(op) + "\n")
         os.replace(tmp, self.pending_path)
-
-    def _append_pending(self, op: dict) -> None:
-        with open(self.pending_path, "a") as f:
-            f.write(json.dumps(op) + "\n")
 
     # --- the calls -------------------------------------------------------------------
     def apply_now(self, op: dict) -> None:

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from urllib.parse import urlparse
 
 from sweeper.config.errors import ConfigError
@@ -131,10 +132,9 @@ def check_config_in_a_process(cfg) -> None:
     scheme check imports MLflow, which would stay resident in the training process and
     count in a CPU run's peak memory."""
     mlflow_cfg = cfg.get("mlflow") or {}
-    if not mlflow_cfg.get("enabled", True):
-        return
-    if not (mlflow_cfg.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")):
-        return  # the default store: nothing to import for
+    uri = mlflow_cfg.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+    if not (mlflow_cfg.get("enabled", True) and uri):
+        return  # tracking off, or the default store: nothing to import for
     given = {k: mlflow_cfg[k] for k in ("enabled", "tracking_uri") if k in mlflow_cfg}
     proc = subprocess.run(
         [sys.executable, "-m", "sweeper.tracking.mlflow_store"],
@@ -200,8 +200,6 @@ def check_database_driver(uri: str) -> None:
 def check_sqlite_writable(uri: str) -> None:
     """A SQLite store where no file can be made is a ConfigError (MLflow would retry for a
     minute, then fail with a traceback): probed in the nearest folder that exists."""
-    import tempfile
-
     path = sqlite_path(uri)
     if not path or path == ":memory:":
         return

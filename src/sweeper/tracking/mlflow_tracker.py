@@ -183,8 +183,9 @@ class MlflowTracker(QueuedRun):
         if self.finished:
             return
         self.finished = True
+        default = "pruned" if status == "FINISHED" else "interrupted"  # a trial left open
         for key in sorted(self.open):
-            self._end(key, "pruned" if status == "FINISHED" else "interrupted")
+            self._end(key, default)
         out, metric = Path(out_dir), self.spec.metric
         best, baseline = summary.get("best") or {}, summary.get("baseline") or {}
         confirmation = summary.get("confirmation") or {}
@@ -212,16 +213,9 @@ class MlflowTracker(QueuedRun):
         for key, value in recorded.items():
             if key in self.ended and self.ended[key] != value:
                 self._end(key, value)
-        default = "interrupted" if status != "FINISHED" else "pruned"
         statuses = {key: [value, RUN_STATUS[value]] for key, value in recorded.items()}
-        self.queue.put(
-            {
-                "op": "close_children",
-                "run": PARENT,
-                "statuses": statuses,
-                "default": [default, RUN_STATUS[default]],
-            }
-        )
+        close = {"op": "close_children", "run": PARENT, "statuses": statuses}
+        self.queue.put({**close, "default": [default, RUN_STATUS[default]]})
         if best:
             self.queue.put({"op": "tags", "run": PARENT, "tags": {"best": json.dumps(best)[:5000]}})
         parent_status = {"FINISHED": "completed", "KILLED": "interrupted"}.get(status, "failed")
@@ -369,7 +363,7 @@ def open_op(key, name, match, tags, config, parent=None, create=False) -> dict:
 
 
 def params_of(config: dict) -> dict[str, str]:
-    return {param_key(k): param_value(v) for k, v in flatten(config).items()}
+    return {param_key(k): "null" if v is None else str(v) for k, v in flatten(config).items()}
 
 
 def metric_rows(values: dict, names, step: int, at: int | None = None) -> list[list]:
@@ -416,10 +410,6 @@ def now_ms() -> int:
 def param_key(key: str) -> str:
     """MLflow accepts letters, digits and `_-./ :` in names (and at most 250 of them)."""
     return re.sub(r"[^\w\-./ :]", "_", str(key))[:250]
-
-
-def param_value(value: Any) -> str:
-    return "null" if value is None else str(value)
 
 
 def config_yaml(config: dict) -> str:
