@@ -21,7 +21,7 @@ from pathlib import Path
 from sweeper.config.errors import ConfigError, OneLineParser, fail
 from sweeper.report.runs_plot import plot_runs
 from sweeper.signals import end_quietly_when_output_closes
-from sweeper.text import float_text
+from sweeper.text import rounded_text
 from sweeper.tracking.mlflow_queue import quote, short_error
 from sweeper.tracking.mlflow_store import (
     check_reachable,
@@ -375,9 +375,7 @@ def _param(value: str | None) -> str:
         number = float(value)
     except ValueError:
         return value
-    if number.is_integer() and abs(number) < 1e6:
-        return str(int(number))
-    return float_text(float(f"{number:.4g}"))  # as an override writes it: 1e13, 2.5e-5
+    return str(int(number)) if number.is_integer() and abs(number) < 1e6 else rounded_text(number)
 
 
 if __name__ == "__main__":

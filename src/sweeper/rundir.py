@@ -140,18 +140,19 @@ def check_not_in_use(run_dir: str, key: str = "hydra.run.dir") -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # fails while another holds it
     except BlockingIOError:
-        raise ConfigError(
-            f"{key}={run_dir} is in use by {holder(fd)}; wait for it to end, or choose "
-            f"another {key}"
-        ) from None
+        raise in_use(run_dir, key, fd) from None
     finally:
         os.close(fd)  # closing releases a shared lock taken just to test
 
 
-def holder(fd: int) -> str:
+def in_use(run_dir: str, key: str, fd: int) -> ConfigError:
+    """The error for a dir whose lock another process holds, naming it (the lock file's
+    line)."""
     os.lseek(fd, 0, os.SEEK_SET)
-    text = " ".join(os.read(fd, 4096).decode(errors="replace").split())  # one line
-    return text or "another process"
+    holder = " ".join(os.read(fd, 4096).decode(errors="replace").split()) or "another process"
+    return ConfigError(
+        f"{key}={run_dir} is in use by {holder}; wait for it to end, or choose another {key}"
+    )
 
 
 def take_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
@@ -166,11 +167,9 @@ def take_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        who = holder(fd)
+        error = in_use(run_dir, key, fd)
         os.close(fd)
-        raise ConfigError(
-            f"{key}={run_dir} is in use by {who}; wait for it to end, or choose another {key}"
-        ) from None
+        raise error from None
     os.ftruncate(fd, 0)
     command = shlex.join([os.path.basename(sys.executable), *sys.orig_argv[1:]])
     command = mask_secrets(" ".join(command.split()))[:300]

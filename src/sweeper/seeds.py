@@ -2,14 +2,12 @@
 seeds? Used by the scaling fits (is a budget's optimum resolved?) and by the stage tables of
 a sweep whose grid has `trainer.seed` as an axis (is the frozen value resolved?).
 
-Seeds are compared pairwise because a seed's luck is shared: runs on one seed that differ
-only in their LR see the same data in the same order (in lr_bs_scaling, seed 1 trained
-0.15-0.20 bpb better than seed 0 at every LR of the smallest batch, 1e12 FLOPs), so the
-spread of single runs would bury differences that every seed agrees on. Two seeds can only
-say whether both agree. From three on, the per-seed margins give a paired t-interval: the
-lead is resolved where its one-sided 95% lower bound is above 0, so that one unlucky seed
-among many does not unresolve a clear lead, and agreeing seeds whose margins scatter around
-0 do not resolve it.
+Seeds are compared pairwise because a seed's luck is shared: runs on one seed see the same
+data in the same order (one seed trained 0.15-0.20 bpb better than another at every LR), so
+the spread of single runs would bury differences every seed agrees on. Two seeds can only
+say whether both agree. From three on, the lead is resolved where the one-sided 95% lower
+bound of the paired t-interval of the margins is above 0: one unlucky seed among many does
+not unresolve a clear lead, and margins scattered around 0 do not resolve it.
 """
 
 from __future__ import annotations

@@ -7,12 +7,10 @@ import contextlib
 
 
 def skip_the_collection_at_exit() -> None:
-    """Python's exit ends with a garbage collection over every object still alive. After a
-    sweep, whose driver holds Hydra, MLflow, Ray and torch, that took 4 s in which the
-    command had printed its last line but not returned (2 s after one training run).
-    Objects frozen at exit are left out of it, and the OS frees their memory. The atexit
-    handlers (Ray's shutdown, the MLflow queue's flush) still run, and every file sweeper
-    writes is closed where it is written, so nothing is lost by skipping it."""
+    """Python's exit ends with a garbage collection over every object still alive: 4 s
+    after a sweep's last line (Hydra, MLflow, Ray and torch in memory). Frozen objects are
+    left out and the OS frees them; the atexit handlers (Ray's shutdown, the MLflow queue's
+    flush) still run, and every file sweeper writes is closed where it is written."""
     import atexit
     import gc
 
@@ -21,11 +19,10 @@ def skip_the_collection_at_exit() -> None:
 
 def stop_on_sigterm_as_on_ctrl_c() -> None:
     """SIGTERM to the driver (`kill`, `docker stop`) ends a run or a sweep the way Ctrl+C
-    does: a single run writes its failed result.json, a sweep saves its state and prints
-    how to resume. Without this a sweep died at once, after Ray's dump of the driver's
-    native stack. Ray's ray.init installs that dump handler, so start_ray calls this again
-    after it. (A signal to the whole process group, as `timeout` sends, also ends Ray's own
-    processes at once: then only the state saved each second is left to resume from.)"""
+    does (a failed result.json; a sweep's state saved and how to resume), not at once with
+    a dump of the native stack. ray.init installs that dump handler, so start_ray calls
+    this again after it. (`timeout` signals the whole process group, Ray's processes too:
+    then only the state saved each second is left to resume from.)"""
     import os
     import signal
     import threading
@@ -48,12 +45,9 @@ def stop_on_sigterm_as_on_ctrl_c() -> None:
 def interrupts_held():
     """Holds a Ctrl+C (or SIGTERM) that arrives inside the block until the block is done,
     then raises it as KeyboardInterrupt; a second one is raised at once, so a block that
-    hangs can still be left. For the few steps that must not stop half way: an evaluation
-    taken off the DDP run's queue and not yet handed to the logger was lost with the
-    interrupt, and a line half written to the logger breaks the rest.
-
-    Only the main thread can set signal handlers; elsewhere the block runs as it is. An
-    ignored signal (SIGINT in a background job) stays ignored."""
+    hangs can still be left. For steps that must not stop half way (an evaluation taken off
+    the DDP queue but not yet logged). Only the main thread can set signal handlers;
+    elsewhere the block runs as it is. An ignored signal stays ignored."""
     import signal
     import threading
 
@@ -81,11 +75,9 @@ def interrupts_held():
 
 
 def end_quietly_when_output_closes() -> None:
-    """A command whose output goes into `head` or `less` ends silently when the reader
-    quits, as `cat` and `ls` do, not with a BrokenPipeError traceback. Python ignores
-    SIGPIPE and raises instead; restoring the default lets the kernel end the process.
-    Only for commands that print and change nothing (a sweep keeps Python's way: it has a
-    Ray cluster and a state file to close)."""
+    """A command piped into `head` or `less` ends silently when the reader quits, as `cat`
+    does, not with a BrokenPipeError traceback (Python ignores SIGPIPE). Only for commands
+    that print and change nothing: a sweep has a Ray cluster and a state file to close."""
     import signal
 
     if hasattr(signal, "SIGPIPE"):  # not on Windows

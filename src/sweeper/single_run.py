@@ -50,18 +50,7 @@ def run_single(cfg, run: RunConfig, out_dir: str) -> float | None:
         end_logging(logger, "failed", {"error": str(error)})
         fail(str(error))
     except (Exception, KeyboardInterrupt) as error:
-        # the run did not finish: its result.json says so (status=failed), so a script that
-        # reads it never mistakes an old file or a missing one for this run's outcome
-        failed = {"status": "failed", "error": failure_text(error)}
-        write_result(out_dir, failed)
-        interrupted = isinstance(error, KeyboardInterrupt)
-        end_logging(logger, "interrupted" if interrupted else "failed", failed)
-        if interrupted:
-            print(
-                f"interrupted: status failed -> {out_dir}/result.json{resume_hint(out_dir)}",
-                file=sys.stderr,
-            )
-            sys.exit(130)
+        record_failure(logger, out_dir, error, lambda: resume_hint(out_dir))
         if asked := out_of_memory(error):  # a batch too big for the machine: not a bug
             exit_out_of_memory(cfg, asked, out_dir)
         raise
@@ -103,6 +92,19 @@ def single_run_report(run, out_dir: str, logger):
 def end_logging(logger, status: str, result: dict) -> None:
     if logger is not None:
         logger.finish(status, result)
+
+
+def record_failure(logger, out_dir: str, error: BaseException, hint=lambda: "") -> None:
+    """A run that did not finish: its result.json says so (status=failed), so a script that
+    reads it never mistakes an old file or a missing one for this run's outcome. An
+    interrupt exits 130, after its line (and `hint()`); any other error returns."""
+    failed = {"status": "failed", "error": failure_text(error)}
+    write_result(out_dir, failed)
+    interrupted = isinstance(error, KeyboardInterrupt)
+    end_logging(logger, "interrupted" if interrupted else "failed", failed)
+    if interrupted:
+        print(f"interrupted: status failed -> {out_dir}/result.json{hint()}", file=sys.stderr)
+        sys.exit(130)
 
 
 def resume_hint(out_dir: str) -> str:
@@ -165,13 +167,7 @@ def run_user_function(cfg, target: str, out_dir: str) -> float | None:
         )
         sys.exit(1)
     except BaseException as error:
-        failed = {"status": "failed", "error": failure_text(error)}
-        write_result(out_dir, failed)
-        interrupted = isinstance(error, KeyboardInterrupt)
-        end_logging(logger, "interrupted" if interrupted else "failed", failed)
-        if interrupted:
-            print(f"interrupted: status failed -> {out_dir}/result.json", file=sys.stderr)
-            sys.exit(130)
+        record_failure(logger, out_dir, error)
         raise
     last = reports[-1] if reports else {}
     write_result(out_dir, {"status": "completed", "reports": len(reports), **last})

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
 
 from sweeper.config.errors import ConfigError, one_line
+from sweeper.config.schema import BUDGET_KEYS
+from sweeper.config.sweep import KINDS, BohbSpec, BudgetSpec, StageSpec, SweepSpec
 
 
 def compose(overrides: Sequence[str]):
@@ -40,8 +45,6 @@ def compose(overrides: Sequence[str]):
 def misplaced_file_hint(message: str, overrides: Sequence[str]) -> str:
     """Where Hydra found no `sweep/NAME` but a search path dir holds NAME.yaml at its top:
     the file is one folder too high, which Hydra's message does not say."""
-    from pathlib import Path
-
     missing = re.search(r"Could not find '(\w+)/([^'/]+)'", message)
     if not missing:
         return ""
@@ -74,8 +77,6 @@ def resolved(cfg):
 
 
 def _hydra_compose(overrides: Sequence[str], return_hydra_config: bool = False):
-    import warnings
-
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -113,10 +114,9 @@ HYDRA_DEFAULT_DIRS = frozenset(
 
 def hydra_setting(overrides: Sequence[str], key: str):
     """`key` of Hydra's own config (hydra.run.dir, hydra.sweep.dir, hydra.job.chdir) as the
-    job will read it, wherever it was set: on the command line, quoted or not, in a sweep
-    file, or through an interpolation (`${sweep.name}`, `${oc.env:DIR}`), resolved. None
-    at Hydra's default dirs. Read off the command line alone, a quoted dir or one from a
-    sweep file passed every check of what the dir already holds, and was written over."""
+    job will read it, resolved, wherever it was set: on the command line, quoted or not, in
+    a sweep file, or through an interpolation (`${sweep.name}`, `${oc.env:DIR}`); the
+    command line alone misses the last three. None at Hydra's default dirs."""
     from omegaconf import OmegaConf
 
     try:
@@ -173,8 +173,6 @@ def check_syntax(overrides: Sequence[str]) -> None:
 
 def chosen_budgets(overrides: Sequence[str]) -> dict[str, str]:
     """The trainer budgets the command line names, with their values (null included)."""
-    from sweeper.config.schema import BUDGET_KEYS
-
     named = {}
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
@@ -192,8 +190,6 @@ def other_budgets_cleared(overrides: Sequence[str]) -> list[str]:
     Budgets that the command line names itself, two of them, or one set to null, are left
     as written: that choice is the user's, and two are still refused.
     """
-    from sweeper.config.schema import BUDGET_KEYS
-
     named = chosen_budgets(overrides)
     chosen = [key for key, value in named.items() if value.lower() not in ("null", "")]
     if len(chosen) != 1:
@@ -248,8 +244,8 @@ def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str |
     siblings += [k for k in schema or () if k not in siblings]
     # a key the schema has that this sweep file does not set is not a typo: it takes a +
     unset = schema is not None and missing in schema
+    value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
     if unset and adds_the_key:
-        value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
         return f"{key} is not set in this sweep's file: to add it, write +{key}={value}"
     close = (
         []
@@ -260,8 +256,6 @@ def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str |
         message += f": did you mean {'.'.join(filter(None, [parent_path, close[0]]))}?"
     shown = ", ".join(siblings[:12]) + (", ..." if len(siblings) > 12 else "")
     message += f" ({parent_path or 'the config'} has {shown})"
-    from sweeper.config.sweep import KINDS
-
     if re.fullmatch(r"sweep\.stages\.\d+\.params\..+", parent_path) and missing in KINDS:
         # a searched param's kind (log_uniform -> grid) is a key of its own: replacing it
         # takes the old one removed and the new one added
@@ -274,7 +268,6 @@ def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str |
     # stage's params any key to search, with a +; not a typo's fix
     addable = schema is None or missing in schema
     if key.startswith("sweep.") and adds_the_key and not close and addable:
-        value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
         message += f"; to add it, write +{key}={value}"
     return message
 
@@ -282,10 +275,6 @@ def unknown_key_message(error: BaseException, overrides: Sequence[str]) -> str |
 def sweep_schema_keys(path: str) -> list[str] | None:
     """The keys the sweep schema allows at `path` (sweep, sweep.budget, sweep.bohb,
     sweep.stages.N); None where any key goes (a stage's params) or outside sweep."""
-    from dataclasses import fields
-
-    from sweeper.config.sweep import BohbSpec, BudgetSpec, StageSpec, SweepSpec
-
     schemas = {"sweep": SweepSpec, "sweep.budget": BudgetSpec, "sweep.bohb": BohbSpec}
     schema = schemas.get(path) or (StageSpec if re.fullmatch(r"sweep\.stages\.\d+", path) else None)
     return [f.name for f in fields(schema)] if schema else None

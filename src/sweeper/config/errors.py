@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 
@@ -20,11 +21,8 @@ def one_line(error: BaseException) -> str:
         return type(error).__name__
     message = lines[0]
     if len(lines) > 1 and lines[1].startswith("Available options"):
-        options = []
-        for line in lines[2:]:
-            if line.startswith("Config search path"):
-                break
-            options.append(line)
+        listed = itertools.takewhile(lambda ln: not ln.startswith("Config search path"), lines[2:])
+        options = list(listed)
         message += f" (available: {', '.join(options)})"
     if message.startswith("Ambiguous value for argument"):  # a,b: Hydra lists 3 readings
         message += (

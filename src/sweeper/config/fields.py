@@ -11,12 +11,13 @@ OmegaConf checks the types; cross-field rules stay in each dataclass's __post_in
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import field, fields, is_dataclass
 from typing import Any
 
 from sweeper.config.errors import ConfigError
 
-BOUNDS = ("ge", "gt", "le", "lt")
+COMPARISONS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
 
 
 def choice(default: Any, options: tuple) -> Any:
@@ -25,7 +26,7 @@ def choice(default: Any, options: tuple) -> Any:
 
 def bounded(default: Any, **bounds: float) -> Any:
     """A number within `bounds` (ge, gt, le, lt); None passes where it is the default."""
-    assert set(bounds) <= set(BOUNDS), bounds
+    assert set(bounds) <= set(COMPARISONS), bounds
     return field(default=default, metadata=bounds)
 
 
@@ -47,12 +48,7 @@ def number(value: float) -> str:
 
 
 def within(value: float, bounds: dict) -> bool:
-    return (
-        value >= bounds.get("ge", -math.inf)
-        and value > bounds.get("gt", -math.inf)
-        and value <= bounds.get("le", math.inf)
-        and value < bounds.get("lt", math.inf)
-    )
+    return all(COMPARISONS[op](value, bound) for op, bound in bounds.items())
 
 
 def check_fields(schema: type, values: dict, prefix: str) -> None:
@@ -72,6 +68,6 @@ def check_fields(schema: type, values: dict, prefix: str) -> None:
         if options is not None and value not in options:
             shown = ", ".join(map(str, options))
             raise ConfigError(f"{key} must be one of {shown}, got {value!r}")
-        bounds = {k: spec.metadata[k] for k in BOUNDS if k in spec.metadata}
+        bounds = {k: spec.metadata[k] for k in COMPARISONS if k in spec.metadata}
         if bounds and isinstance(value, int | float) and not within(value, bounds):
             raise ConfigError(f"{key} must be {range_text(bounds)}, got {value}")

@@ -264,21 +264,33 @@ def load_run_config(tree: Any) -> RunConfig:
     Keys outside the five run sections (ray, mlflow, sweep, ...) are ignored here;
     unknown keys inside a section, wrong types and out-of-range values raise ConfigError.
     """
+    if isinstance(tree, RunConfig):
+        return tree
+    container = plain(tree)
+    return _merged(RunConfig, {k: container[k] for k in RUN_SECTIONS if k in container}, "")
+
+
+def plain(tree: Any) -> Any:
+    """A DictConfig as plain, resolved values; anything else as it is."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
+
+
+def _merged(schema: type, values: dict, prefix: str, known: Any = ()) -> Any:
+    """`values` merged into the dataclass `schema`: types through OmegaConf, then the
+    declared choices and ranges (check_fields) and __post_init__; each error one line."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(tree, RunConfig):
-        return tree
-    container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
-    sections = {k: container[k] for k in RUN_SECTIONS if k in container}
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), sections)
-        check_fields(RunConfig, OmegaConf.to_container(merged), "")
+        merged = OmegaConf.merge(OmegaConf.structured(schema), values)
+        check_fields(schema, OmegaConf.to_container(merged), prefix)
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
     except OmegaConfBaseException as error:
-        raise ConfigError(_omegaconf_message(error)) from None
+        raise ConfigError(_omegaconf_message(error, prefix, known)) from None
 
 
 def _omegaconf_message(error: Exception, prefix: str = "", known: Any = ()) -> str:
@@ -344,9 +356,7 @@ BUILTIN_TRAINABLE = "sweeper.train.train"
 
 def check_platform_sections(tree: Any) -> None:
     """The ray, mlflow and fit sections and the root's keys, checked like a run's."""
-    from omegaconf import OmegaConf
-
-    container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
+    container = plain(tree)
     for name in ("trainable", *PLATFORM_SECTIONS):
         _require(
             not (name in container and container[name] is None),
@@ -368,9 +378,6 @@ def typed(schema: type, values: Any, prefix: str) -> Any:
     did-you-mean for a typo."""
     from dataclasses import MISSING, fields, is_dataclass
 
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.')} must be a mapping of keys, got {values!r}")
     known = []
@@ -386,11 +393,4 @@ def typed(schema: type, values: Any, prefix: str) -> Any:
             raise ConfigError(f"{prefix}{spec_field.name} must be a list, got {value!r}")
         if kind is not list and not isinstance(value, dict):
             raise ConfigError(f"{prefix}{spec_field.name} must be a mapping, got {value!r}")
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), values)
-        check_fields(schema, OmegaConf.to_container(merged), prefix)
-        return OmegaConf.to_object(merged)
-    except ConfigError:
-        raise
-    except OmegaConfBaseException as error:
-        raise ConfigError(_omegaconf_message(error, prefix, known)) from None
+    return _merged(schema, values, prefix, known)

@@ -9,7 +9,7 @@ from typing import Any
 
 from sweeper.config.errors import ConfigError
 from sweeper.config.fields import bounded, choice
-from sweeper.config.schema import typed
+from sweeper.config.schema import plain, typed
 
 SEARCHES = ("random", "grid", "tpe", "gp", "bohb")
 SCHEDULERS = ("fifo", "asha", "hyperband", "bohb")
@@ -112,9 +112,7 @@ class SweepSpec:
 
 def load_sweep_spec(tree: Any) -> SweepSpec:
     """`cfg.sweep` (DictConfig or dict) -> SweepSpec, types, choices and ranges checked."""
-    from omegaconf import OmegaConf
-
-    container = OmegaConf.to_container(tree, resolve=True) if OmegaConf.is_config(tree) else tree
+    container = plain(tree)
     stages = container.get("stages") if isinstance(container, dict) else None
     if stages is not None and not isinstance(stages, list):
         raise ConfigError(f"sweep.stages must be a list of stages, got {stages!r}")

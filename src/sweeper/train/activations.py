@@ -1,19 +1,16 @@
 """What the activations look like at an evaluation: dead MLP units, the residual stream, the
 soft-capped logits.
 
-The practitioners' "what to monitor" signals (shared/seeds) that live in the activations,
-read from the model's first validation batch at each report: `mlp_zero_fraction`, the share
-of the MLPs' ReLU^2 outputs that are zero (about half at init; far more means units dying),
-`dead_units`, the share of MLP units that are zero for every token read (the batch's first
-TOKENS: every figure reads those),
-`residual_rms`, the root mean square of the residual stream the last block hands to the
-final norm (a stream that grows without bound is a run going unstable before its loss
-shows it), and `softcap_saturation`, the share of logits the tanh soft-cap holds past 97%
-of its cap, where their gradient has all but vanished (the "tanh saturation %" of the
-practitioners' logging checklist; None for a model without a cap).
+Read from the first TOKENS of the first validation batch at each report:
+`mlp_zero_fraction`, the share of the MLPs' ReLU^2 outputs that are zero (about half at
+init; far more means units dying); `dead_units`, the share of MLP units zero for every token
+read; `residual_rms`, the RMS of the residual stream the last block hands to the final norm
+(one growing without bound is a run going unstable before its loss shows it); and
+`softcap_saturation`, the share of logits the tanh soft-cap holds past SATURATED of its cap,
+where their gradient has all but vanished (None without a cap).
 
-Written here with forward hooks: torch has no such monitor, and the evaluation already runs
-the forward pass, so reading it costs a comparison and a reduction per layer, not a pass.
+Forward hooks, as torch has no such monitor: the evaluation runs the forward pass anyway, so
+reading it costs a comparison and a reduction per layer, not a pass.
 """
 
 from __future__ import annotations
@@ -69,8 +66,9 @@ class ActivationWatch:
             raw = logits.detach().flatten(0, -2)[:TOKENS]
             saturated.append(torch.count_nonzero(raw.abs() > raw_limit) / raw.numel())
 
-        hooks = [block.mlp.c_fc.register_forward_hook(on_mlp_input) for block in self.blocks]
-        hooks.append(self.blocks[-1].register_forward_hook(on_last_block))
+        blocks = self.model.blocks
+        hooks = [block.mlp.c_fc.register_forward_hook(on_mlp_input) for block in blocks]
+        hooks.append(blocks[-1].register_forward_hook(on_last_block))
         if cap:  # no cap, no tanh to saturate
             hooks.append(self.model.lm_head.register_forward_hook(on_logits))
         self.stats = {}
@@ -99,10 +97,6 @@ class ActivationWatch:
         rows = -(-TOKENS // x.size(1))
         with torch.no_grad(), self.recording():
             self.model(x[:rows])
-
-    @property
-    def blocks(self):
-        return self.model.blocks
 
 
 def activations_text(stats: dict[str, float | None]) -> str:

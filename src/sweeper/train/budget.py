@@ -1,8 +1,6 @@
-"""A run's length in optimizer steps, from whichever budget it sets.
-
-Apart from `train.py` because the driver checks budgets before a run or sweep starts,
-where importing torch is only worth it for budgets that need the model's size.
-"""
+"""A run's length in optimizer steps, from whichever budget it sets; apart from the loop
+because the driver checks budgets before a run starts, importing torch only for budgets
+that need the model's size."""
 
 from __future__ import annotations
 
@@ -100,13 +98,11 @@ def check_model_fits(
     copies_are: str = "copies",
     fewer: Callable[[int], str] | None = None,
 ) -> None:
-    """A model whose weights, gradients and optimizer state alone exceed the memory of the
-    device it trains on (`device`, else the run's own) is refused before it is built.
-    Building it would fail in the allocator, with advice about the batch size that cannot
-    help, or in torch itself for very deep models (an overflow), or grow until the system
-    kills it. `copies` of it may share the device (a sweep's trials at once, CPU DDP
-    ranks): together they must fit, or one is killed mid-run. `copies_are` says what they
-    are, and `fewer(n)` the setting that makes them n."""
+    """Refuses, before it is built, a model whose weights, gradients and optimizer state
+    alone exceed the memory of `device` (else the run's own): building it would fail with
+    batch-size advice that cannot help, overflow in torch, or grow until the system kills
+    it. `copies` of it may share the device (a sweep's trials at once, CPU DDP ranks) and
+    must fit together; `copies_are` says what they are, `fewer(n)` the setting for n."""
     from sweeper.train.device import resolve_device
     from sweeper.train.model import GPTShape
 

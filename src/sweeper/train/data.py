@@ -43,31 +43,30 @@ class TokenData:
 
 
 # --- the stdlib corpus ------------------------------------------------------------------
-def stdlib_files(root: str | None = None) -> list[Path]:
-    """The standard library's own .py files, sorted by path: a deterministic corpus."""
-    base = Path(root or sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(base):
-        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_SKIP)
-        files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
-    return sorted(files)
-
-
 def is_val_file(relative_path: str, every_n: int) -> bool:
     # a hash of the path, not the position in the list: adding one file to the stdlib
     # (a new Python version) moves no other file between the splits
     return zlib.crc32(relative_path.encode()) % every_n == 0
 
 
+def stdlib_split(every_n: int, root: str | None = None):
+    """(path, whether it is held out for validation) of the standard library's own .py
+    files, sorted by path: a deterministic corpus."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_SKIP)
+        files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
+    for path in sorted(files):
+        yield path, is_val_file(path.relative_to(base).as_posix(), every_n)
+
+
 @functools.lru_cache(maxsize=2)
 def load_stdlib(every_n: int = 50, root: str | None = None) -> TokenData:
-    base = Path(root or sysconfig.get_paths()["stdlib"])
     parts: dict[bool, list[bytes]] = {False: [], True: []}
-    for path in stdlib_files(root):
+    for path, held_out in stdlib_split(every_n, root):
         # a NUL byte never occurs in source: it marks the file boundary for the model
-        parts[is_val_file(path.relative_to(base).as_posix(), every_n)].append(
-            path.read_bytes() + b"\0"
-        )
+        parts[held_out].append(path.read_bytes() + b"\0")
     train, val = (np.frombuffer(b"".join(parts[v]), dtype=np.uint8) for v in (False, True))
     n_files = len(parts[False]) + len(parts[True])
     return TokenData(
@@ -84,10 +83,9 @@ def check_stdlib_split(every_n: int, seq_len: int, root: str | None = None) -> N
     """Both sides of the stdlib split hold a window of seq_len + 1 bytes, from the files'
     sizes (no read): data.val_every_n_files=1 leaves nothing to train on, a huge value
     nothing to validate on, and val_bpb would be NaN."""
-    base = Path(root or sysconfig.get_paths()["stdlib"])
     sizes = {False: 0, True: 0}
-    for path in stdlib_files(root):
-        sizes[is_val_file(path.relative_to(base).as_posix(), every_n)] += path.stat().st_size + 1
+    for path, held_out in stdlib_split(every_n, root):
+        sizes[held_out] += path.stat().st_size + 1
     for held_out, side in ((True, "validation"), (False, "training")):
         if sizes[held_out] < seq_len + 1:
             raise ConfigError(

@@ -94,10 +94,8 @@ def measure_cpu_matmuls(bf16: bool = True) -> dict:
             kernel()
             if rep >= 1:
                 times[name].append(time.perf_counter() - started)
-    timing = dict.fromkeys(_TIMINGS)
-    for name, elapsed in times.items():
-        timing[name] = round(sorted(elapsed)[len(elapsed) // 2] * 1e3, 3)
-    return timing
+    medians = {name: round(sorted(t)[len(t) // 2] * 1e3, 3) for name, t in times.items()}
+    return dict.fromkeys(_TIMINGS) | medians
 
 
 def bf16_beats_fp32(timing: dict) -> bool:
@@ -176,31 +174,22 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:  # Linux: "5" resets the process's peak resident set (VmHWM) to its current size
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: resets the process's peak resident set (VmHWM) to its current size
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:
     """The most memory the run has held since reset_peak_memory: on a GPU, what torch's
-    allocator handed to tensors (the figure nanochat and autoresearch log); on a CPU, the
-    process's peak resident set, which also counts Python, torch's libraries and the corpus
-    (~0.5 GB before any model). What a larger batch or model adds shows on top of that.
-    None where the system does not say (a CPU off Linux).
-
-    Written here: torch keeps a peak only for its CUDA allocator; on a CPU the kernel's
-    VmHWM is the one figure that counts every allocation, torch's and numpy's alike."""
+    allocator handed to tensors (the figure nanochat logs); on a CPU, the process's peak
+    resident set (VmHWM: torch keeps no CPU peak, and only the kernel's counts every
+    allocation, numpy's too), which includes ~0.5 GB of Python, torch and the corpus before
+    any model. None where the system does not say (a CPU off Linux)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # in kB
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # in kB
     return None
 
 

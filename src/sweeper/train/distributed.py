@@ -10,6 +10,7 @@ costs ~20 s of start-up per trial.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import tempfile
@@ -23,6 +24,7 @@ def _worker_loop(config: dict) -> None:
     """Runs on every rank: the process group is up (Ray Train set it up)."""
     import ray.train
     import torch
+    import torch.distributed as dist
 
     from sweeper.config.schema import load_run_config
     from sweeper.train.checkpoint import load_latest_state, save_state
@@ -49,10 +51,6 @@ def _worker_loop(config: dict) -> None:
     reports = config.get("reports")  # a single run's queue to the driver's MLflow logger
     saves_wait = None
     if run_dir and config["run"]["trainer"]["checkpoint_every_eval"]:
-        import datetime
-
-        import torch.distributed as dist
-
         # Rank 0's save of a big model (d20: 5-6.5 GB, fsynced) can outlast the process
         # group's short timeout (trainer.dist_timeout_s, for hung ranks): the other ranks
         # wait for it on a group of their own whose timeout outlasts any save
@@ -60,19 +58,15 @@ def _worker_loop(config: dict) -> None:
 
     def report(metrics: dict, state=None) -> None:
         if run_dir:
-            # A single run: nobody reads what Ray Train is told (rank 0 prints and writes
-            # result.json itself), and each ray.train.report cost ~2 s here (200 steps of
-            # the tiny model with 40 reports: 101 s, with 4: 29 s). Rank 0 sends each
-            # evaluation to the driver, then keeps the checkpoint in the run dir (so a
-            # checkpoint's step is in MLflow); the other ranks wait for the save.
+            # A single run skips ray.train.report (~2 s each, and nobody reads it): rank 0
+            # sends each evaluation to the driver, then keeps the checkpoint in the run dir
+            # (so a checkpoint's step is in MLflow); the other ranks wait for the save.
             if rank == 0:
                 if reports is not None:
                     reports.put_nowait(dict(metrics))
                 if state is not None:
                     keep(metrics, state)
             if state is not None and saves_wait is not None:
-                import torch.distributed as dist
-
                 dist.barrier(group=saves_wait)
             return
         metrics, diverged = penalise(metrics) if penalise else (metrics, False)
@@ -90,11 +84,9 @@ def _worker_loop(config: dict) -> None:
         asked = out_of_memory(error)
         if not (asked and config.get("result_path")):
             raise  # a bug keeps its traceback; inside Tune the trial fails with it
-        # A batch too big for the device, in a single run: every rank builds the same
-        # shapes, so every rank fails at the same allocation, before any collective that
-        # would wait on the others. Each returns quietly and rank 0 records the failure:
-        # raising would stream each rank's traceback and Ray Train's report of it to the
-        # user's terminal ahead of the driver's one line (__main__.run_ddp).
+        # A batch too big for the device, in a single run: every rank fails at the same
+        # allocation, before any collective. Each returns quietly and rank 0 records it:
+        # raising would stream every rank's traceback ahead of the driver's one line.
         result = {
             "status": "failed",
             "error": f"{type(error).__name__}: {error}",
@@ -113,14 +105,12 @@ REAP_INTERVAL_S = 2.0
 def orphaned_placement_groups() -> list:
     """Placement groups whose creating actor died without removing them.
 
-    A Tune trial that is stopped (pruned, or at its budget, or by a cap) is killed
-    without waiting for its function to return; the TorchTrainer's controller it owns dies
-    with it, and the placement group of its workers stays reserved for the rest of the job.
-    Ray Train's own PlacementGroupCleaner should remove it, but it asks the State API,
-    which needs the dashboard (and with several local clusters on one machine it asks
-    the newest one); on a 2-CPU cluster the next DDP trial then waits forever. The GCS
-    knows each group's creator: only its private accessor exposes that field, so a change
-    in Ray's internals turns this into "nothing to remove", never an error.
+    A stopped Tune trial is killed with its TorchTrainer's controller, and its workers'
+    placement group stays reserved: Ray Train's PlacementGroupCleaner asks the State API,
+    which needs the dashboard (and asks the newest of several local clusters), so on a
+    2-CPU cluster the next DDP trial waited forever. Only the GCS's private accessor gives
+    a group's creator; a change in Ray's internals makes this "nothing to remove", never
+    an error.
     """
     import ray
     from ray.util.placement_group import PlacementGroup
@@ -206,14 +196,11 @@ def train_ddp(
     # Ray Train gives its workers 60 s to start; on a busy small machine, starting the
     # Python processes that import torch can take longer. Ray passes this on to its controller.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(WORKER_START_TIMEOUT_S))
-    # Ray Train's controller takes the ranks' reports when it polls them, every 2 s by
-    # default, and a rank's report waits for it: a sweep's DDP trial reported in ~2 s
-    # steps. Polled every 0.2 s, the test's two 2-rank trials of 4 reports each took
-    # 18.1-18.2 s against 23.7-24.1 s (BENCHMARKS.md).
+    # Ray Train's controller polls the ranks' reports every 2 s by default, and a rank's
+    # report waits for it; every 0.2 s a DDP trial's reports cost far less (BENCHMARKS.md).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(HEALTH_CHECK_INTERVAL_S))
-    # Ray Train turns a rank's print() into a log record that goes to stderr as well as
-    # the stdout Ray streams in, so each progress line reached a terminal twice. Off, a
-    # print is a print (the driver passes this on to the ranks, like the timeout above).
+    # Ray Train's print patch sends a rank's print() to stderr as well as stdout, so each
+    # progress line reached a terminal twice (the ranks inherit this, like the above).
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     trainer = TorchTrainer(
         loop,

@@ -17,14 +17,11 @@ from sweeper.train.device import autocast_context
 def is_eval_step(
     step: int, total_steps: int, eval_every: int, rung_steps: Collection[int] = ()
 ) -> bool:
-    """Every eval_every steps, except one less than half an interval before the end: the
-    final evaluation follows it at once and would nearly repeat it (25 steps every 4 would
-    evaluate at 24 and 25; each evaluation costs ~4% of a sweep trial on a CPU).
-
-    And at a sweep's rungs (`rung_steps`, see rung_steps): its scheduler decides there, so
-    a trial it stops or pauses trains nothing past the rung, where on the grid alone a
-    trial of 25 steps with a rung at a third (8.3) went on to step 12. The grid step that
-    follows a rung within an interval is left out, so a run evaluates about as often."""
+    """Every eval_every steps, except less than half an interval before the end (the final
+    evaluation would nearly repeat it; each costs ~4% of a CPU sweep trial), and at a
+    sweep's `rung_steps`, where its scheduler decides, so a trial it stops trains nothing
+    past the rung. The grid step that follows a rung within an interval is left out, so a
+    run evaluates about as often."""
     if step in rung_steps:
         return True
     if step % eval_every or 2 * (total_steps - step) < eval_every:
@@ -80,13 +77,10 @@ class DivergenceWatch:
     """Tells a diverged run from one that spikes and recovers, one train loss at a time.
 
     A NaN/inf loss is a divergence at once. So is a loss over `max_loss` for `patience`
-    steps in a row, and a loss at exactly ln(V) for `patience` steps in a row once it has
-    been off it: a dead output, every logit equal, guessing uniformly. Both were measured on
-    the search bench's model: runs of its low-LR corner went over 1.5 ln(V) for 1-5 steps
-    (AMD EPYC) or 3-6 (Intel Xeon with AVX-512) and went on to learn, while AdamW at LR 30
-    or 100 went over the limit for a few steps, then fell to ln(V), under the limit, and
-    stayed there until its weights went NaN (LR 100: at step 18, its 14th at ln(V)). A run
-    that has never moved off ln(V) (a tiny LR) is left alone.
+    steps in a row (low-LR runs that went on to learn spiked over 1.5 ln(V) for up to 6),
+    and a loss at exactly ln(V) for `patience` steps in a row once it has been off it: a
+    dead output, every logit equal, as AdamW at LR 30-100 fell to before its weights went
+    NaN. A run that has never moved off ln(V) (a tiny LR) is left alone.
     """
 
     # a dead output gives ln(V) to ~1e-6; a live one is 2e-4 or more off it even at init

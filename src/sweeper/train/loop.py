@@ -1,11 +1,7 @@
-"""One GPT training run: `train(config, report)`.
-
-The same function serves `python -m sweeper` (one run, in-process) and every trial of a
-sweep (called inside a Ray worker with a plain dict). `Run` holds the run's state and reads
-top to bottom: setup -> each step (schedule, accumulate, clip, step, check divergence) ->
-progress line -> evaluation + report -> result. `report(metrics)` is called at every
-evaluation; when the trainer is asked to checkpoint, it is also given `state=` a function
-returning the full resumable state.
+"""One GPT training run: `train(config, report)`, for `python -m sweeper` and for every
+trial of a sweep (inside a Ray worker, with a plain dict). `report(metrics)` is called at
+every evaluation; with checkpoints on it also gets `state=`, a function returning the full
+resumable state.
 """
 
 from __future__ import annotations
@@ -264,14 +260,8 @@ class Run:
         """Schedule, forward/backward, step; then the divergence check."""
         cfg, step = self.cfg, self.step
         sched, opt = cfg.scheduler, cfg.optimizer
-        self.lrm = lr_multiplier(
-            step,
-            self.total_steps,
-            sched.name,
-            sched.warmup_ratio,
-            sched.warmdown_ratio,
-            sched.final_lr_frac,
-        )
+        schedule = (sched.name, sched.warmup_ratio, sched.warmdown_ratio, sched.final_lr_frac)
+        self.lrm = lr_multiplier(step, self.total_steps, *schedule)
         self.momentum = muon_momentum(
             step, opt.muon_momentum_start, opt.muon_momentum, opt.muon_momentum_warmup
         )
@@ -359,17 +349,7 @@ class Run:
         if self.status == "diverged":
             self.val_bpb = float("nan")
             return self.val_bpb
-        evaluated = self.train_model if self.world == 1 else self.model
-        self.val_bpb = evaluate(
-            evaluated,
-            self.data,
-            self.cfg,
-            self.device,
-            self.dtype,
-            self.rank,
-            self.world,
-            self.watch,
-        )
+        self.val_bpb = self.score(self.watch)
         moved = ", ".join(f"{name} {ratio:.1e}" for name, ratio in self.ratios.items())
         stats = self.watch.stats
         self.say(
@@ -379,16 +359,21 @@ class Run:
         )
         return self.val_bpb
 
+    def score(self, watch: ActivationWatch | None = None) -> float:
+        """val_bpb of the model as it is now (evaluation.evaluate)."""
+        evaluated = self.train_model if self.world == 1 else self.model
+        args = (self.data, self.cfg, self.device, self.dtype, self.rank, self.world, watch)
+        return evaluate(evaluated, *args)
+
     def cooled_val_bpb(self) -> tuple[float, int]:
         """val_bpb of a copy of the run cooled down from here, and the fork's steps.
 
-        Under WSD a run at its peak LR scores worse than it will after its decay, the more
-        so the higher the LR: a rung that ranks runs as they are stops high-LR runs that
-        would have won. The fork decays the LR linearly to the schedule's final value over
-        `rung_cooldown` x the steps so far, on the batches the run is about to see, is
-        evaluated, and is thrown away: model, optimizer and RNG go back exactly as they
-        were. Written here: torch has no fork of a training state, and ranking runs this
-        way was measured better (BENCHMARKS.md).
+        Under WSD a run at its peak LR scores worse than after its decay, the more so the
+        higher the LR, so a rung ranking runs as they are stops high-LR runs that would have
+        won (measured: BENCHMARKS.md). The fork decays LR and weight decay linearly to the
+        schedule's end over `rung_cooldown` x the steps so far, on the batches the run is
+        about to see, is evaluated, and is thrown away: model, optimizer and RNG go back
+        exactly as they were.
         """
         step, lrm, wdm = self.step, self.lrm, self.wdm
         steps = max(1, round(self.cfg.trainer.rung_cooldown * step))
@@ -398,11 +383,8 @@ class Run:
             "rng": torch.get_rng_state(),
         }
         try:
-            # the weight decay, too, goes where the schedule ends it (linear: to 0)
-            final, final_wd = (
-                self.cfg.scheduler.final_lr_frac,
-                self.weight_decay_at(self.total_steps),
-            )
+            final = self.cfg.scheduler.final_lr_frac
+            final_wd = self.weight_decay_at(self.total_steps)  # linear: 0
             for i in range(steps):
                 # each step at the middle of its own span of the decay: the last is not at the
                 # final LR (0 under WSD: a step that moves nothing, paid for all the same),
@@ -410,10 +392,7 @@ class Run:
                 done = (i + 0.5) / steps
                 lr_now, wd_now = lrm + (final - lrm) * done, wdm + (final_wd - wdm) * done
                 self.optimizer_step(step + i, lr_now, wd_now, self.momentum)
-            evaluated = self.train_model if self.world == 1 else self.model
-            value = evaluate(
-                evaluated, self.data, self.cfg, self.device, self.dtype, self.rank, self.world
-            )
+            value = self.score()
         finally:
             self.model.load_state_dict(kept["model"])
             self.optimizer.load_state_dict(kept["optimizer"])

@@ -1,16 +1,11 @@
 """torch.optim.Muon, with the Newton-Schulz step in a precision the machine is fast at.
 
-torch.optim.Muon runs its Newton-Schulz orthogonalisation in bf16, always. On GPUs and on
-CPUs where bf16 matmuls are fast (runtime.cpu_bf16_is_fast) that is the right choice. On
-other CPUs bf16 matmuls are emulated or slow: measured on a 2-core Cascade Lake, a 256 x
-1024 Gram matrix takes 3.3 ms in bf16 against 1.1 ms in fp32, and Muon's step for the
-3M-parameter `small` model took about 550 ms, longer than half a training step. torch's
-Muon has no option for this, so `Muon.step` below redoes its ~20 lines (same state, same
-hyperparameters, same `state_dict`), with three changes: the iteration runs in `ns_dtype`;
-matrices of one shape go through it together as one batched matmul (modded-nanogpt does
-the same), which saves a Python round per matrix and lets the BLAS see bigger work; and in
-fp32 the non-square matrices take a Gram form of the same iteration that needs about half
-the FLOPs for the MLP's 1 x 4 matrices (`_gram_newton_schulz`).
+torch.optim.Muon always runs its Newton-Schulz orthogonalisation in bf16, which CPUs without
+fast bf16 matmuls (device.cpu_bf16_is_fast) emulate at ~3x fp32's time, and it has no option
+for this. So `Muon.step` redoes its ~20 lines (same state, hyperparameters and `state_dict`)
+with three changes: the iteration runs in `ns_dtype`; matrices of one shape go through it as
+one batched matmul (as in modded-nanogpt); and in fp32 non-square matrices take a Gram form
+of the iteration, about half the FLOPs for the MLP's 1 x 4 matrices (`_gram_newton_schulz`).
 """
 
 from __future__ import annotations

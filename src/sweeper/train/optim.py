@@ -101,11 +101,9 @@ def update_ratios(
     optimizer: ChainedOptimizer, before: dict[str, list[torch.Tensor]]
 ) -> dict[str, float]:
     """How far one optimizer step moved each group's weights, relative to their size:
-    ||W_after - W_before|| / ||W_before||, the group's tensors taken as one vector.
-
-    Karpathy's rule of thumb puts it near 1e-3; short runs with LRs tuned for their length
-    sit higher (the 1-minute default: ~1.5e-2 for the matrices at its peak LR), so it is a
-    figure for comparing runs. Written here: torch and its optimizers keep no such figure."""
+    ||W_after - W_before|| / ||W_before||, the group's tensors taken as one vector (torch
+    keeps no such figure). Karpathy's rule of thumb puts it near 1e-3; short runs with LRs
+    tuned for their length sit higher (~1.5e-2 for the default's matrices at peak LR)."""
     ratios = {}
     for group in optimizer.param_groups:
         old = before[group["name"]]

@@ -2,11 +2,10 @@
 
 With `trainer.checkpoint_every_eval=true`, `python -m sweeper` keeps the run's training
 state (model, optimizer, RNG, step, history) in `<run dir>/checkpoint/` at each evaluation,
-beside `checkpoint.json`: the state file, the step it holds and the run config it was
-trained under. The record is written last and names its state, so the two always agree. The
-same command plus `hydra.run.dir=<that dir> trainer.resume=true` goes on from that step;
-the batches are a function of the step (data.BatchSampler), so the run ends as it would
-have without the stop, bit for bit on the same machine.
+with `checkpoint.json`, written last: the state file, its step and the run config. The same
+command plus `hydra.run.dir=<that dir> trainer.resume=true` goes on from that step; batches
+are a function of the step (data.BatchSampler), so the run ends as it would have without
+the stop, bit for bit on the same machine.
 
 A sweep's trials checkpoint through Ray Tune instead (sweep/trainable.py), and a sweep
 resumes with `sweep.resume=true`.
@@ -49,12 +48,9 @@ def has_checkpoint(run_dir: str | Path) -> bool:
 
 def save_run_checkpoint(run_dir: str | Path, state: dict, run_config: dict) -> None:
     """The training state in a file of its step's, then the record that names it, its step
-    and the run's config, then the older states go. Each file is written atomically and the
-    record's rename is the commit: a kill at any moment leaves a record and the state it
-    names at the same step. Why not one state file replaced in place: a kill between its
-    rename and the record's left the record an evaluation behind the state (a resume went
-    on from a later step than the interrupted run had printed, and a DDP driver missed the
-    evaluations in between)."""
+    and the run's config, then the older states go. The record's atomic rename is the
+    commit, so a kill at any moment leaves a record and the state it names at the same
+    step (one state file replaced in place could end up an evaluation ahead of its record)."""
     from sweeper.files import write_json_atomic
 
     folder = checkpoint_folder(run_dir)
