@@ -1666,7 +1666,7 @@ def test_time_cap_stops_the_sweep(ray_cluster, tmp_path, capsys):
 
 
 def until_trials_reported(run_dir: Path, trials: int = 2):
-    """A stand-in for engine.wait_for_time_cap: the cap runs out once `trials` trials of the
+    """A stand-in for stage.wait_for_time_cap: the cap runs out once `trials` trials of the
     LR stage have reported, not after its seconds: on a loaded machine 14 s went by before
     either of two ~40 s trials reported, on a fast one both would finish first. The stop
     itself is time_cap's own; the reports left after the first are its margin."""

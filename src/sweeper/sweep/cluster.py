@@ -293,7 +293,7 @@ class DropsMissingMetricTraceback(logging.Filter):
 
 logging.getLogger("ray.tune.execution.tune_controller").addFilter(DropsMissingMetricTraceback())
 
-# set while sweep.max_seconds stops a stage's Tune run (engine.time_cap)
+# set while sweep.max_seconds stops a stage's Tune run (stage.time_cap)
 TIME_CAP_STOP = threading.Event()
 
 

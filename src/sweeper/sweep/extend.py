@@ -260,7 +260,7 @@ def merge_round(records: list[dict], best: dict, extra: list[dict]) -> list[dict
     the params it held fixed, so that every record names a whole point of the space. It also
     keeps `extended_from` (that best) and `round_params` (its own): under an LR rule its LRs
     were scaled twice (start -> the best's batch -> its own), which in floats differs from
-    the one scaling its merged params would give (engine.frozen_config)."""
+    the one scaling its merged params would give (runner.frozen_config)."""
     return records + [
         {
             **r,
