@@ -1,11 +1,13 @@
 """DDP per trial through Ray Train's TorchTrainer (gloo on CPU)."""
 
 import json
+import logging
 import time
 
 import pytest
 
 from sweeper.config.compose import compose
+from sweeper.sweep.cluster import RAY_TRAIN_RESOURCE_REQUESTS, drop_resource_request_retries
 from sweeper.sweep.preflight import build_plan
 from sweeper.sweep.runner import run_sweep
 from sweeper.train.distributed import train_ddp
@@ -179,6 +181,33 @@ def test_a_save_longer_than_the_timeout_does_not_fail_a_two_rank_run(ray_cluster
     )
     assert json.loads((tmp_path / "result.json").read_text())["status"] == "completed"
     assert json.loads((tmp_path / "checkpoint" / "checkpoint.json").read_text())["step"] == 2
+
+
+def test_ray_trains_warning_of_a_slow_resource_request_is_dropped_from_a_runs_output():
+    # the warning (and traceback) a busy machine gets from Ray Train's controller, logged by
+    # Ray's own client: fails when Ray renames the logger or rewords the message
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy import autoscaling_coordinator_client
+
+    logger = autoscaling_coordinator_client.logger
+    assert logger.name == RAY_TRAIN_RESOURCE_REQUESTS
+    client = autoscaling_coordinator_client.TrainAutoscalingCoordinatorClient("train-x")
+    client.__dict__["_autoscaling_coordinator"] = None  # the request fails, as a timed-out one
+    printed, filters = [], list(logger.filters)
+    handler = logging.Handler()
+    handler.emit = printed.append
+    logger.addHandler(handler)
+    try:
+        client.send_resource_request(ScalingConfig(num_workers=2), 2)
+        assert [r.getMessage().split(".")[0] for r in printed] == [
+            "Failed to send resource request for train-x"
+        ]
+        drop_resource_request_retries()  # what every worker of a single DDP run runs first
+        client.send_resource_request(ScalingConfig(num_workers=2), 2)
+        assert len(printed) == 1
+    finally:
+        logger.removeHandler(handler)
+        logger.filters[:] = filters
 
 
 def test_a_two_rank_run_out_of_memory_ends_with_one_line_naming_the_batch(tmp_path):

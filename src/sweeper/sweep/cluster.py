@@ -281,6 +281,26 @@ class DropsTunesResumeAdvice(logging.Filter):
 
 logging.getLogger("ray.tune.tune").addFilter(DropsTunesResumeAdvice())
 
+# the logger of Ray Train's controller that asks its autoscaling coordinator for the ranks
+RAY_TRAIN_RESOURCE_REQUESTS = (
+    "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
+)
+
+
+class DropsResourceRequestRetries(logging.Filter):
+    """Ray Train's controller warns, with a traceback, when its autoscaling coordinator takes
+    over 5 s to answer (a busy machine) and asks again later; a run of fixed size never waits
+    on that answer, and Ray's own message calls it safe to ignore."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Failed to send resource request")
+
+
+def drop_resource_request_retries() -> None:
+    """Ray's worker_process_setup_hook of a single DDP run, whose workers' output reaches the
+    terminal: the controller's logger lives in a worker, not in this process."""
+    logging.getLogger(RAY_TRAIN_RESOURCE_REQUESTS).addFilter(DropsResourceRequestRetries())
+
 
 class DropsMissingMetricTraceback(logging.Filter):
     """A trial ended by trainable.MissingMetricError: the stage stops the sweep with one line
@@ -335,6 +355,9 @@ def connect(ray_cfg, log_to_driver: bool) -> None:
     import ray
 
     common = dict(logging_level=logging.WARNING, log_to_driver=log_to_driver)
+    if log_to_driver:
+        hook = f"{__name__}.{drop_resource_request_retries.__name__}"
+        common["runtime_env"] = {"worker_process_setup_hook": hook}
     address = ray_cfg.get("address")
     host = ray_cfg.get("dashboard_host") or "127.0.0.1"
     if address:
