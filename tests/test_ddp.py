@@ -199,12 +199,15 @@ def test_ray_trains_warning_of_a_slow_resource_request_is_dropped_from_a_runs_ou
     logger.addHandler(handler)
     try:
         client.send_resource_request(ScalingConfig(num_workers=2), 2)
+        client.cancel_resource_request()
         assert [r.getMessage().split(".")[0] for r in printed] == [
-            "Failed to send resource request for train-x"
+            "Failed to send resource request for train-x",
+            "Failed to cancel resource request for train-x",
         ]
         drop_resource_request_retries()  # what every worker of a single DDP run runs first
         client.send_resource_request(ScalingConfig(num_workers=2), 2)
-        assert len(printed) == 1
+        client.cancel_resource_request()
+        assert len(printed) == 2
     finally:
         logger.removeHandler(handler)
         logger.filters[:] = filters

@@ -289,11 +289,12 @@ RAY_TRAIN_RESOURCE_REQUESTS = (
 
 class DropsResourceRequestRetries(logging.Filter):
     """Ray Train's controller warns, with a traceback, when its autoscaling coordinator takes
-    over 5 s to answer (a busy machine) and asks again later; a run of fixed size never waits
-    on that answer, and Ray's own message calls it safe to ignore."""
+    over 5 s to answer (a busy machine): a request is sent again later and a cancelled one
+    expires, a run of fixed size never waits on either, and Ray calls it safe to ignore."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Failed to send resource request")
+        message = record.getMessage()
+        return not message.startswith(("Failed to send resource", "Failed to cancel resource"))
 
 
 def drop_resource_request_retries() -> None:
